@@ -1,0 +1,160 @@
+"""A run's folder on disk, and writing into it so that a crash never leaves half a file.
+
+    runs/<name>/
+      config.yaml          fully resolved settings (engine/settings.py)
+      events.jsonl         everything the run reported (engine/events.py)
+      worker.pid           the worker process while it lives
+      worker.log           the worker's stdout/stderr (tracebacks of bugs go here)
+      STOP                 present = stop gracefully after the current step
+      checkpoints/step-N/  adapter + optimizer + scheduler + RNG state
+      adapter/             the final adapter (PEFT format, tokenizer, model card)
+
+Every file is written to a temporary name in the same folder and renamed into place;
+folders (checkpoints, adapter) are built under a temporary name and renamed whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import RunError
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a temporary folder; on success it replaces `path` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{time.time_ns()}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    # -- layout
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.path / "worker.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.path / "worker.log"
+
+    @property
+    def stop_path(self) -> Path:
+        return self.path / "STOP"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def adapter(self) -> Path:
+        return self.path / "adapter"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    # -- state
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+    def request_stop(self) -> None:
+        atomic_write_text(self.stop_path, str(time.time()))
+
+    def clear_stop(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.stop_path.unlink()
+
+    def list_checkpoints(self) -> list[tuple[int, Path]]:
+        if not self.checkpoints.is_dir():
+            return []
+        out = []
+        for p in self.checkpoints.iterdir():
+            if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p))
+        return sorted(out)
+
+    def last_checkpoint(self) -> tuple[int, Path] | None:
+        cps = self.list_checkpoints()
+        return cps[-1] if cps else None
+
+    def prune_checkpoints(self, keep: int) -> None:
+        if keep <= 0:
+            return
+        for _, p in self.list_checkpoints()[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def read_pid(self) -> int | None:
+        try:
+            return int(self.pid_path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def require(self) -> "RunDir":
+        if not self.config_path.is_file():
+            raise RunError(f"not a run folder (no config.yaml): {self.path}")
+        return self
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not alive for us.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
