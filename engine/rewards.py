@@ -1,0 +1,313 @@
+"""Verifiable rewards for F-GRPO and ESSA: score completions against a row's gold answer.
+
+`build_reward(spec, reward_file)` turns the settings' `reward` (a name, or a mapping
+{name: weight, ...} summed with those weights) into a `Reward`, called as
+
+    rewards, errors = fn(completions, rows, truncated=None)
+
+one float and one error message (or None) per completion. `truncated[i]` says the
+completion hit the token cap without reaching EOS (rollouts.RolloutBatch.truncated).
+
+Built-ins (each one row at a time, no model calls: scoring costs microseconds next to
+generation, so nothing here is batched or cached beyond the parsed user module):
+
+- `math`          math-verify: parse gold and completion, check equivalence (1/0)
+- `exact`         completion.strip() == answer.strip()
+- `normalized`    same after lower-casing, collapsing whitespace, dropping a final period
+- `last_number`   the last number in the completion equals the gold number (1/0)
+- `answer_format` an "Answer: ..." line is present and the completion ended at EOS
+- `length_penalty[:N]`  -min(1, chars / N), N = 512 by default; a shaping term
+- `rg:<task>`     reasoning-gym's grader for <task> on the *extracted* answer, counted
+                  only at full credit: its default grader gives len(gold)/len(text)
+                  whenever the gold string appears anywhere, which a policy can farm
+- `file`          the user's `def reward(completion, answer, row) -> float`, loaded
+                  only from the local path in `reward_file`; an exception in it costs
+                  that completion reward 0 and an error message, never the run
+
+Success (what p̂ in F-GRPO's focal weight and pass@k count) is `Reward.success`: with no
+threshold, a completion succeeds when every non-shaping part reaches its best value
+(for one 0/1 reward: reward == 1); with a threshold, when the weighted sum reaches it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import math
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+# One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller
+# turns the exception into reward 0 and an error message for that completion.
+ScoreOne = Callable[[str, dict, bool], float]
+
+
+@dataclass
+class Part:
+    name: str
+    score: ScoreOne
+    best: float  # highest value the part can give
+    shaping: bool = False  # not a correctness check (ignored by `success`)
+
+
+@dataclass
+class Scores:
+    rewards: list[float]
+    errors: list[str | None]
+    success: list[bool]
+    parts: dict[str, list[float]] = field(default_factory=dict)
+
+
+class Reward:
+    """A weighted sum of parts; `fn(completions, rows, truncated)` -> (rewards, errors)."""
+
+    def __init__(self, parts: list[tuple[Part, float]], name: str):
+        self.parts = parts
+        self.name = name
+        self.best = sum(w * p.best if w > 0 else 0.0 for p, w in parts)
+
+    def score(self, completions: list[str], rows: list[dict], truncated: list[bool] | None = None,
+              threshold: float | None = None) -> Scores:
+        if len(completions) != len(rows):
+            raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
+        truncated = list(truncated) if truncated is not None else [False] * len(completions)
+        totals = [0.0] * len(completions)
+        errors: list[str | None] = [None] * len(completions)
+        reached = [True] * len(completions)
+        parts: dict[str, list[float]] = {}
+        for part, weight in self.parts:
+            values = []
+            for i, (text, row) in enumerate(zip(completions, rows)):
+                try:
+                    v = float(part.score(text, row, bool(truncated[i])))
+                    if not math.isfinite(v):
+                        raise ValueError(f"returned {v}")
+                except Exception as e:  # noqa: BLE001 - a bad completion or user code must not end the run
+                    v = 0.0
+                    msg = f"{part.name}: {type(e).__name__}: {e}".splitlines()[0][:300]
+                    errors[i] = msg if errors[i] is None else f"{errors[i]}; {msg}"
+                values.append(v)
+                totals[i] += weight * v
+                if not part.shaping and weight != 0 and v < part.best:
+                    reached[i] = False
+            parts[part.name] = values
+        if threshold is None:
+            success = reached
+        else:
+            success = [t >= threshold for t in totals]
+        return Scores(totals, errors, success, parts)
+
+    def __call__(self, completions: list[str], rows: list[dict], truncated: list[bool] | None = None):
+        s = self.score(completions, rows, truncated)
+        return s.rewards, s.errors
+
+    def __repr__(self) -> str:
+        return f"Reward({self.name})"
+
+
+# --------------------------------------------------------------------------- text helpers
+
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:,\d{3})*(?:\.\d+)?")
+_ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
+
+
+def _gold(row: dict) -> str:
+    if "answer" not in row:
+        raise KeyError("row has no 'answer'")
+    return str(row["answer"])
+
+
+def numbers(text: str) -> list[Fraction]:
+    """Every number in the text, in order; '1,234' is one number, a '-' glued to the
+    digits (and not to a preceding digit, as in '7-3') is a sign."""
+    text = text.replace("\u2212", "-")
+    return [Fraction(m.group(0).replace(",", "")) for m in _NUMBER.finditer(text)]
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The number a gold answer states ('7', '-4', '1,000', '2.50'), else None."""
+    s = text.strip().replace("\u2212", "-").rstrip(".")
+    m = _NUMBER.fullmatch(s)
+    return Fraction(m.group(0).replace(",", "")) if m else None
+
+
+def normalize(text: str) -> str:
+    s = " ".join(text.strip().lower().split())
+    return s[:-1].rstrip() if s.endswith(".") else s
+
+
+def answer_line(text: str) -> str | None:
+    """The text after the last 'Answer:' (or 'answer is:'), up to the end of its line."""
+    found = _ANSWER_LINE.findall(text)
+    return found[-1].strip() if found else None
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+def _exact(text: str, row: dict, truncated: bool) -> float:
+    return float(text.strip() == _gold(row).strip())
+
+
+def _normalized(text: str, row: dict, truncated: bool) -> float:
+    return float(normalize(text) == normalize(_gold(row)))
+
+
+def _last_number(text: str, row: dict, truncated: bool) -> float:
+    gold = parse_number(_gold(row))
+    if gold is None:
+        raise ValueError(f"gold answer {_gold(row)!r} is not a number")
+    found = numbers(text)
+    return float(bool(found) and found[-1] == gold)
+
+
+def _answer_format(text: str, row: dict, truncated: bool) -> float:
+    return float(not truncated and answer_line(text) not in (None, ""))
+
+
+def _math(text: str, row: dict, truncated: bool) -> float:
+    from math_verify import parse, verify
+
+    # math-verify's timeouts use SIGALRM, which only the main thread may set.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = _gold(row)
+    gold_parsed = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", parsing_timeout=timeout)
+    if not gold_parsed:
+        raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
+    pred = parse(text, parsing_timeout=timeout)
+    return float(bool(pred) and verify(gold_parsed, pred, timeout_seconds=timeout))
+
+
+def _length_penalty(scale: float) -> ScoreOne:
+    def score(text: str, row: dict, truncated: bool) -> float:
+        return -min(1.0, len(text) / scale)
+
+    return score
+
+
+def extract_for_grader(text: str, gold: str) -> str:
+    """What a reasoning-gym grader should see: the <answer> tag, else an 'Answer:' line,
+    else (for a numeric gold) the last number, else the whole stripped completion."""
+    from reasoning_gym.utils import extract_answer
+
+    tagged = extract_answer(text)
+    if tagged is not None:
+        return tagged
+    line = answer_line(text)
+    if line is not None:
+        return line.rstrip(".").strip()
+    if parse_number(gold) is not None:
+        found = _NUMBER.findall(text.replace("\u2212", "-"))
+        if found:
+            return found[-1].replace(",", "")
+    return text.strip()
+
+
+def _reasoning_gym(task: str) -> ScoreOne:
+    import reasoning_gym
+
+    known = sorted(reasoning_gym.factory.DATASETS)
+    if task not in known:
+        near = difflib.get_close_matches(task, known, n=1, cutoff=0.5)
+        hint = f" (did you mean 'rg:{near[0]}'?)" if near else ""
+        raise ConfigError(f"reward 'rg:{task}': reasoning-gym has no task '{task}'{hint}")
+    grade = reasoning_gym.get_score_answer_fn(task)
+
+    def score(text: str, row: dict, truncated: bool) -> float:
+        gold = _gold(row)
+        entry = {"question": row.get("prompt", ""), "metadata": row.get("metadata") or {}, **row, "answer": gold}
+        # Only full credit counts: partial credit rewards text that merely contains the gold.
+        return float(grade(extract_for_grader(text, gold), entry) >= 1.0)
+
+    return score
+
+
+def load_user_reward(path: str) -> ScoreOne:
+    """`def reward(completion, answer, row) -> float` from a local .py file."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"reward_file not found: {path}")
+    name = f"edgetune_user_reward_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"reward_file {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - report any import-time failure in one line
+        raise ConfigError(f"reward_file {path}: fails to load: {type(e).__name__}: {e}") from None
+    fn = getattr(module, "reward", None)
+    if not callable(fn):
+        raise ConfigError(f"reward_file {path}: defines no function 'reward(completion, answer, row)'")
+    sys.modules.pop(name, None)
+
+    def score(text: str, row: dict, truncated: bool) -> float:
+        return fn(text, row.get("answer"), row)
+
+    return score
+
+
+BUILTINS: dict[str, tuple[ScoreOne, float]] = {
+    "math": (_math, 1.0),
+    "exact": (_exact, 1.0),
+    "normalized": (_normalized, 1.0),
+    "last_number": (_last_number, 1.0),
+    "answer_format": (_answer_format, 1.0),
+}
+KNOWN = sorted([*BUILTINS, "length_penalty", "rg:<task>", "file"])
+
+
+def _part(name: str, reward_file: str) -> Part:
+    name = str(name).strip()
+    if name in BUILTINS:
+        fn, best = BUILTINS[name]
+        return Part(name, fn, best)
+    if name == "length_penalty" or name.startswith("length_penalty:"):
+        raw = name.partition(":")[2] or "512"
+        try:
+            scale = float(raw)
+        except ValueError:
+            raise ConfigError(f"reward '{name}': expected length_penalty:<characters>") from None
+        if scale <= 0:
+            raise ConfigError(f"reward '{name}': the length scale must be positive")
+        return Part(name, _length_penalty(scale), 0.0, shaping=True)
+    if name.startswith("rg:"):
+        return Part(name, _reasoning_gym(name[3:]), 1.0)
+    if name == "file":
+        if not reward_file:
+            raise ConfigError("reward 'file' needs reward_file: the path of a .py file with def reward(...)")
+        # A user function's scale is unknown: 1 counts as success unless a threshold says otherwise.
+        return Part("file", load_user_reward(reward_file), 1.0)
+    near = difflib.get_close_matches(name, KNOWN, n=1, cutoff=0.5)
+    hint = f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(KNOWN)})"
+    raise ConfigError(f"unknown reward '{name}'{hint}")
+
+
+def build_reward(spec: Any, reward_file: str = "") -> Reward:
+    """A name ('last_number'), or {name: weight, ...}; 'file' names the user's function."""
+    if spec is None or spec == "":
+        spec = "file" if reward_file else "last_number"
+    if isinstance(spec, str):
+        weights = {spec: 1.0}
+    elif isinstance(spec, dict) and spec:
+        weights = {}
+        for name, w in spec.items():
+            try:
+                weights[str(name)] = float(w)
+            except (TypeError, ValueError):
+                raise ConfigError(f"reward '{name}': weight must be a number, got {w!r}") from None
+    else:
+        raise ConfigError(f"reward: expected a name or a mapping {{name: weight}}, got {spec!r}")
+    if reward_file and "file" not in weights:
+        raise ConfigError(f"reward_file {reward_file} is set but the reward does not use it: "
+                          "set reward: file (or add file: <weight> to the mapping)")
+    parts = [(_part(name, reward_file), w) for name, w in weights.items()]
+    label = next(iter(weights)) if len(weights) == 1 else " + ".join(f"{w:g}*{n}" for n, w in weights.items())
+    return Reward(parts, label)
