@@ -211,6 +211,23 @@ def _single_json(text: str) -> bool:
         return False
 
 
+def _csv_string_features(p: Path, delimiter: str, shown: str):
+    """Every CSV column as a string (see module docstring), named from the header row."""
+    import csv
+
+    import datasets
+
+    opener = gzip.open if p.name.lower().endswith(".gz") else open
+    try:
+        with opener(p, "rt", encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f, delimiter=delimiter), [])
+    except UnicodeDecodeError as e:
+        raise DataError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=shown) from None
+    if not header:
+        raise DataError("the dataset is empty (no header row)", file=shown)
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
 def read_rows(path: str, max_rows: int = 0) -> list[dict]:
     """Raw rows of a file/folder (or embedded name), as plain Python dicts."""
     shown = path
@@ -241,9 +258,13 @@ def read_rows(path: str, max_rows: int = 0) -> list[dict]:
                     raise DataError("the saved dataset has no splits", file=shown)
                 ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
         else:
-            extra = {"dtype": str} if kind == "csv" else {}
-            if p.name.lower().endswith((".tsv", ".tsv.gz")):
-                extra["delimiter"] = "\t"
+            extra = {}
+            if kind == "csv":
+                delimiter = "\t" if p.name.lower().endswith((".tsv", ".tsv.gz")) else ","
+                # keep_default_na=False: an empty cell is "", and answers like "NA" or "None"
+                # stay text instead of becoming missing values.
+                extra = {"delimiter": delimiter, "features": _csv_string_features(p, delimiter, shown),
+                         "keep_default_na": False}
             try:
                 ds = datasets.load_dataset(kind, data_files=str(p), split="train", **extra)
             except PermissionError:
@@ -403,20 +424,22 @@ def _chat_tokens(tok, msgs: list[dict], file: str, n: int) -> tuple[list[int], l
     return full, labels
 
 
-def _plain_tokens(tok, msgs: list[dict]) -> tuple[list[int], list[int]]:
-    """No chat template: prompt text, then completion + eos; only the completion is a target."""
-    ids: list[int] = []
-    labels: list[int] = []
-    bos = [tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None else []
-    ids += bos
-    labels += [IGNORE] * len(bos)
+def _plain_tokens(tok, msgs: list[dict], sep: str) -> tuple[list[int], list[int]]:
+    """No chat template: prompt + completion + eos, only the completion (and eos) a target.
+
+    `sep` follows each non-assistant turn: "" for prompt/completion rows (the user's own
+    text decides the join, as base-model data does), "\n" for rows that come as turns."""
+    # Whatever the tokenizer itself puts first (a BOS for Llama-like ones, nothing for many).
+    lead = [t for t in tok("")["input_ids"] if t != tok.eos_token_id]
+    ids, labels = list(lead), [IGNORE] * len(lead)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     for m in msgs:
         if m["role"] == "assistant":
-            t = _encode(tok, [m["content"]])[0] + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+            t = _encode(tok, [m["content"]])[0] + eos
             ids += t
             labels += t
         else:
-            t = _encode(tok, [m["content"] + "\n"])[0]
+            t = _encode(tok, [m["content"] + sep])[0]
             ids += t
             labels += [IGNORE] * len(t)
     return ids, labels
@@ -445,7 +468,7 @@ def _tokenize_rows(rows, fmt, tok, ds: DataSettings, file: str, stats: dict) -> 
             ids, labels = _text_tokens(tok, text)
         else:
             msgs = _conversation(row, fmt, file, n, ds.system_prompt)
-            ids, labels = _chat_tokens(tok, msgs, file, n) if chat else _plain_tokens(tok, msgs)
+            ids, labels = _chat_tokens(tok, msgs, file, n) if chat else _plain_tokens(tok, msgs, "" if fmt in ("prompt_completion", "rl") else "\n")
         if all(x == IGNORE for x in labels):
             raise DataError("no target tokens (the target is empty after tokenizing)", file=file, row=n)
         if len(ids) > ds.max_seq_len:
