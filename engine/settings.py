@@ -170,19 +170,23 @@ class ESSASettings:
     population: int = 16
     sigma0: float = 0.05
     generations: int = 10
-    # -- fitness
+    # -- fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation
     reward: Any = "last_number"
     reward_file: str = ""
     prompts_per_generation: int = 32
     max_new_tokens: int = 32
     greedy: bool = True
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling only (greedy: false); candidates share the random numbers
+    # -- evaluation mode
     # sequential = one candidate after another (inference memory only);
     # batched = K candidates share a forward pass with a per-row adapter index.
     evaluation: str = "sequential"
-    candidates_per_batch: int = 0  # K for batched; 0 = as many as memory allows
-    eval_every: int = 5
-    eval_prompts: int = 50
+    candidates_per_batch: int = 0  # K for batched; 0 = the population on CPU, as many as memory allows on CUDA
+    eval_every: int = 5  # generations between held-out evaluations (0 = only before and after)
+    eval_prompts: int = 50  # held-out prompts per evaluation (0 = no held-out evaluation)
+    # -- result
+    # mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.
+    export: str = "mean"
 
 
 @dataclass
@@ -352,6 +356,7 @@ def validate(cfg: Config) -> None:
         "fgrpo.loss_type": (cfg.fgrpo.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
         "fgrpo.scale_rewards": (cfg.fgrpo.scale_rewards, ("group", "batch", "none")),
         "essa.evaluation": (cfg.essa.evaluation, ("sequential", "batched")),
+        "essa.export": (cfg.essa.export, ("mean", "best")),
     }
     for path, (value, allowed) in choices.items():
         if value not in allowed:

@@ -1,0 +1,326 @@
+"""ESSA: CMA-ES over the singular values of a warm-start LoRA adapter (METHODS.md §1).
+
+    warm start (an adapter folder, or a short SFT run first)
+    space = SVDSpace(adapter)                     # frozen U, V; search the top singular values
+    es = cma.CMAEvolutionStrategy(0, sigma0)      # offsets to those values, x = 0 = warm start
+    each generation:
+        xs = es.ask()                             # population of offset vectors
+        rows = the generation's mini-batch        # shared by every candidate
+        fitness[i] = mean reward of candidate i's completions on rows
+        es.tell(xs, -fitness)                     # CMA-ES minimises
+
+Population evaluation, `essa.evaluation`:
+- sequential (default): write candidate i into the LoRA weights in place, generate,
+  score, next. Memory is that of inference with one adapter: no gradients, no
+  optimizer state, no saved activations (torch.inference_mode).
+- batched: K candidates share one generate call of K·P rows; each LoRA layer applies
+  candidate k's factors to its rows (engine/multilora.py). The 4-bit base matmuls run
+  once for all K·P rows, so on a GPU K candidates cost little more than one until the
+  batch is compute-bound. Costs: K adapters' factors (~20 MB each at 7B, rank 8) and the
+  KV cache of K·P rows. With greedy decoding both modes give the same fitness.
+
+A checkpoint holds the pickled CMA-ES object, the best candidate so far and the RNG
+states (cma samples from numpy's global generator), so a resumed run continues exactly.
+The mini-batch of generation g is a pure function of (seed, g) for the same reason.
+The exported adapter is the CMA-ES mean (`essa.export: mean`, less noise-selected than a
+single best evaluation) or the best candidate seen, with its offsets written into an
+ordinary PEFT adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import data as data_lib
+from . import model as model_lib
+from .errors import ConfigError
+from .essa_space import SVDSpace
+from .loop import Progress, RunContext, every, finish, save_checkpoint, seed_everything, set_rng_state
+from .multilora import batched_lora
+from .rewards import build_reward
+from .rollouts import generate
+from .runfolder import RunDir, atomic_write_text
+from .settings import EMBEDDED_SFT_DATA, DataSettings, ESSASettings
+
+# --------------------------------------------------------------------------- CMA-ES
+
+
+def make_es(dim: int, s: ESSASettings, seed: int):
+    import cma
+
+    opts = {
+        "popsize": s.population,
+        # cma reads seed 0 / None as "seed from the clock"; keep runs reproducible.
+        "seed": seed + 1,
+        "verbose": -9, "verb_log": 0, "verb_disp": 0,  # no outcmaes/ files, no prints
+    }
+    return cma.CMAEvolutionStrategy(np.zeros(dim), s.sigma0, opts)
+
+
+def minibatch(rows: list[dict], n: int, seed: int, generation: int) -> list[dict]:
+    """The prompts every candidate of `generation` is scored on (same for a resumed run)."""
+    rng = random.Random(seed * 1_000_003 + generation)
+    if n >= len(rows):
+        return list(rows)
+    return rng.sample(rows, n)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+class Evaluator:
+    """Scores candidates (offset vectors) by the mean reward of their completions."""
+
+    def __init__(self, model, tokenizer, space: SVDSpace, reward, s: ESSASettings, system_prompt: str = "",
+                 candidates_per_batch: int = 0):
+        self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
+        self.system_prompt = system_prompt
+        self.k = candidates_per_batch
+
+    def _generate(self, prompts, seed):
+        s = self.s
+        return generate(self.model, self.tok, prompts, max_new_tokens=s.max_new_tokens, greedy=s.greedy,
+                        temperature=s.temperature, seed=seed, system_prompt=self.system_prompt)
+
+    def _score(self, texts, rows, truncated) -> float:
+        rewards, _ = self.reward(texts, rows, truncated)
+        return float(np.mean(rewards)) if rewards else 0.0
+
+    @torch.inference_mode()
+    def one(self, x, rows: list[dict], seed: int | None = None) -> float:
+        """Mean reward of candidate x on rows (written into the LoRA weights, which keep it)."""
+        self.space.write(x)
+        out = self._generate([r["prompt"] for r in rows], seed)
+        return self._score(out.texts, rows, out.truncated)
+
+    def population(self, xs, rows: list[dict], seed: int | None = None, on_candidate=None) -> list[float]:
+        """Fitness of every candidate; on_candidate(index, fitness, seconds) as each is known."""
+        if self.s.evaluation == "batched":
+            return self._batched(xs, rows, seed, on_candidate)
+        fits = []
+        for i, x in enumerate(xs):
+            t = time.time()
+            fits.append(self.one(x, rows, seed))
+            if on_candidate:
+                on_candidate(i, fits[-1], time.time() - t)
+        return fits
+
+    @torch.inference_mode()
+    def _batched(self, xs, rows, seed, on_candidate) -> list[float]:
+        prompts = [r["prompt"] for r in rows]
+        n, p = len(xs), len(rows)
+        k = self.k if self.k > 0 else n
+        fits: list[float] = []
+        for start in range(0, n, k):
+            chunk = xs[start:start + k]
+            kk = len(chunk)
+            t = time.time()
+            stacks = self.space.stacked(np.asarray(chunk))
+            # candidate-major rows: candidate j owns rows j*p .. j*p+p-1
+            row_candidate = torch.arange(kk).repeat_interleave(p)
+            with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
+                out = self._generate(prompts * kk, seed)
+            secs = (time.time() - t) / kk
+            for j in range(kk):
+                sl = slice(j * p, (j + 1) * p)
+                fits.append(self._score(out.texts[sl], rows, out.truncated[sl]))
+                if on_candidate:
+                    on_candidate(start + j, fits[-1], secs)
+        return fits
+
+
+def auto_candidates_per_batch(model, s: ESSASettings, prompt_tokens: int, space: SVDSpace) -> int:
+    """K for batched evaluation when `candidates_per_batch` is 0: the whole population on
+    the CPU; on CUDA as many as fit in half the free memory, counting per row the KV cache
+    and the prefill's widest activation, and per candidate its stacked factors."""
+    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+        return s.population
+    c = model.config
+    elt = 2  # bf16 activations and cache
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", heads)
+    tokens = prompt_tokens + s.max_new_tokens
+    per_row = (2 * c.num_hidden_layers * kv_heads * head_dim * tokens * elt
+               + prompt_tokens * (c.intermediate_size * 3 + c.hidden_size * 4) * elt)
+    adapter = sum(f.w0.numel() * f.w0.element_size() for f in space.factors)
+    per_candidate = s.prompts_per_generation * per_row + adapter
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(s.population, int(0.5 * free // per_candidate)))
+
+
+# --------------------------------------------------------------------------- warm start
+
+
+class _WarmStartDir(RunDir):
+    """The warm-start SFT's own folder inside the ESSA run; a STOP of the ESSA run stops it."""
+
+    def __init__(self, path, parent: RunDir):
+        super().__init__(path)
+        self.parent = parent
+
+    def stop_requested(self) -> bool:
+        return self.parent.stop_requested()
+
+
+def warm_start(ctx: RunContext) -> Path | None:
+    """The adapter folder ESSA starts from: `essa.warm_start`, or a short SFT run in
+    `<run>/warm_start/` (its events go to the ESSA run's stream as `warm_start` events,
+    with the SFT event type in `event`). None when a stop was asked for during the SFT."""
+    s = ctx.cfg.essa
+    if s.warm_start:
+        p = Path(s.warm_start).expanduser()
+        if not (p / "adapter_config.json").is_file():
+            raise ConfigError(f"essa.warm_start: no adapter_config.json in {s.warm_start}")
+        return p
+    sub = _WarmStartDir(ctx.run.path / "warm_start", ctx.run)
+    done = sub.path / "COMPLETE"
+    if done.is_file() and (sub.adapter / "adapter_config.json").is_file():
+        return sub.adapter  # a resumed ESSA run keeps its warm start
+    cfg = copy.deepcopy(ctx.cfg)
+    cfg.method = "sft"
+    cfg.data = DataSettings(path=s.warm_start_data or EMBEDDED_SFT_DATA, system_prompt=ctx.cfg.data.system_prompt,
+                            max_seq_len=ctx.cfg.data.max_seq_len)
+    cfg.sft = replace(cfg.sft, steps=s.warm_start_steps, eval_every=0, sample_every=0)
+    cfg.lora = replace(cfg.lora, init_from="")
+    cfg.run = replace(cfg.run, checkpoint_every=0)
+    sub.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(sub.config_path, cfg.to_yaml())
+
+    last_type = []
+
+    def forward(type: str, **fields):
+        last_type[:] = [type]
+        return ctx.emit("warm_start", event=type, **fields)
+
+    from . import sft
+
+    last = sub.last_checkpoint()
+    sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=last[1] if last else None,
+                         stop_flag=ctx.stop_flag))
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if last_type != ["finished"]:
+        return None
+    atomic_write_text(done, "sft finished\n")
+    return sub.adapter
+
+
+def load_model(cfg, adapter: Path):
+    """The base (quantised as configured) with the warm-start adapter, unmerged."""
+    model, tok, base_path = model_lib.load_base(cfg.model)
+    lora = replace(cfg.lora, init_from=str(adapter))
+    model = model_lib.add_lora(model, lora, gradient_checkpointing=False)
+    model.eval()
+    return model, tok, base_path
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _state_path(ckpt: Path) -> Path:
+    return Path(ckpt) / "training_state.pt"
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.essa
+    seed = cfg.run.seed
+    seed_everything(seed)
+    t0 = time.time()
+
+    adapter = warm_start(ctx)
+    if adapter is None:  # stopped during the warm start: nothing of ESSA to save yet
+        ctx.emit("stopped", step=0, adapter=None, metrics={}, elapsed=round(time.time() - t0, 2))
+        return {}
+    model, tok, base_path = load_model(cfg, adapter)
+    data = data_lib.load_rl(cfg.data, seed, tok)
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        from .errors import DataError
+
+        raise DataError("no training prompts left after validation", file=cfg.data.path)
+    reward = build_reward(s.reward, s.reward_file)
+    space = SVDSpace(model, s.alpha)
+
+    k = s.candidates_per_batch
+    if s.evaluation == "batched" and k <= 0:
+        k = auto_candidates_per_batch(model, s, data.report.token_lengths.get("max", 64) or 64, space)
+    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, k)
+    held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
+
+    es = make_es(space.dim, s, seed)
+    gen, best_x, best_f = 0, np.zeros(space.dim), -math.inf
+    metrics: dict = {"search_dim": space.dim}
+    if ctx.resume is not None:
+        state = torch.load(_state_path(ctx.resume), weights_only=False)
+        es, gen, best_x, best_f = state["es"], state["step"], state["best_x"], state["best_fitness"]
+        metrics.update(state.get("metrics", {}))
+        set_rng_state(state["rng"])
+
+    def export_x():
+        return es.result.xfavorite if s.export == "mean" else best_x
+
+    def held_out_reward(x) -> float:
+        return evaluator.one(x, held_out) if held_out else float("nan")
+
+    if gen == 0 and held_out:
+        metrics["reward_start"] = held_out_reward(np.zeros(space.dim))
+        ctx.emit("eval", step=0, reward=metrics["reward_start"], candidate="warm_start")
+
+    progress = Progress(s.generations, gen)
+    stopped = False
+    while gen < s.generations:
+        if ctx.should_stop():
+            stopped = True
+            break
+        t_gen = time.time()
+        xs = es.ask()
+        rows = minibatch(data.train, s.prompts_per_generation, seed, gen)
+        sample_seed = None if s.greedy else seed * 7919 + gen  # common random numbers for all candidates
+
+        def on_candidate(i, f, secs, g=gen):
+            ctx.emit("candidate", generation=g + 1, index=i, fitness=f, seconds=round(secs, 3))
+
+        fits = evaluator.population(xs, rows, sample_seed, on_candidate)
+        es.tell(xs, [-f for f in fits])
+        i_best = int(np.argmax(fits))
+        if fits[i_best] > best_f:
+            best_f, best_x = float(fits[i_best]), np.array(xs[i_best])
+        gen += 1
+        metrics.update(fitness_best=float(np.max(fits)), fitness_mean=float(np.mean(fits)), best_so_far=best_f)
+        if every(cfg.run.log_every, gen) or gen == s.generations:
+            ctx.emit("step", **progress.fields(gen), best=metrics["fitness_best"], mean=metrics["fitness_mean"],
+                     std=float(np.std(fits)), sigma=float(es.sigma), best_so_far=best_f,
+                     seconds=round(time.time() - t_gen, 2))
+        if held_out and every(s.eval_every, gen) and gen < s.generations:
+            metrics["reward"] = held_out_reward(export_x())
+            ctx.emit("eval", step=gen, reward=metrics["reward"], candidate=s.export)
+        if every(cfg.run.checkpoint_every, gen) and gen < s.generations:
+            _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
+
+    if stopped and gen > 0 and (ctx.run.last_checkpoint() or (None,))[0] != gen:
+        _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
+    if held_out and not stopped:
+        metrics["reward"] = held_out_reward(export_x())
+        ctx.emit("eval", step=gen, reward=metrics["reward"], candidate=s.export)
+    with torch.no_grad():
+        space.write(export_x())
+    metrics["best_fitness"] = best_f
+    return finish(ctx, model, tok, base_path, gen, metrics, stopped, t0)
+
+
+def _checkpoint(ctx, gen, model, space, x, es, best_x, best_f, metrics) -> Path:
+    """The exported candidate as the checkpoint's adapter (handy to try), and the search
+    state to resume from; the warm start itself stays in its own folder."""
+    space.write(x)
+    return save_checkpoint(ctx, gen, model, es=es, best_x=best_x, best_fitness=best_f, metrics=dict(metrics))
