@@ -1,0 +1,394 @@
+"""Exact SEBP: a backward pass for linear layers that computes only the active rows.
+
+In a causal LM trained with padding masked out (attention_mask 0, labels -100), the
+gradient reaching a block linear's output is exactly zero on padding rows: no real
+token attends to them and their own loss terms are masked. For `Y = X Wᵀ (+ s·X Aᵀ Bᵀ)`
+with active rows R that leaves, exactly,
+
+    dX[R] = dY[R] W (+ s·dY[R] B A),  dX[not R] = 0,  dW = dY[R]ᵀ X[R],
+    dB = s·dY[R]ᵀ (X[R] Aᵀ),  dA = (s·dY[R] B)ᵀ X[R],  db = Σ_R dY.
+
+Prompt rows are NOT zero inside the blocks (later tokens attend to them), so block
+linears use R = non-padding rows; only the lm_head may drop prompt rows too
+(`sparse_lm_head_loss`, R = rows whose shifted label is not -100).
+
+Trade-offs:
+- The forward is the module's own dense forward, bit for bit; only the backward is
+  sparse. It saves X (and the weight references) only; a 4-bit base is dequantised
+  again in the backward, as bitsandbytes' own backward does.
+- The active row ids are computed once per step in `set_active_rows` (one host sync
+  there, none per layer). When every row is active the layer takes its normal path:
+  dense cuBLAS is already the fastest way to do dense work.
+- On CUDA (or under TRITON_INTERPRET=1) the products run in `sebp_triton`, which gathers
+  rows inside the GEMM loads. On a plain CPU the same math runs through index_select
+  (a gathered copy, which costs memory the GPU path avoids, but no GPU path exists).
+
+Use (the engine, once per optimisation step):
+
+    handle = patch(model)                     # once, after LoRA is added
+    set_active_rows(handle, attention_mask)   # before each forward
+    loss = causal_lm_loss(model, input_ids, attention_mask, labels)   # or model(...)
+    loss.backward()
+    unpatch(model)                            # restores the original forwards exactly
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ATTR = "_sebp_handle"
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class ActiveRows:
+    """The active rows of one step's [batch, seq] grid, flattened row-major."""
+
+    shape: tuple
+    index: torch.Tensor  # int32 [n_active], sorted flat row ids (read by the kernels)
+    inactive: torch.Tensor  # int64 [n_total - n_active] (rows of dX to zero)
+    n_active: int
+
+    @property
+    def n_total(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "ActiveRows":
+        if mask.dim() != 2:
+            raise ValueError(f"active-row mask must be [batch, seq], got shape {tuple(mask.shape)}")
+        flat = mask.reshape(-1).bool()
+        index = flat.nonzero().squeeze(1)  # the one host sync of the step
+        inactive = (~flat).nonzero().squeeze(1)
+        return cls(tuple(mask.shape), index.to(torch.int32), inactive, int(index.numel()))
+
+
+class Handle:
+    """What patch() returns: the patched modules and the current step's active rows."""
+
+    def __init__(self, model):
+        self.model = model
+        self.saved = []  # (module, had_instance_forward, instance_forward)
+        self.rows: ActiveRows | None = None
+        self.backend = "auto"  # auto | triton | torch (tests force one)
+
+    def __len__(self):
+        return len(self.saved)
+
+
+def _use_triton(t: torch.Tensor, backend: str) -> bool:
+    if backend != "auto":
+        return backend == "triton"
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------- backward math
+
+
+def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
+    """Gradients of one linear layer from the active rows only.
+
+    g2 [M, N] output grad, x2 [M, K] input, weight [N, K] dense (or None when no dX and
+    no dW are needed), lora = (A [r, K], B [N, r], scaling) or None.
+    need = (dx, dw, db, da, dbb) flags. Returns (dx, dw, db, dA, dB) with None where unneeded.
+    """
+    M, K = x2.shape
+    idx = rows.index.to(x2.device)
+    want_dx, want_dw, want_db, want_da, want_dbb = need
+    dx = dw = db = da = dbb = None
+    triton_path = _use_triton(x2, backend)
+    if triton_path:
+        from .sebp_triton import gathered_mm, gathered_tn
+
+    dh = None
+    if lora is not None and (want_dx or want_da or want_dbb):
+        A, B, s = lora
+        r = A.shape[0]
+        if triton_path:
+            dh = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
+            gathered_mm(g2, idx, B, dh, scatter=False)
+            dh.mul_(s)
+            if want_dbb:
+                h = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
+                gathered_mm(x2, idx, A.t(), h, scatter=False)
+                dbb = torch.empty_like(B)
+                gathered_tn(g2, idx, h, dbb, gather_q=False)
+                dbb.mul_(s)
+            if want_da:
+                da = torch.empty_like(A)
+                gathered_tn(x2, idx, dh, da.t(), gather_q=False)
+        else:
+            xr = x2.index_select(0, idx).to(A.dtype)
+            gr = g2.index_select(0, idx).to(A.dtype)
+            dh = (gr @ B) * s
+            if want_dbb:
+                dbb = (gr.t() @ (xr @ A.t())) * s
+            if want_da:
+                da = dh.t() @ xr
+    if want_dx:
+        w = weight.to(g2.dtype)
+        dx = torch.empty((M, K), device=x2.device, dtype=x2.dtype)
+        if triton_path:
+            extra = (dh, lora[0]) if dh is not None else None
+            gathered_mm(g2, idx, w, dx, scatter=True, extra=extra)
+        else:
+            gr = g2.index_select(0, idx)
+            part = (gr @ w).float()
+            if dh is not None:
+                part = part + dh.float() @ lora[0].float()
+            dx.index_copy_(0, idx.long(), part.to(dx.dtype))
+        dx.index_fill_(0, rows.inactive.to(x2.device), 0)
+    if want_dw:
+        if triton_path:
+            dw = torch.empty_like(weight)
+            gathered_tn(g2, idx, x2, dw, gather_q=True)
+        else:
+            dw = (g2.index_select(0, idx).t() @ x2.index_select(0, idx).to(g2.dtype)).to(weight.dtype)
+    if want_db:
+        if triton_path:  # Σ_R dY as dY[R]ᵀ · 1, through the same gathered reduction
+            ones = torch.ones((rows.n_active, 1), device=g2.device, dtype=torch.float32)
+            db = torch.empty((g2.shape[1], 1), device=g2.device, dtype=torch.float32)
+            db = gathered_tn(g2, idx, ones, db, gather_q=False).squeeze(1)
+        else:
+            db = g2.index_select(0, idx).float().sum(0)
+    return dx, dw, db, da, dbb
+
+
+class SparseLinearFn(torch.autograd.Function):
+    """y = forward(x) (the module's own dense forward); backward from active rows only.
+
+    weight/bias: the plain base parameters (None for a 4-bit base, which `dense_weight`
+    dequantises in the backward); lora_a/lora_b: the adapter weights or None.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, spec):
+        y = spec.forward(x)
+        ctx.spec = spec
+        ctx.save_for_backward(x, weight, lora_a, lora_b)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight, lora_a, lora_b = ctx.saved_tensors
+        spec = ctx.spec
+        M = spec.rows.n_total
+        x2 = x.reshape(M, x.shape[-1]).contiguous()
+        g2 = gy.reshape(M, gy.shape[-1]).contiguous()
+        nx, nw, nb, na, nbb, _ = ctx.needs_input_grad
+        w = weight
+        if nx and w is None:
+            w = spec.dense_weight()
+        lora = (lora_a, lora_b, spec.scaling) if lora_a is not None else None
+        dx, dw, db, da, dbb = _sparse_backward(
+            g2, x2, spec.rows, w, lora, (nx, nw and weight is not None, nb and ctx.has_bias, na, nbb), spec.backend
+        )
+        if dx is not None:
+            dx = dx.view(x.shape)
+        if db is not None:
+            db = db.to(gy.dtype)
+        return dx, dw, db, da, dbb, None
+
+
+@dataclass
+class _Spec:
+    forward: object
+    rows: ActiveRows
+    dense_weight: object = None
+    scaling: float = 1.0
+    backend: str = "auto"
+
+
+# --------------------------------------------------------------------------- module kinds
+
+
+def _is_lora_layer(m) -> bool:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return isinstance(m, LoraLayer)
+
+
+def _is_4bit(m) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(m, bnb.nn.Linear4bit)
+
+
+def _dequant(base):
+    import bitsandbytes.functional as bnbf
+
+    w = base.weight
+    return bnbf.dequantize_4bit(w.data, w.quant_state)
+
+
+def _base_parts(base):
+    """(weight tensor or None, bias, dense_weight fn) for a supported base, else None."""
+    if _is_4bit(base):
+        return None, base.bias, lambda: _dequant(base)
+    if type(base) is nn.Linear:  # not subclasses: Linear8bitLt and friends hold other weights
+        return base.weight, base.bias, None
+    return None
+
+
+def _lora_parts(m):
+    """(A, B, scaling) when the layer runs plain single-adapter LoRA, else None."""
+    if m.disable_adapters or m.merged or torch.is_autocast_enabled():
+        return None
+    active = [a for a in m.active_adapters if a in m.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(name, False):
+        return None
+    drop = m.lora_dropout[name]
+    if m.training and not isinstance(drop, nn.Identity) and getattr(drop, "p", 0) > 0:
+        return None  # the backward would need the dropout mask
+    a, b = m.lora_A[name], m.lora_B[name]
+    if not isinstance(a, nn.Linear) or not isinstance(b, nn.Linear) or b.bias is not None or a.bias is not None:
+        return None
+    return a.weight, b.weight, m.scaling[name]
+
+
+def _rows_for(handle, x):
+    rows = handle.rows
+    if rows is None or not torch.is_grad_enabled() or x.dim() != 3 or tuple(x.shape[:2]) != rows.shape:
+        return None
+    if rows.n_active == rows.n_total:
+        return None  # all active: the dense backward is the same work, and cuBLAS does it best
+    return rows
+
+
+def _make_forward(handle, module, original):
+    lora_layer = _is_lora_layer(module)
+
+    def forward(x, *args, **kwargs):
+        rows = _rows_for(handle, x) if not args and not kwargs else None
+        if rows is None:
+            return original(x, *args, **kwargs)
+        if lora_layer:
+            parts = _lora_parts(module)
+            base = _base_parts(module.get_base_layer())
+            if parts is None or base is None:
+                return original(x)
+            a, b, s = parts
+            weight, bias, dense = base
+            spec = _Spec(original, rows, dense, s, handle.backend)
+            return SparseLinearFn.apply(x, weight, bias, a, b, spec)
+        weight, bias, dense = _base_parts(module)
+        spec = _Spec(original, rows, dense, 1.0, handle.backend)
+        return SparseLinearFn.apply(x, weight, bias, None, None, spec)
+
+    return forward
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _targets(model):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inside_lora = set()
+    for m in model.modules():
+        if _is_lora_layer(m):
+            inside_lora.update(id(c) for c in m.modules() if c is not m)
+    out = []
+    for name, m in model.named_modules():
+        if m is head or name.split(".")[-1] == "lm_head" or id(m) in inside_lora:
+            continue
+        if _is_lora_layer(m):
+            if hasattr(m, "lora_A") and _base_parts(m.get_base_layer()) is not None:
+                out.append(m)
+        elif _base_parts(m) is not None:
+            out.append(m)
+    return out
+
+
+def patch(model) -> Handle:
+    """Route every block linear (nn.Linear, bnb Linear4bit, PEFT LoRA over either) of
+    `model` through SparseLinearFn. The lm_head is left alone. Idempotent."""
+    existing = getattr(model, _ATTR, None)
+    if isinstance(existing, Handle):
+        return existing
+    handle = Handle(model)
+    for m in _targets(model):
+        had = "forward" in m.__dict__
+        original = m.__dict__["forward"] if had else m.forward
+        handle.saved.append((m, had, original))
+        m.forward = _make_forward(handle, m, original)
+    object.__setattr__(model, _ATTR, handle)
+    return handle
+
+
+def unpatch(model) -> None:
+    handle = getattr(model, _ATTR, None)
+    if not isinstance(handle, Handle):
+        return
+    for m, had, original in handle.saved:
+        if had:
+            m.forward = original
+        else:
+            del m.forward
+    object.__delattr__(model, _ATTR)
+
+
+def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
+    """Tell the patched layers which rows have a non-zero gradient this step
+    ([batch, seq] bool, e.g. attention_mask.bool() with right or left padding), or None
+    to use the dense backward everywhere."""
+    handle = model_or_handle if isinstance(model_or_handle, Handle) else getattr(model_or_handle, _ATTR, None)
+    if not isinstance(handle, Handle):
+        raise ValueError("set_active_rows: the model is not patched (call sebp.patch(model) first)")
+    handle.rows = None if mask is None else ActiveRows.from_mask(mask)
+
+
+# --------------------------------------------------------------------------- lm_head
+
+
+def sparse_lm_head_loss(hidden_states, lm_head_weight, labels, num_items_in_batch=None,
+                        ignore_index: int = -100, shift_labels=None, logit_softcapping=None):
+    """transformers' ForCausalLMLoss, with logits computed only where the shifted label
+    is not ignore_index: mean (or sum / num_items_in_batch) cross-entropy over those rows.
+
+    Rows without a target get no logits at all (and exactly zero gradient): with masked
+    prompts this skips most of the largest matmul of a small model. The logits of the
+    kept rows are computed in the weight's dtype and upcast to fp32, as transformers does.
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    keep = (targets != ignore_index).nonzero().squeeze(1)
+    logits = F.linear(hidden.index_select(0, keep), lm_head_weight).float()
+    if logit_softcapping is not None:
+        logits = torch.tanh(logits / logit_softcapping) * logit_softcapping
+    loss = F.cross_entropy(logits, targets.index_select(0, keep), reduction="sum")
+    if num_items_in_batch is None:
+        return loss / keep.numel()  # 0/0 = nan with no target, like transformers' mean
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_loss(model, input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
+    """The causal-LM loss of `model` (a transformers model or a PEFT wrapper of one)
+    through its decoder and `sparse_lm_head_loss`: same value as model(..., labels=labels).loss."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = inner.get_decoder()
+    head = inner.get_output_embeddings()
+    if _is_4bit(head):
+        raise ValueError("sparse_lm_head_loss needs a dense lm_head weight (this one is 4-bit)")
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    cap = getattr(inner.config, "final_logit_softcapping", None)
+    return sparse_lm_head_loss(out.last_hidden_state, head.weight, labels, num_items_in_batch,
+                               logit_softcapping=cap)

@@ -1,0 +1,269 @@
+"""Triton GEMMs that read only the active rows of a [rows, features] matrix.
+
+Two kernels cover every product of the sparse backward (R = sorted active row ids):
+
+    gathered_mm:  out[i] = P[R[i]] @ Q  (+ D[i] @ E)   written to row R[i] (scatter) or i (compact)
+    gathered_tn:  out    = P[R]ᵀ @ Q[R]  or  P[R]ᵀ @ Q  (Q compact, one row per active row)
+
+The row gather happens inside the tile loads (each program loads the row ids of its
+tile, then the rows themselves): no gathered copy of X or dY is made, so the extra
+memory is the row-id list (4 bytes a row) and the small compact [n_active, r] LoRA
+intermediates. Work is proportional to the number of active rows, whatever their
+layout (a right-padded batch, a packed one, or scattered prompt rows).
+
+Speed trade-offs:
+- Gathered loads cannot use Hopper's bulk tensor copies (TMA needs a box of contiguous
+  rows), so they are plain vectorised loads; each row is contiguous along features,
+  so they stay coalesced. The dense all-active case goes to cuBLAS instead (sebp.py).
+- gathered_tn reduces over rows; when its output has few tiles (LoRA's [N, r] and
+  [K, r]) the rows are split over programs into an fp32 buffer summed afterwards
+  (deterministic, unlike atomics), so the GPU is filled at small ranks too.
+- fp32 operands use IEEE products (not tf32): LoRA factors are fp32 in PEFT and tf32
+  would cost ~1e-3 relative error; those products are skinny and memory-bound anyway.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _mm_configs(skinny: bool):
+    if _INTERPRET:  # the interpreter runs on numpy: one small tile keeps it fast
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_C": 16 if skinny else 32, "BLOCK_K": 16, "GROUP_M": 4})]
+    if skinny:
+        return [
+            triton.Config({"BLOCK_M": bm, "BLOCK_C": 16, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bk, w, s in [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (32, 256, 4, 3)]
+        ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_C": bc, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bc, bk, w, s in [
+            (128, 256, 64, 8, 3),
+            (128, 128, 64, 8, 4),
+            (128, 128, 64, 4, 4),
+            (64, 256, 64, 4, 4),
+            (256, 128, 64, 8, 3),
+            (128, 256, 32, 8, 4),
+        ]
+    ]
+
+
+def _tn_configs(skinny: bool):
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_A": 16, "BLOCK_B": 16, "BLOCK_I": 16, "GROUP_A": 4})]
+    if skinny:
+        return [
+            triton.Config({"BLOCK_A": ba, "BLOCK_B": 16, "BLOCK_I": bi, "GROUP_A": 8}, num_warps=w, num_stages=s)
+            for ba, bi, w, s in [(128, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3)]
+        ]
+    return [
+        triton.Config({"BLOCK_A": ba, "BLOCK_B": bb, "BLOCK_I": bi, "GROUP_A": 8}, num_warps=w, num_stages=s)
+        for ba, bb, bi, w, s in [
+            (128, 256, 64, 8, 3),
+            (128, 128, 64, 8, 4),
+            (128, 128, 64, 4, 4),
+            (256, 128, 64, 8, 3),
+            (64, 256, 64, 4, 4),
+            (128, 128, 32, 4, 4),
+        ]
+    ]
+
+
+@triton.jit
+def _gathered_mm_kernel(
+    P, Idx, Q, D, E, Out,
+    n_rows, C, K, R,
+    stride_pm, stride_pk, stride_qk, stride_qc,
+    stride_dm, stride_dr, stride_er, stride_ec, stride_om, stride_oc,
+    rows_bucket,  # only an autotune key: best tiles differ between few and many rows
+    HAS_EXTRA: tl.constexpr, SCATTER: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(n_rows, BLOCK_M)
+    num_c = tl.cdiv(C, BLOCK_C)
+    # Grouped order: neighbouring programs share Q's column tiles while they sit in L2.
+    per_group = GROUP_M * num_c
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_c = (pid % per_group) // group_size
+
+    offs_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_ok = offs_i < n_rows
+    rows = tl.load(Idx + offs_i, mask=i_ok, other=0).to(tl.int64)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    p_ptrs = P + rows[:, None] * stride_pm
+    acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        p = tl.load(p_ptrs + offs_k[None, :] * stride_pk, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.load(
+            Q + offs_k[:, None] * stride_qk + offs_c[None, :] * stride_qc,
+            mask=k_ok[:, None] & c_ok[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc = tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p, q.to(p.dtype), acc)
+    if HAS_EXTRA:  # LoRA's share of dX: (dY[R] B s) @ A, a rank-r update of the same tile
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        d = tl.load(D + offs_i[:, None] * stride_dm + offs_r[None, :] * stride_dr,
+                    mask=i_ok[:, None] & r_ok[None, :], other=0.0)
+        e = tl.load(E + offs_r[:, None] * stride_er + offs_c[None, :] * stride_ec,
+                    mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = tl.dot(d.to(tl.float32), e.to(tl.float32), acc, input_precision="ieee")
+    if SCATTER:
+        out_rows = rows
+    else:
+        out_rows = offs_i.to(tl.int64)
+    tl.store(
+        Out + out_rows[:, None] * stride_om + offs_c[None, :] * stride_oc,
+        acc.to(Out.dtype.element_ty),
+        mask=i_ok[:, None] & c_ok[None, :],
+    )
+
+
+@triton.jit
+def _gathered_tn_kernel(
+    P, Idx, Q, Out,
+    n_rows, A, B, n_split,
+    stride_pm, stride_pa, stride_qm, stride_qb, stride_os, stride_oa, stride_ob,
+    rows_bucket,
+    GATHER_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr, GROUP_A: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_a = tl.cdiv(A, BLOCK_A)
+    num_b = tl.cdiv(B, BLOCK_B)
+    per_group = GROUP_A * num_b
+    first_a = (pid // per_group) * GROUP_A
+    group_size = tl.minimum(num_a - first_a, GROUP_A)
+    pid_a = first_a + (pid % per_group) % group_size
+    pid_b = (pid % per_group) // group_size
+
+    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    a_ok = offs_a < A
+    b_ok = offs_b < B
+    chunk = tl.cdiv(tl.cdiv(n_rows, n_split), BLOCK_I) * BLOCK_I
+    i_begin = split * chunk
+    i_end = tl.minimum(n_rows, i_begin + chunk)
+    acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    for i0 in range(i_begin, i_end, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < i_end
+        rows = tl.load(Idx + offs_i, mask=i_ok, other=0).to(tl.int64)
+        p = tl.load(P + rows[:, None] * stride_pm + offs_a[None, :] * stride_pa,
+                    mask=i_ok[:, None] & a_ok[None, :], other=0.0)
+        if GATHER_Q:
+            q_rows = rows
+        else:
+            q_rows = offs_i.to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qm + offs_b[None, :] * stride_qb,
+                    mask=i_ok[:, None] & b_ok[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(p.to(tl.float32)), q.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(p), q.to(p.dtype), acc)
+    tl.store(
+        Out + split * stride_os + offs_a[:, None] * stride_oa + offs_b[None, :] * stride_ob,
+        acc.to(Out.dtype.element_ty),
+        mask=a_ok[:, None] & b_ok[None, :],
+    )
+
+
+_MM_KEY = ["C", "K", "rows_bucket", "DOT_FP32", "HAS_EXTRA"]
+_TN_KEY = ["A", "B", "rows_bucket", "DOT_FP32", "GATHER_Q"]
+
+
+def _quick_bench(fn, quantiles):
+    # Tuning runs once per (shape, row-count bucket); short timings keep the first
+    # step of a run from stalling for minutes while still ranking tiles reliably.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _tuned(configs, key):
+    return triton.autotune(configs=configs, key=key, do_bench=_quick_bench)(_gathered_mm_kernel if key is _MM_KEY else _gathered_tn_kernel)
+
+
+_mm_wide = _tuned(_mm_configs(False), _MM_KEY)
+_mm_skinny = _tuned(_mm_configs(True), _MM_KEY)
+_tn_wide = _tuned(_tn_configs(False), _TN_KEY)
+_tn_skinny = _tuned(_tn_configs(True), _TN_KEY)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def _dot_fp32(*tensors) -> bool:
+    # Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): there, upcast
+    # them; bf16 x bf16 products are exact in fp32, so only the summation order differs.
+    return _INTERPRET or any(t.dtype == torch.float32 for t in tensors)
+
+
+def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
+    """out[R[i] if scatter else i] = p[R[i]] @ q (+ d[i] @ e when extra=(d, e)).
+
+    p: [rows, K]; idx: int32 [n]; q: [K, C] (any strides); out: [rows or n, C].
+    """
+    n, (K, C) = idx.numel(), q.shape
+    if n == 0:
+        return out
+    d, e = extra if extra is not None else (out, out)  # placeholders, never read
+    r = e.shape[0] if extra is not None else 1
+    block_r = max(16, triton.next_power_of_2(r))
+    kernel = _mm_skinny if C <= 32 else _mm_wide
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_C"]),)  # noqa: E731
+    kernel[grid](
+        p, idx, q, d, e, out,
+        n, C, K, r,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        d.stride(0), d.stride(1), e.stride(0), e.stride(1), out.stride(0), out.stride(1),
+        _bucket(n),
+        HAS_EXTRA=extra is not None, SCATTER=scatter, DOT_FP32=_dot_fp32(p, q), BLOCK_R=block_r,
+    )
+    return out
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gathered_tn(p, idx, q, out, gather_q: bool):
+    """out[A, B] = p[R]ᵀ @ (q[R] if gather_q else q); out may be a transposed view."""
+    n, A, B = idx.numel(), p.shape[1], q.shape[1]
+    if n == 0:
+        return out.zero_()
+    skinny = B <= 32
+    # Split the row reduction only when the output alone cannot fill the GPU.
+    tiles = triton.cdiv(A, 128) * triton.cdiv(B, 16 if skinny else 128)
+    n_split = max(1, min(triton.cdiv(2 * _num_sms(p.device), tiles), n // 512 if not _INTERPRET else 2))
+    target = out if n_split == 1 else torch.empty((n_split, A, B), device=p.device, dtype=torch.float32)
+    so, sa, sb = (0, out.stride(0), out.stride(1)) if n_split == 1 else target.stride()
+    kernel = _tn_skinny if skinny else _tn_wide
+    grid = lambda meta: (triton.cdiv(A, meta["BLOCK_A"]) * triton.cdiv(B, meta["BLOCK_B"]), n_split)  # noqa: E731
+    kernel[grid](
+        p, idx, q, target,
+        n, A, B, n_split,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1), so, sa, sb,
+        _bucket(n),
+        GATHER_Q=gather_q, DOT_FP32=_dot_fp32(p, q),
+    )
+    if n_split > 1:
+        out.copy_(target.sum(0))
+    return out

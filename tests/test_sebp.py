@@ -1,0 +1,344 @@
+"""SEBP: the sparse backward must equal the dense backward with padding rows' dY zeroed.
+
+Triton kernels run under TRITON_INTERPRET=1 (set before triton is imported); the
+whole-model tests use the pure-PyTorch path of the same math, which is itself checked
+against the Triton path per layer.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from edgetune.kernels import sebp  # noqa: E402
+
+torch.set_num_threads(1)
+BACKENDS = ["triton", "torch"]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def make_mask(kind, batch, seq, gen):
+    if kind == "random":
+        m = torch.rand(batch, seq, generator=gen) < 0.55
+        m[0, 0] = True
+        return m
+    if kind == "right_padded":
+        lengths = torch.randint(1, seq + 1, (batch,), generator=gen)
+        return torch.arange(seq)[None, :] < lengths[:, None]
+    if kind == "one":
+        m = torch.zeros(batch, seq, dtype=torch.bool)
+        m[batch - 1, seq // 2] = True
+        return m
+    if kind == "all":
+        return torch.ones(batch, seq, dtype=torch.bool)
+    raise ValueError(kind)
+
+
+class Holder(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def grads_of(model, x, dy, params):
+    for p in params:
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad, [p.grad.clone() for p in params]
+
+
+# --------------------------------------------------------------------------- plain nn.Linear
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "right_padded", "one", "all"])
+def test_plain_linear_matches_dense(backend, dtype, kind):
+    gen = torch.Generator().manual_seed(hash((backend, str(dtype), kind)) % 2**31)
+    batch, seq, k, n = 3, 12, 48, 80
+    layer = nn.Linear(k, n, bias=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen))
+        layer.bias.copy_(torch.randn(n, generator=gen))
+    model = Holder(layer)
+    x = torch.randn(batch, seq, k, generator=gen).to(dtype)
+    mask = make_mask(kind, batch, seq, gen)
+    dy = torch.randn(batch, seq, n, generator=gen).to(dtype)
+    dy_masked = dy * mask[..., None].to(dtype)
+    params = [layer.weight, layer.bias]
+    y_ref, dx_ref, (dw_ref, db_ref) = grads_of(model, x, dy_masked, params)
+
+    handle = sebp.patch(model)
+    handle.backend = backend
+    sebp.set_active_rows(model, mask)
+    # The sparse backward reads dY only at active rows: feed the unmasked dY to prove it.
+    y, dx, (dw, db) = grads_of(model, x, dy, params)
+    sebp.unpatch(model)
+
+    assert torch.equal(y, y_ref)  # the forward is the dense forward, bit for bit
+    for got, ref in [(dx, dx_ref), (dw, dw_ref), (db, db_ref)]:
+        assert not torch.isnan(got).any()
+        assert rel(got, ref) <= tol(dtype), rel(got, ref)
+    assert (dx[~mask] == 0).all()
+    assert dx[mask].abs().sum() > 0
+
+
+def test_frozen_linear_gives_only_dx():
+    gen = torch.Generator().manual_seed(3)
+    layer = nn.Linear(32, 48, bias=False)
+    layer.weight.requires_grad_(False)
+    model = Holder(layer)
+    x = torch.randn(2, 16, 32, generator=gen)
+    mask = make_mask("right_padded", 2, 16, gen)
+    dy = torch.randn(2, 16, 48, generator=gen)
+    _, dx_ref, _ = grads_of(model, x, dy * mask[..., None], [])
+    sebp.patch(model).backend = "triton"
+    sebp.set_active_rows(model, mask)
+    _, dx, _ = grads_of(model, x, dy, [])
+    assert layer.weight.grad is None
+    assert rel(dx, dx_ref) <= 1e-5 and (dx[~mask] == 0).all()
+
+
+def test_falls_back_without_mask_or_on_other_shapes():
+    gen = torch.Generator().manual_seed(4)
+    layer = nn.Linear(16, 24)
+    model = Holder(layer)
+    handle = sebp.patch(model)
+    handle.backend = "triton"
+    dy = torch.randn(2, 8, 24, generator=gen)
+    x = torch.randn(2, 8, 16, generator=gen)
+    # No mask: dense backward, so dY's non-zero rows all reach dX.
+    _, dx, _ = grads_of(model, x, dy, [layer.weight, layer.bias])
+    assert (dx != 0).all()
+    # A mask of another shape than the input's [batch, seq]: dense backward too.
+    sebp.set_active_rows(model, torch.zeros(2, 9, dtype=torch.bool))
+    _, dx, _ = grads_of(model, x, dy, [layer.weight, layer.bias])
+    assert (dx != 0).all()
+    # A 2-D input: dense.
+    sebp.set_active_rows(model, torch.zeros(2, 8, dtype=torch.bool))
+    x2 = x.reshape(16, 16).requires_grad_(True)
+    model(x2).backward(dy.reshape(16, 24))
+    assert (x2.grad != 0).all()
+    sebp.set_active_rows(model, None)
+    _, dx, _ = grads_of(model, x, dy, [layer.weight, layer.bias])
+    assert (dx != 0).all()
+
+
+def test_unpatch_restores_forward_exactly():
+    layer = nn.Linear(8, 8)
+    model = Holder(layer)
+    sentinel = layer.forward
+    assert "forward" not in layer.__dict__
+    h = sebp.patch(model)
+    assert sebp.patch(model) is h and len(h) == 1
+    assert "forward" in layer.__dict__
+    sebp.unpatch(model)
+    assert "forward" not in layer.__dict__ and layer.forward == sentinel
+    assert not hasattr(model, "_sebp_handle")
+    with pytest.raises(ValueError):
+        sebp.set_active_rows(model, None)
+
+
+# --------------------------------------------------------------------------- NF4 + LoRA model
+
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def load_nf4_lora(path, checkpointing=True, seed=1):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32, device_map={"": "cpu"})
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # PEFT starts B at zero, which would hide dA: use random factors
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.train()
+    return model
+
+
+def sft_batch(gen, batch=3, seq=20):
+    lengths = torch.tensor([seq, seq - 7, 5])[:batch]
+    attn = torch.arange(seq)[None, :] < lengths[:, None]
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    ids[~attn] = 0
+    labels = ids.clone()
+    labels[~attn] = -100
+    labels[:, :3] = -100  # the prompt: masked in the loss, still attended to
+    return ids, attn.long(), labels
+
+
+def lora_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_over_nf4_layer_matches_dense(tiny_dir):
+    import bitsandbytes as bnb
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    model = load_nf4_lora(tiny_dir)
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear4bit)]
+    assert len(layers) == 2 * 7 and isinstance(layers[0].base_layer, bnb.nn.Linear4bit)
+    layer = layers[-1]  # down_proj: K=128 -> N=64
+    k, n = layer.in_features, layer.out_features
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, k, generator=gen)
+    mask = make_mask("random", 2, 16, gen)
+    dy = torch.randn(2, 16, n, generator=gen)
+    holder = Holder(layer)
+    _, dx_ref, (da_ref, db_ref) = grads_of(holder, x, dy * mask[..., None], [a, b])
+    handle = sebp.patch(holder)
+    results = {}
+    for backend in BACKENDS:
+        handle.backend = backend
+        sebp.set_active_rows(handle, mask)
+        y, dx, (da, db) = grads_of(holder, x, dy, [a, b])
+        results[backend] = (dx, da, db)
+        for got, ref in [(dx, dx_ref), (da, da_ref), (db, db_ref)]:
+            assert not torch.isnan(got).any()
+            assert rel(got, ref) <= 1e-5, (backend, rel(got, ref))
+        assert (dx[~mask] == 0).all()
+    sebp.unpatch(holder)
+    for t, p in zip(results["triton"], results["torch"]):
+        assert rel(t, p) <= 1e-5
+
+
+def step(model, batch, use_sebp, lm_head_sparse=False):
+    ids, attn, labels = batch
+    if use_sebp:
+        sebp.set_active_rows(model, attn.bool())
+    else:
+        sebp.set_active_rows(model, None)
+    model.zero_grad(set_to_none=True)
+    if lm_head_sparse:
+        loss = sebp.causal_lm_loss(model, ids, attn, labels)
+    else:
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    loss.backward()
+    return loss.detach(), lora_grads(model)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_whole_model_step_matches_dense(tiny_dir, checkpointing):
+    model = load_nf4_lora(tiny_dir, checkpointing=checkpointing)
+    handle = sebp.patch(model)
+    handle.backend = "torch"  # the Triton path of the same math: per-layer tests and the one below
+    assert len(handle) == 2 * 7  # q k v o gate up down per block; lm_head left alone
+    batch = sft_batch(torch.Generator().manual_seed(11))
+    loss_ref, g_ref = step(model, batch, use_sebp=False)
+    calls = []
+    orig = sebp._sparse_backward
+    sebp._sparse_backward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        loss, g = step(model, batch, use_sebp=True)
+        loss_h, g_h = step(model, batch, use_sebp=True, lm_head_sparse=True)
+    finally:
+        sebp._sparse_backward = orig
+    assert len(calls) == 2 * 14  # every patched layer took the sparse backward
+    assert torch.equal(loss, loss_ref)
+    assert rel(loss_h, loss_ref) <= 1e-6
+    assert set(g) == set(g_ref) and len(g) == 2 * 2 * 7
+    for name in g_ref:
+        assert g_ref[name].abs().sum() > 0
+        assert rel(g[name], g_ref[name]) <= 1e-5, (name, rel(g[name], g_ref[name]))
+        assert rel(g_h[name], g_ref[name]) <= 1e-5, (name, rel(g_h[name], g_ref[name]))
+    sebp.unpatch(model)
+
+
+def test_few_training_steps_same_losses(tiny_dir):
+    losses = {}
+    for use in (False, True):
+        model = load_nf4_lora(tiny_dir, seed=5)
+        sebp.patch(model).backend = "torch"
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        gen = torch.Generator().manual_seed(21)
+        run = []
+        for _ in range(3):
+            loss, _ = step(model, sft_batch(gen), use_sebp=use, lm_head_sparse=use)
+            opt.step()
+            run.append(loss.item())
+        losses[use] = run
+    assert losses[False][0] != losses[False][-1]
+    for a, b in zip(losses[False], losses[True]):
+        assert abs(a - b) <= 1e-5 * abs(a), (losses[False], losses[True])
+
+
+def test_whole_model_under_triton_interpreter(tiny_dir):
+    model = load_nf4_lora(tiny_dir, checkpointing=True)
+    handle = sebp.patch(model)
+    handle.backend = "triton"
+    batch = sft_batch(torch.Generator().manual_seed(13), batch=2, seq=16)
+    loss_ref, g_ref = step(model, batch, use_sebp=False)
+    loss, g = step(model, batch, use_sebp=True, lm_head_sparse=True)
+    assert rel(loss, loss_ref) <= 1e-6
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-5, (name, rel(g[name], g_ref[name]))
+
+
+# --------------------------------------------------------------------------- lm_head
+
+
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_sparse_lm_head_loss_matches_transformers(num_items):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    gen = torch.Generator().manual_seed(num_items or 1)
+    batch, seq, hidden, vocab = 3, 10, 24, 50
+    h = torch.randn(batch, seq, hidden, generator=gen, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=gen, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels[:, :4] = -100
+    labels[2, 6:] = -100
+    nib = None if num_items is None else torch.tensor(num_items)
+    ref = ForCausalLMLoss(h @ w.t(), labels, vocab, num_items_in_batch=nib)
+    dh_ref, dw_ref = torch.autograd.grad(ref, (h, w))
+    got = sebp.sparse_lm_head_loss(h, w, labels, num_items_in_batch=nib)
+    dh, dw = torch.autograd.grad(got, (h, w))
+    assert rel(got, ref) <= 1e-6
+    assert rel(dh, dh_ref) <= 1e-5 and rel(dw, dw_ref) <= 1e-5
+    # Rows whose next label is ignored get exactly zero gradient (no logits were made).
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    assert (dh[shifted == -100] == 0).all() and (dh[shifted != -100] != 0).any()
