@@ -1,0 +1,303 @@
+"""SEBP on a GPU: a CUDA correctness check, then backward times of one layer.
+
+For each shape, layer kind and active fraction f (right-padded batch of 16 x 512 rows):
+  dense     the padded batch through plain autograd (the paper's baseline)
+  sebp      ours: the same padded tensors, backward over the active rows only
+  unpadded  dense GEMMs on tensors holding only the active rows (the physical limit)
+Layer kinds: "linear" (bf16 weight, trainable: dX + dW) and "lora-nf4" (PEFT LoRA r=16
+over a bitsandbytes NF4 Linear4bit: dX + dA + dB). Times are medians of
+triton.testing.do_bench; "extra" is the backward's peak memory minus dense's.
+
+    python bench/sebp.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+from edgetune.kernels import sebp
+
+SHAPES = [
+    ("llama-3.2-3b up_proj", 3072, 8192),
+    ("qwen2.5-7b up_proj", 3584, 18944),
+    ("qwen2.5-7b down_proj", 18944, 3584),
+]
+FRACTIONS = [0.1, 0.25, 0.5, 0.75, 1.0]
+BATCH, SEQ, RANK = 16, 512, 16
+DEVICE = "cuda"
+
+
+class Holder(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def right_padded_mask(f, gen, device):
+    """[BATCH, SEQ] bool, each row a prefix; lengths vary, the total is round(f·rows)."""
+    target = round(f * BATCH * SEQ)
+    lengths = [target // BATCH + (i < target % BATCH) for i in range(BATCH)]
+    for i in range(0, BATCH - 1, 2):  # uneven lengths, same total
+        room = min(lengths[i] // 2, SEQ - lengths[i + 1])
+        d = int(torch.randint(0, room + 1, (1,), generator=gen)) if room > 0 else 0
+        lengths[i] -= d
+        lengths[i + 1] += d
+    lengths = torch.tensor(lengths)
+    return (torch.arange(SEQ)[None, :] < lengths[:, None]).to(device)
+
+
+def make_linear(k, n, gen):
+    layer = nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device=DEVICE)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+    return Holder(layer), [layer.weight]
+
+
+def make_lora_nf4(k, n, gen, dtype=torch.bfloat16):
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    base = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=dtype, compress_statistics=True,
+                             quant_type="nf4", quant_storage=dtype)
+    base.weight = bnb.nn.Params4bit((torch.randn(n, k, generator=gen) * 0.02).to(dtype), requires_grad=False,
+                                    compress_statistics=True, quant_type="nf4", quant_storage=dtype)
+    holder = Holder(base).to(DEVICE)  # quantises here
+    holder.is_loaded_in_4bit = True  # makes PEFT pick its bnb Linear4bit LoRA layer
+    model = get_peft_model(holder, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["layer"]))
+    layer = model.base_model.model.layer
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        a.copy_(torch.randn(a.shape, generator=gen) * 0.02)
+        b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+    return model.base_model.model, [a, b]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def peak_extra(fn):
+    if DEVICE != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def bench_case(kind, k, n, f, gen, do_bench):
+    holder, params = make_linear(k, n, gen) if kind == "linear" else make_lora_nf4(k, n, gen)
+    handle = sebp.patch(holder)
+    mask = right_padded_mask(f, gen, DEVICE)
+    idx = mask.reshape(-1).nonzero().squeeze(1)
+    x = (torch.randn(BATCH, SEQ, k, generator=gen) * 0.5).to(DEVICE, torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(BATCH, SEQ, n, generator=gen).to(DEVICE, torch.bfloat16)
+    dy_masked = dy * mask[..., None]
+    xc = x.detach().reshape(-1, k)[idx][None].requires_grad_(True)
+    dyc = dy.reshape(-1, n)[idx][None]
+
+    sebp.set_active_rows(handle, None)
+    y_dense = holder(x)
+    y_unpad = holder(xc)
+    sebp.set_active_rows(handle, mask)
+    y_sebp = holder(x)
+    variants = {
+        "dense": lambda: torch.autograd.grad(y_dense, [x, *params], dy_masked, retain_graph=True),
+        "sebp": lambda: torch.autograd.grad(y_sebp, [x, *params], dy, retain_graph=True),
+        "unpadded": lambda: torch.autograd.grad(y_unpad, [xc, *params], dyc, retain_graph=True),
+    }
+    ref = variants["dense"]()
+    got = variants["sebp"]()  # also tunes the kernels for this shape
+    errs = [rel(g, r) for g, r in zip(got, ref)]
+    zero_ok = bool((got[0][~mask] == 0).all())
+    row = {"kind": kind, "K": k, "N": n, "f": round(idx.numel() / (BATCH * SEQ), 4), "rel_err": max(errs),
+           "dx_zero_outside_R": zero_ok}
+    for name, fn in variants.items():
+        row[f"{name}_ms"] = do_bench(fn)
+        row[f"{name}_peak_mib"] = peak_extra(fn) / 2**20
+    row["sebp_vs_unpadded"] = row["sebp_ms"] / row["unpadded_ms"]
+    row["sebp_vs_dense"] = row["sebp_ms"] / row["dense_ms"]
+    row["extra_mib"] = row["sebp_peak_mib"] - row["dense_peak_mib"]
+    sebp.unpatch(holder)
+    return row
+
+
+# --------------------------------------------------------------------------- CUDA check
+
+
+def check_tiny_model():
+    """A tiny NF4 + LoRA Llama in bf16 on CUDA: one step patched vs unpatched."""
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    path = tempfile.mkdtemp()
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.bfloat16, device_map={"": 0})
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    handle = sebp.patch(model)
+    seq = 96
+    lengths = torch.tensor([96, 70, 33, 5])
+    attn = (torch.arange(seq)[None, :] < lengths[:, None])
+    ids = torch.randint(0, 512, (4, seq), generator=gen)
+    labels = ids.clone()
+    labels[~attn] = -100
+    labels[:, :8] = -100
+    ids, attn, labels = ids.cuda(), attn.cuda(), labels.cuda()
+
+    def step(mask, sparse_head):
+        sebp.set_active_rows(handle, mask)
+        model.zero_grad(set_to_none=True)
+        if sparse_head:
+            loss = sebp.causal_lm_loss(model, ids, attn.long(), labels)
+        else:
+            loss = model(input_ids=ids, attention_mask=attn.long(), labels=labels).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    loss_ref, g_ref = step(None, False)
+    out = {"patched_layers": len(handle), "loss_dense": loss_ref}
+    for label, sparse_head in [("sebp", False), ("sebp+lm_head", True)]:
+        loss, g = step(attn, sparse_head)
+        errs = {n: rel(g[n], g_ref[n]) for n in g_ref}
+        out[label] = {"loss": loss, "loss_rel_err": abs(loss - loss_ref) / abs(loss_ref),
+                      "grad_rel_err_max": max(errs.values()),
+                      "grad_rel_err_median": sorted(errs.values())[len(errs) // 2]}
+    sebp.unpatch(model)
+    return out
+
+
+def profile_kernels(do_bench, k=3072, n=8192):
+    return _profile(do_bench, k, n)
+
+
+def _profile(do_bench, k, n):
+    """Each kernel alone against cuBLAS on compact rows, with the tiles autotuning chose."""
+    from edgetune.kernels import sebp_triton as st
+
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    x2 = torch.randn(BATCH * SEQ, k, generator=gen).to(DEVICE, torch.bfloat16)
+    g2 = torch.randn(BATCH * SEQ, n, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(DEVICE, torch.bfloat16)
+    for f in (0.25, 0.5, 0.75, 1.0):
+        rows = sebp.ActiveRows.from_mask(right_padded_mask(f, gen, DEVICE))
+        idx = rows.index
+        xc, gc = x2[idx.long()], g2[idx.long()]
+        dx = torch.empty_like(x2)
+        dw = torch.empty_like(w)
+        r = {"f": f,
+             "dx_gathered": do_bench(lambda: st.gathered_mm(g2, idx, w, dx, scatter=True)),
+             "dx_cublas_compact": do_bench(lambda: gc @ w),
+             "dx_zero_fill": do_bench(lambda: dx.index_fill_(0, rows.inactive, 0)),
+             "dw_gathered": do_bench(lambda: st.gathered_tn(g2, idx, x2, dw, gather_q=True)),
+             "dw_cublas_compact": do_bench(lambda: gc.t() @ xc)}
+        r["mm_config"] = str(st._mm_wide.best_config) if DEVICE == "cuda" else ""
+        r["tn_config"] = str(st._tn_wide.best_config) if DEVICE == "cuda" else ""
+        out.append(r)
+        print(json.dumps(r), flush=True)
+    return out
+
+
+def markdown(rows):
+    lines = ["| layer | K→N | f | dense ms | sebp ms | unpadded ms | sebp/unpadded | sebp/dense | extra MiB | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kind']} | {r['K']}→{r['N']} | {r['f']} | error: {r['error'][:80]} |||||||")
+            continue
+        lines.append(
+            f"| {r['kind']} | {r['K']}→{r['N']} | {r['f']:.2f} | {r['dense_ms']:.3f} | {r['sebp_ms']:.3f} | "
+            f"{r['unpadded_ms']:.3f} | {r['sebp_vs_unpadded']:.2f} | {r['sebp_vs_dense']:.2f} | "
+            f"{r['extra_mib']:+.0f} | {r['rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="one shape, two fractions")
+    ap.add_argument("--kinds", default="linear,lora-nf4")
+    ap.add_argument("--profile", action="store_true", help="also time each kernel alone")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET: checks the script")
+    args = ap.parse_args()
+    global DEVICE, BATCH, SEQ, SHAPES
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEVICE, BATCH, SEQ, SHAPES = "cpu", 4, 16, [("tiny", 32, 48)]
+        globals()["profile_kernels"] = lambda do_bench, k=32, n=48: _profile(do_bench, k, n)
+    import triton
+
+    def do_bench(fn):
+        if DEVICE != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+              "rows": BATCH * SEQ, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")}
+    t0 = time.time()
+    try:
+        result["tiny_model_check"] = check_tiny_model() if DEVICE == "cuda" else {}
+    except Exception as e:  # keep the timing table even if the check breaks
+        result["tiny_model_check"] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(result["tiny_model_check"]), flush=True)
+    if args.profile:
+        try:
+            result["profile"] = profile_kernels(do_bench)
+        except Exception as e:
+            result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            print(result["profile"], flush=True)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    fractions = [0.25, 1.0] if args.quick else FRACTIONS
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for kind in args.kinds.split(","):
+        for name, k, n in shapes:
+            for f in fractions:
+                try:
+                    row = bench_case(kind, k, n, f, gen, do_bench)
+                except Exception as e:
+                    row = {"kind": kind, "K": k, "N": n, "f": f, "error": f"{type(e).__name__}: {e}"}
+                row["shape"] = name
+                rows.append(row)
+                print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
+                result["table"] = rows
+                with open(os.path.join(args.out, "sebp.json"), "w") as fh:
+                    json.dump(result, fh, indent=1)
+                torch.cuda.empty_cache()
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
