@@ -81,15 +81,16 @@ class Evaluator:
     """Scores candidates (offset vectors) by the mean reward of their completions."""
 
     def __init__(self, model, tokenizer, space: SVDSpace, reward, s: ESSASettings, system_prompt: str = "",
-                 candidates_per_batch: int = 0):
+                 candidates_per_batch: int = 0, fast: bool | None = None):
         self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
         self.system_prompt = system_prompt
         self.k = candidates_per_batch
+        self.fast = fast  # rollouts' decode loop choice for sequential evaluation
 
-    def _generate(self, prompts, seed):
+    def _generate(self, prompts, seed, fast):
         s = self.s
         return generate(self.model, self.tok, prompts, max_new_tokens=s.max_new_tokens, greedy=s.greedy,
-                        temperature=s.temperature, seed=seed, system_prompt=self.system_prompt)
+                        temperature=s.temperature, seed=seed, system_prompt=self.system_prompt, fast=fast)
 
     def _score(self, texts, rows, truncated) -> float:
         rewards, _ = self.reward(texts, rows, truncated)
@@ -99,7 +100,7 @@ class Evaluator:
     def one(self, x, rows: list[dict], seed: int | None = None) -> float:
         """Mean reward of candidate x on rows (written into the LoRA weights, which keep it)."""
         self.space.write(x)
-        out = self._generate([r["prompt"] for r in rows], seed)
+        out = self._generate([r["prompt"] for r in rows], seed, self.fast)
         return self._score(out.texts, rows, out.truncated)
 
     def population(self, xs, rows: list[dict], seed: int | None = None, on_candidate=None) -> list[float]:
@@ -127,8 +128,10 @@ class Evaluator:
             stacks = self.space.stacked(np.asarray(chunk))
             # candidate-major rows: candidate j owns rows j*p .. j*p+p-1
             row_candidate = torch.arange(kk).repeat_interleave(p)
+            # The plain decode loop: a captured CUDA graph (rollouts' fast loop) would keep
+            # reading the first chunk's stacked factors.
             with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
-                out = self._generate(prompts * kk, seed)
+                out = self._generate(prompts * kk, seed, fast=False)
             secs = (time.time() - t) / kk
             for j in range(kk):
                 sl = slice(j * p, (j + 1) * p)
