@@ -183,10 +183,22 @@ def load_base(ms: ModelSettings):
     except (OSError, ValueError) as e:
         raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = False
+    _keep_cpu_4bit_differentiable(model)
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tok.pad_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok, path
+
+
+def _keep_cpu_4bit_differentiable(model) -> None:
+    """bitsandbytes 0.50 repacks a CPU Linear4bit's weight for its AVX512-BF16 inference
+    kernel the first time the module runs in eval mode, and never unpacks it for
+    training: the backward then silently skips the base weight's share of dX (torch
+    warns "gemv_4bit: an autograd kernel was not registered"). A model of ours goes back
+    and forth between generation and training, so we keep the trainable layout."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
 
 
 def lora_config(ls: LoraSettings):

@@ -1,0 +1,237 @@
+"""The engine's public API: what the app and the CLI call. Light on purpose: importing
+it loads no torch; the training stack lives in the worker process it starts.
+
+    cfg = resolve(preset="sft-quickstart", overrides=["lora.r=32"])
+    run = start(cfg)                      # spawns the worker, returns at once
+    for ev in run.events(follow=True):   # replay from any index, then live
+        ...
+    run.stop()                            # graceful: finishes the step, saves the adapter
+    run.kill()                            # immediate; the run is marked failed
+    export(run.path, "my-adapter/")       # PEFT folder (or .zip)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+from .errors import RunError
+from .events import TERMINAL, follow, read_events
+from .runfolder import RunDir, atomic_write_text, pid_alive
+from .settings import Config, resolve  # noqa: F401  (re-exported for callers)
+
+ACTIVE = ("starting", "running")
+
+
+class Run:
+    """A handle on a run folder; works the same for a run this process started and for
+    one found on disk after a restart."""
+
+    def __init__(self, path: str | os.PathLike, process: subprocess.Popen | None = None):
+        self.dir = RunDir(path)
+        self.process = process
+
+    @property
+    def path(self) -> Path:
+        return self.dir.path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, status={self.status()!r})"
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return pid_alive(self.dir.read_pid())
+
+    def status(self) -> str:
+        """starting | running | finished | stopped | failed | crashed"""
+        events = read_events(self.dir.events_path)
+        last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        started = [e for e in events if e["type"] == "started"]
+        # A resumed run appends a new `started` after an old terminal event.
+        if last is not None and (not started or started[-1]["i"] < last["i"]):
+            return {"finished": "finished", "stopped": "stopped"}.get(last["type"], "failed")
+        if self.alive():
+            return "running" if started else "starting"
+        return "crashed" if events or self.dir.pid_path.exists() else "failed"
+
+    def events(self, start: int = 0, follow_live: bool = False, timeout: float | None = None) -> Iterator[dict]:
+        """Events from index `start`; with `follow_live`, keep yielding new ones until the
+        run ends (or `timeout` seconds pass)."""
+        if not follow_live:
+            yield from read_events(self.dir.events_path, start)
+            return
+        yield from follow(self.dir.events_path, start, alive=self.alive, timeout=timeout)
+
+    def stop(self) -> None:
+        """Graceful: the worker finishes its current step, saves the adapter, ends with `stopped`."""
+        self.dir.request_stop()
+
+    def kill(self) -> None:
+        """Immediate. The worker cannot write, so the run is marked failed here."""
+        pid = self.process.pid if self.process is not None else self.dir.read_pid()
+        if pid and self.alive():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            self.wait(10)
+        if self.status() in ("running", "starting", "crashed"):
+            from .events import EventWriter
+
+            w = EventWriter(self.dir.events_path)
+            w.emit("error", message="killed by the user", kind="killed")
+            w.close()
+        try:
+            self.dir.pid_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> str:
+        t0 = time.time()
+        while self.alive():
+            if timeout is not None and time.time() - t0 > timeout:
+                break
+            time.sleep(0.1)
+        return self.status()
+
+    def config(self) -> dict:
+        import yaml
+
+        return yaml.safe_load(self.dir.config_path.read_text())
+
+    def summary(self) -> dict:
+        events = read_events(self.dir.events_path)
+        cfg = self.config() if self.dir.config_path.is_file() else {}
+        last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
+        end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        return {
+            "name": self.name, "path": str(self.path), "status": self.status(), "method": cfg.get("method"),
+            "model": cfg.get("model", {}).get("name"), "created": events[0]["time"] if events else None,
+            "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
+            "metrics": (end or {}).get("metrics", {}), "message": (end or {}).get("message"),
+            "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
+        }
+
+
+def _unique_name(runs_dir: Path, base: str) -> str:
+    name, n = base, 1
+    while (runs_dir / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def list_runs(runs_dir: str | os.PathLike = "runs") -> list[Run]:
+    d = Path(runs_dir)
+    if not d.is_dir():
+        return []
+    runs = [Run(p) for p in d.iterdir() if (p / "config.yaml").is_file()]
+    return sorted(runs, key=lambda r: r.dir.config_path.stat().st_mtime, reverse=True)
+
+
+def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
+    return next((r for r in list_runs(runs_dir) if r.status() in ACTIVE), None)
+
+
+def _spawn(run: RunDir, resume: bool) -> subprocess.Popen:
+    log = open(run.log_path, "a")
+    cmd = [sys.executable, "-m", "edgetune.engine.worker", str(run.path)] + (["--resume"] if resume else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
+    # kill() can take the whole process group (data loader children included).
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, env=env, cwd=os.getcwd())
+    atomic_write_text(run.pid_path, str(proc.pid))
+    return proc
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need no model or data loading, so that a typo fails before a run
+    folder exists: the model path and the data files must be there."""
+    from .errors import DataError
+    from .model import _looks_like_path
+    from .errors import ModelError
+
+    if not cfg.model.name.startswith("embedded:") and _looks_like_path(cfg.model.name) \
+            and not Path(cfg.model.name).expanduser().exists():
+        raise ModelError(f"model path does not exist: {cfg.model.name}")
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value and not value.startswith("embedded:") and not Path(value).expanduser().exists():
+            raise DataError(f"data.{key}: file not found", file=value)
+
+
+def start(cfg: Config, name: str | None = None) -> Run:
+    """Create `runs/<name>/` with the resolved config and start its worker."""
+    preflight(cfg)
+    runs_dir = Path(cfg.run.runs_dir)
+    busy = active_run(runs_dir)
+    if busy is not None:
+        raise RunError(f"run '{busy.name}' is still training (one run at a time per GPU): stop it first")
+    base = name or cfg.run.name or f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run = RunDir(runs_dir / _unique_name(runs_dir, base))
+    run.path.mkdir(parents=True)
+    cfg.run.name = run.name
+    atomic_write_text(run.config_path, cfg.to_yaml())
+    return Run(run.path, _spawn(run, resume=False))
+
+
+def resume(path: str | os.PathLike) -> Run:
+    """Continue a stopped, failed or crashed run from its last checkpoint (or from the
+    start when it has none); new events are appended to the same events.jsonl."""
+    r = Run(path)
+    r.dir.require()
+    status = r.status()
+    if status in ACTIVE:
+        raise RunError(f"run '{r.name}' is still {status}")
+    if status == "finished":
+        raise RunError(f"run '{r.name}' already finished; start a new run to train further")
+    busy = active_run(r.path.parent)
+    if busy is not None:
+        raise RunError(f"run '{busy.name}' is still training (one run at a time per GPU): stop it first")
+    return Run(r.path, _spawn(r.dir, resume=True))
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    r = Run(path)
+    r.dir.require()
+    return r
+
+
+def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
+           as_zip: bool = False) -> Path:
+    from .export import export as _export
+
+    return _export(run_or_adapter, out, merged=merged, as_zip=as_zip)
+
+
+def estimate(cfg: Config) -> dict:
+    """Predicted peak memory of a configuration (engine/planner.py)."""
+    from .planner import estimate as _estimate
+
+    return _estimate(cfg)
+
+
+@dataclass
+class Preview:
+    rows: list[dict]
+    format: str
+
+
+def preview_data(path: str, fmt: str = "auto", n: int = 20) -> Preview:
+    from .data import preview
+
+    rows, detected = preview(path, fmt, n)
+    return Preview(rows, detected)

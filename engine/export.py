@@ -1,0 +1,115 @@
+"""The adapter a run produces, and exporting it.
+
+`adapter/` is a standard PEFT folder (adapter_config.json, adapter_model.safetensors)
+plus the tokenizer files and a model card (README.md), so it loads anywhere PEFT does:
+
+    base = AutoModelForCausalLM.from_pretrained(<base model>)
+    model = PeftModel.from_pretrained(base, "runs/<run>/adapter")
+
+A merged export folds the adapter into a bf16 copy of the base, loaded unquantised for
+that purpose. We never merge into a 4-bit base: rounding the merged weights back to
+NF4 would change the model the adapter was trained for.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+from .errors import RunError
+from .runfolder import RunDir, atomic_dir, atomic_write_text
+from .settings import Config
+
+
+def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
+    method = {"sft": "SFT (supervised fine-tuning)", "fgrpo": "F-GRPO (focal group-relative RL)",
+              "essa": "ESSA (evolution strategies over LoRA singular values)"}[cfg.method]
+    lines = [
+        "---", "library_name: peft", f"base_model: {cfg.model.name}", "tags: [edgetune, lora]", "---", "",
+        f"# LoRA adapter trained with edgetune ({cfg.method})", "",
+        f"- **Base model:** `{cfg.model.name}` (loaded from `{base_path}`, quantisation `{cfg.model.quant}`)",
+        f"- **Method:** {method}",
+        f"- **LoRA:** r={cfg.lora.r}, alpha={cfg.lora.alpha}, dropout={cfg.lora.dropout}, "
+        f"targets={cfg.lora.target_modules}",
+        f"- **Data:** `{cfg.data.path}` (format {cfg.data.format}, max_seq_len {cfg.data.max_seq_len})",
+        f"- **Seed:** {cfg.run.seed}", "", "## Final metrics", "",
+    ]
+    lines += [f"- {k}: {v:.6g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in metrics.items()] or ["- (none)"]
+    lines += ["", "## Load it", "", "```python",
+              "from transformers import AutoModelForCausalLM, AutoTokenizer",
+              "from peft import PeftModel",
+              f"base = AutoModelForCausalLM.from_pretrained({base_path!r})",
+              "model = PeftModel.from_pretrained(base, 'path/to/this/folder')",
+              "tokenizer = AutoTokenizer.from_pretrained('path/to/this/folder')", "```", "",
+              "Settings of the run (all of them):", "", "```yaml", cfg.to_yaml().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict) -> Path:
+    """Save adapter + tokenizer + model card into `out`, all or nothing."""
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(cfg, base_path, metrics))
+        (tmp / "edgetune.json").write_text(json.dumps({"base_path": base_path, "method": cfg.method,
+                                                         "metrics": metrics}, indent=2))
+    return out
+
+
+def _adapter_of(run_or_adapter: str | Path) -> Path:
+    p = Path(run_or_adapter)
+    if (p / "adapter_config.json").is_file():
+        return p
+    if (p / "adapter" / "adapter_config.json").is_file():
+        return p / "adapter"
+    if (p / "config.yaml").is_file():
+        raise RunError(f"{p}: this run has no final adapter yet (still training, or it failed before saving)")
+    raise RunError(f"{p}: neither a run folder nor an adapter folder")
+
+
+def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False) -> Path:
+    """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`); with `merged`,
+    also write `out/merged/`: the base in bf16 with the adapter folded in."""
+    src = _adapter_of(run_or_adapter)
+    out = Path(out)
+    if as_zip:
+        return zip_adapter(src, out)
+    with atomic_dir(out) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        if merged:
+            _merge_into(src, tmp / "merged")
+    return out
+
+
+def zip_adapter(src: Path, zip_path: Path) -> Path:
+    zip_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = zip_path.with_name(f".{zip_path.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(src.rglob("*")):
+            if f.is_file():
+                z.write(f, f.relative_to(src))
+    tmp.replace(zip_path)
+    return zip_path
+
+
+def _merge_into(adapter: Path, out: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    info = json.loads((adapter / "edgetune.json").read_text()) if (adapter / "edgetune.json").is_file() else {}
+    base_path = info.get("base_path") or json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(out)
+    atomic_write_text(out / "MERGED.md",
+                      "Base weights in bf16 with the LoRA adapter folded in. The adapter was trained on a "
+                      "quantised base; this merge uses the unquantised base, so outputs differ slightly from "
+                      "the training-time model. Merging into the 4-bit base would be lossier still and is "
+                      "never done.\n")
+
+
+def run_adapter_dir(run: str | Path) -> Path:
+    return RunDir(run).adapter

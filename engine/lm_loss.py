@@ -1,0 +1,73 @@
+"""Causal-LM loss that computes logits only where a label exists.
+
+With prompt tokens and padding masked to -100, the logit rows of those positions have
+exactly zero gradient and contribute nothing to the loss. `lm_head` (vocab x hidden) is
+the largest single matmul of a small model and its [tokens, vocab] logits the largest
+activation of any model, so we skip them: select the rows with a label, project them in
+chunks, and recompute each chunk's logits in the backward (checkpointing) instead of
+storing them. Peak memory for logits drops from tokens x vocab to chunk x vocab.
+
+The result equals transformers' `ForCausalLMLoss` (shift by one, ignore -100, mean over
+the remaining tokens) up to float rounding; a test checks this.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def backbone_and_head(model):
+    """(decoder stack returning hidden states, lm_head) of a PEFT or plain HF causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    return base, decoder, base.get_output_embeddings()
+
+
+def supports_sparse_head(model) -> bool:
+    base, _, _ = backbone_and_head(model)
+    cfg = base.config
+    # Models that rescale or soft-cap logits need their own head code: use HF's loss.
+    return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
+def _chunk_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight).float()
+    return F.cross_entropy(logits, y, reduction="sum")
+
+
+def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_rows: int = 2048,
+                   num_items: int | None = None) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over positions whose label is not -100.
+
+    hidden: [B, T, H] final hidden states; labels: [B, T] (unshifted, HF convention).
+    Returns (loss, number of target tokens)."""
+    h = hidden[:, :-1, :]
+    y = labels[:, 1:]
+    keep = y != -100
+    h = h[keep]
+    y = y[keep]
+    n = int(y.numel())
+    if n == 0:
+        return hidden.sum() * 0.0, 0
+    weight = lm_head.weight
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, n, chunk_rows):
+        hs, ys = h[s : s + chunk_rows], y[s : s + chunk_rows]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_ce_sum, hs, weight, ys, use_reentrant=False)
+        else:
+            total = total + _chunk_ce_sum(hs, weight, ys)
+    return total / (num_items or n), n
+
+
+def causal_lm_loss(model, batch: dict, sparse_head: bool = True) -> tuple[torch.Tensor, int]:
+    """(mean loss over target tokens, number of target tokens) for one batch."""
+    labels = batch["labels"]
+    if not sparse_head or not supports_sparse_head(model):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+        return out.loss, int((labels[:, 1:] != -100).sum())
+    _, decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return sparse_ce_loss(hidden, head, labels)

@@ -1,0 +1,179 @@
+"""Pieces every training method shares: the run context, step events with ETA and memory,
+optimizer and schedule, checkpoints that resume exactly, and the final adapter.
+
+A checkpoint holds the adapter weights (PEFT safetensors) and `training_state.pt`
+(optimizer, scheduler, RNG states, step, and whatever the method adds). Restoring all of
+them is what makes a resumed run produce the same loss values as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import memory
+from .events import EventWriter
+from .runfolder import RunDir, atomic_dir
+from .settings import Config
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    run: RunDir
+    emit: EventWriter
+    resume: Path | None = None  # checkpoint folder to continue from
+    stop_flag: list = field(default_factory=lambda: [False])  # set by the worker's SIGTERM handler
+
+    def should_stop(self) -> bool:
+        return self.stop_flag[0] or self.run.stop_requested()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Elapsed time and ETA from the steps done in *this* process (a resumed run's
+    earlier steps do not count towards its speed)."""
+
+    def __init__(self, total: int, start_step: int = 0):
+        self.total, self.start_step, self.t0 = total, start_step, time.time()
+
+    def fields(self, step: int) -> dict:
+        elapsed = time.time() - self.t0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 else None
+        return {"step": step, "total": self.total, "elapsed": round(elapsed, 2),
+                "eta": round(eta, 1) if eta is not None else None, **memory.snapshot()}
+
+
+# --------------------------------------------------------------------------- optimisation
+
+
+def make_optimizer(params, name: str, lr: float, weight_decay: float, device: str):
+    """auto: paged 8-bit AdamW on CUDA (optimizer state in 8 bits, paged to host memory
+    under pressure), plain AdamW on the CPU (bitsandbytes' 8-bit optimizers need CUDA)."""
+    params = [p for p in params if p.requires_grad]
+    if name == "auto":
+        name = "paged_adamw_8bit" if device.startswith("cuda") else "adamw"
+    if name == "paged_adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    from .errors import ConfigError
+
+    raise ConfigError(f"unknown optimizer '{name}' (auto, adamw, adamw_8bit, paged_adamw_8bit)")
+
+
+def make_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+    """Linear warmup, then cosine decay to `min_ratio` of the peak learning rate."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler=None, **extra) -> Path:
+    path = ctx.run.checkpoint(step)
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        state = {"step": step, "rng": rng_state(), **extra}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+        torch.save(state, tmp / "training_state.pt")
+    ctx.run.prune_checkpoints(ctx.cfg.run.keep_checkpoints)
+    ctx.emit("checkpoint", step=step, path=str(path))
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
+    """Restore adapter weights, optimizer, scheduler and RNG; return the saved state."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(path) / "adapter_model.safetensors"))
+    set_peft_model_state_dict(model, weights)
+    state = torch.load(Path(path) / "training_state.pt", weights_only=False)
+    if optimizer is not None and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state
+
+
+def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics: dict,
+           stopped: bool, t0: float) -> dict:
+    """Write the final adapter, then the terminal event (`stopped` or `finished`)."""
+    from .export import write_adapter
+
+    write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics)
+    fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
+    ctx.emit("stopped" if stopped else "finished", **fields)
+    return metrics
+
+
+def every(n: int, step: int) -> bool:
+    return n > 0 and step % n == 0
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t = time.time()
+    out = fn()
+    return out, time.time() - t

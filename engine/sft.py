@@ -1,0 +1,144 @@
+"""SFT: supervised fine-tuning of a LoRA adapter on a 4-bit base. One loop, top to bottom.
+
+Why our own loop and not TRL's SFTTrainer: a run must resume with bit-identical losses,
+stream our events, stop gracefully between steps, and switch SEBP on per step; the loop
+is 100 lines, which is less than the glue those would take around a Trainer.
+
+Memory/speed trade-offs, each a setting:
+- `model.quant: nf4` stores the base in 4 bits (~0.55 byte/param with double quant);
+  compute happens in bf16 after dequantising each layer's weight on the fly.
+- `model.gradient_checkpointing`: recompute each block's activations in the backward
+  (about a third more compute) instead of storing them.
+- `sft.optimizer: auto`: paged 8-bit AdamW on CUDA (2 bytes of state per trainable
+  parameter instead of 8, paged out under memory pressure), AdamW on the CPU.
+- Loss: logits are computed only at positions with a label (engine/lm_loss.py), never
+  the full [tokens x vocab] matrix.
+- `sft.sebp`: the exact sparsity-exploiting backward (kernels/sebp.py) skips the rows of
+  padding tokens in every linear layer's backward; on by default with CUDA.
+
+Determinism: the order of examples is a pure function of (seed, micro-batch index), and
+checkpoints hold optimizer, scheduler and RNG state, so a resumed run continues with the
+same losses as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import data as data_lib
+from . import model as model_lib
+from .lm_loss import causal_lm_loss
+from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
+                   save_checkpoint, seed_everything)
+
+
+def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]:
+    """Example indices of micro-batch k: epochs of seeded permutations, laid end to end."""
+    out = []
+    pos = k * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        take = perm[offset : offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def sebp_enabled(setting, device: str) -> bool:
+    return device.startswith("cuda") if setting is None else bool(setting)
+
+
+@torch.no_grad()
+def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0) -> float:
+    """Token-weighted mean loss over the held-out examples."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for b, s in enumerate(range(0, len(examples), batch_size)):
+        if max_batches and b >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
+        loss, n = causal_lm_loss(model, batch)
+        total += loss.item() * n
+        count += n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.sft
+    seed_everything(cfg.run.seed)
+    t0 = time.time()
+
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
+    data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        from .errors import DataError
+
+        raise DataError("no training rows left after validation", file=cfg.data.path)
+
+    optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, s.weight_decay, device)
+    scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
+    start_step = 0
+    if ctx.resume is not None:
+        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
+
+    sebp = None
+    if sebp_enabled(s.sebp, device):
+        from edgetune.kernels import sebp as sebp_kernels
+
+        sebp = sebp_kernels
+        sebp.patch(model)
+
+    pad_id = tok.pad_token_id
+    progress = Progress(s.steps, start_step)
+    metrics: dict = {}
+    if start_step == 0 and data.eval and s.eval_every:
+        metrics["eval_loss_start"] = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
+        ctx.emit("eval", step=0, eval_loss=metrics["eval_loss_start"])
+
+    model.train()
+    step, stopped = start_step, False
+    while step < s.steps:
+        if ctx.should_stop():
+            stopped = True
+            break
+        t_step = time.time()
+        loss_sum, tokens = 0.0, 0
+        for j in range(s.grad_accum):
+            k = step * s.grad_accum + j
+            rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
+            batch = {key: v.to(device) for key, v in data_lib.collate(rows, pad_id).items()}
+            if sebp is not None:
+                sebp.set_active_rows(model, batch["attention_mask"].bool())
+            loss, n = causal_lm_loss(model, batch)
+            (loss / s.grad_accum).backward()
+            loss_sum += loss.item()
+            tokens += int(batch["attention_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        metrics["loss"] = loss_sum / s.grad_accum
+        if every(cfg.run.log_every, step) or step == s.steps:
+            ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
+                     grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
+        if data.eval and every(s.eval_every, step) or (data.eval and s.eval_every and step == s.steps):
+            metrics["eval_loss"] = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
+            ctx.emit("eval", step=step, eval_loss=metrics["eval_loss"])
+        if every(cfg.run.checkpoint_every, step) and step < s.steps:
+            save_checkpoint(ctx, step, model, optimizer, scheduler)
+
+    if sebp is not None:
+        sebp.set_active_rows(model, None)
+        sebp.unpatch(model)
+    model.eval()
+    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

@@ -1,0 +1,84 @@
+"""The process that trains one run: `python -m edgetune.engine.worker RUN_DIR [--resume]`.
+
+Started by engine/api.py in its own process session, so the UI (or the CLI) never holds
+the training stack, and a crash of either side loses nothing: everything the worker
+knows goes to the run folder. SIGTERM asks for a graceful stop (finish the step, save
+the adapter), like the STOP file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import traceback
+
+import yaml
+
+from .errors import EdgetuneError
+from .events import EventWriter
+from .runfolder import RunDir, atomic_write_text
+from .settings import from_dict
+
+METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
+
+
+def method_module(method: str):
+    return importlib.import_module(f".{METHOD_MODULES[method]}", __package__)
+
+
+def run(run_dir: str, resume: bool = False) -> int:
+    run = RunDir(run_dir).require()
+    emit = EventWriter(run.events_path)
+    atomic_write_text(run.pid_path, str(os.getpid()))
+    from .loop import RunContext
+
+    ctx = None
+    try:
+        cfg = from_dict(yaml.safe_load(run.config_path.read_text()))
+        ckpt = None
+        if resume:
+            last = run.last_checkpoint()
+            ckpt = last[1] if last else None
+        run.clear_stop()
+        ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt)
+        signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
+        import torch
+
+        emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
+             device="cuda" if torch.cuda.is_available() and cfg.model.device in ("auto", "cuda") else cfg.model.device,
+             resumed_from=last[0] if resume and last else None, pid=os.getpid())
+        method_module(cfg.method).train(ctx)
+        return 0
+    except EdgetuneError as e:
+        emit("error", message=str(e), kind="input")
+        return 2
+    except KeyboardInterrupt:
+        emit("error", message="interrupted", kind="killed")
+        return 130
+    except BaseException as e:  # a bug: keep the traceback in worker.log, one line in events
+        traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        emit("error", message=f"internal error: {type(e).__name__}: {first} (traceback in {run.log_path})",
+             kind="bug")
+        return 1
+    finally:
+        emit.close()
+        try:
+            run.pid_path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="edgetune-worker")
+    p.add_argument("run_dir")
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args(argv)
+    return run(a.run_dir, a.resume)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny random-init Llama with the embedded model's tokenizer, so
+engine tests run in seconds on a CPU; and the embedded SmolLM2 itself for tests that
+must see a real model learn."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    from edgetune.engine.model import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
+    """A 2-layer Llama (hidden 64) with SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from edgetune.engine.model import load_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = load_tokenizer(str(embedded_dir))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
