@@ -5,6 +5,7 @@
       events.jsonl         everything the run reported (engine/events.py)
       worker.pid           the worker process while it lives
       worker.log           the worker's stdout/stderr (tracebacks of bugs go here)
+      memory.json          live memory gauge, rewritten every second while the worker lives
       STOP                 present = stop gracefully after the current step
       checkpoints/step-N/  adapter + optimizer + scheduler + RNG state
       adapter/             the final adapter (PEFT format, tokenizer, model card)
@@ -85,6 +86,10 @@ class RunDir:
     @property
     def log_path(self) -> Path:
         return self.path / "worker.log"
+
+    @property
+    def memory_path(self) -> Path:
+        return self.path / "memory.json"
 
     @property
     def stop_path(self) -> Path:

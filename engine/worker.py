@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 
 import yaml
@@ -23,6 +26,26 @@ from .runfolder import RunDir, atomic_write_text
 from .settings import from_dict
 
 METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
+HEARTBEAT_SECONDS = 1.0
+
+
+def start_heartbeat(run: RunDir) -> threading.Event:
+    """Write `memory.json` (time, GPU and host memory) every second from a side thread,
+    so the app's memory panel moves even while one step takes a minute (or while the
+    model is still loading). Events stay the record; this file is only the live gauge."""
+    from . import memory
+
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(HEARTBEAT_SECONDS):
+            try:
+                atomic_write_text(run.memory_path, json.dumps({"time": time.time(), **memory.snapshot()}))
+            except Exception:  # a full disk must not kill training from a side thread
+                pass
+
+    threading.Thread(target=beat, name="edgetune-heartbeat", daemon=True).start()
+    return done
 
 
 def method_module(method: str):
@@ -36,6 +59,7 @@ def run(run_dir: str, resume: bool = False) -> int:
     from .loop import RunContext
 
     ctx = None
+    beat = start_heartbeat(run)
     try:
         cfg = from_dict(yaml.safe_load(run.config_path.read_text()))
         ckpt = None
@@ -65,6 +89,7 @@ def run(run_dir: str, resume: bool = False) -> int:
              kind="bug")
         return 1
     finally:
+        beat.set()
         emit.close()
         try:
             run.pid_path.unlink()
