@@ -1,0 +1,284 @@
+"""Rollouts: sample completions (with their log-probs and masks) for F-GRPO and ESSA.
+
+One entry point, `generate`, over any causal LM (PEFT LoRA or plain, NF4 or not, CPU or
+CUDA). Two decode loops sit behind it:
+
+- the plain loop (here): the model's own forward with a growing `DynamicCache`, exactly
+  what `model.generate` does, so greedy outputs match it token for token. It keeps every
+  row until all rows are done (finished rows are fed pad and masked out): the batch
+  dimension never changes order, so per-row adapters (ESSA's batched candidates) stay
+  aligned. Cost: finished rows still take compute until the last row stops.
+- the static loop (`fast_decode.py`): a pre-allocated KV cache and one decode step that is
+  captured once as a CUDA graph and replayed. Used automatically on CUDA for the model
+  families it knows (Llama / Qwen2 / Qwen3 / Mistral layouts); see that module for the
+  memory it takes (the static cache, and optionally a bf16 copy of NF4 base weights).
+
+Sampling is Gumbel-max (`probs / Exp(1)` then argmax) from one seeded `torch.Generator`
+on the model's device: no host sync per token, reproducible for a seed, and the same in
+both loops. The log-prob of a sampled token is under the distribution it was drawn from:
+`log_softmax(logits / temperature)` restricted to the top-p nucleus and renormalised.
+LoRA is never merged: the adapters read their live trainable weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: Tensor  # [B, P] left-padded with pad_token_id
+    prompt_mask: Tensor  # [B, P]
+    completion_ids: Tensor  # [B, T] right-padded with pad after EOS
+    completion_mask: Tensor  # [B, T] 1 for generated tokens up to and including the first EOS
+    logprobs: Tensor  # [B, T] log-prob of each sampled token under the sampling distribution; 0 where mask is 0
+    texts: list[str]  # decoded completions (special tokens skipped)
+    prompt_index: list[int]  # which input prompt each row belongs to (the G rows of one prompt are adjacent)
+    truncated: list[bool]  # hit max_new_tokens without EOS
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def render_prompts(tokenizer, prompts: list, system_prompt: str = "") -> list[list[int]]:
+    """Token ids of each prompt, ready for the assistant's turn.
+
+    A prompt is a string (one user turn) or a list of chat messages. With a chat template
+    the template is applied with add_generation_prompt=True; a system turn is prepended
+    only when `system_prompt` is given and the messages have none. Plain text without a
+    template is tokenised as is.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for p in prompts:
+        if not has_template:
+            if not isinstance(p, str):
+                raise ValueError("chat-message prompts need a tokenizer with a chat template")
+            out.append(list(tokenizer(p, add_special_tokens=True)["input_ids"]))
+            continue
+        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+        if system_prompt and not (msgs and msgs[0].get("role") == "system"):
+            msgs = [{"role": "system", "content": system_prompt}] + msgs
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    P = max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, P - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass
+class Sampler:
+    """Picks the next token from last-position logits [B, V]; shared by both loops."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    generator: torch.Generator | None = None
+
+    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        logits = logits.float()
+        scaled = logits / self.temperature
+        if self.top_p < 1.0:
+            scaled = top_p_filter(scaled, self.top_p)
+        logp = torch.log_softmax(scaled, dim=-1)
+        if self.greedy:
+            # argmax of the raw logits, as model.generate(do_sample=False) does
+            tok = logits.argmax(dim=-1)
+        else:
+            # Gumbel-max: argmax p / E, E ~ Exp(1), is an exact categorical draw without
+            # multinomial's host sync; -inf (outside the nucleus) gives p = 0, never chosen.
+            e = torch.empty_like(logp).exponential_(generator=self.generator)
+            tok = (logp.exp() / e).argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def top_p_filter(scaled: Tensor, top_p: float) -> Tensor:
+    """Set logits outside the nucleus to -inf (the HF TopPLogitsWarper rule: drop the
+    low-probability tail whose mass is <= 1 - top_p, always keep the top token)."""
+    sorted_logits, sorted_idx = torch.sort(scaled, descending=False, dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= (1 - top_p)
+    remove[..., -1] = False
+    return scaled.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
+
+
+def make_generator(device, seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed))
+    return g
+
+
+# --------------------------------------------------------------------------- plain loop
+
+
+def inner_model(model):
+    """The transformers model under a PEFT wrapper (LoRA modules stay injected in it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@torch.no_grad()
+def decode_plain(model, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, sampler: Sampler,
+                 eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """(completion_ids [B, T], logprobs [B, T]) with the model's own forward and a
+    DynamicCache; positions and masks are built as model.generate builds them."""
+    from transformers import DynamicCache
+
+    core = inner_model(model)
+    B, P = prompt_ids.shape
+    dev = prompt_ids.device
+    cache = DynamicCache(config=core.config) if _cache_takes_config() else DynamicCache()
+    attn = prompt_mask.clone()
+    pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    toks, lps = [], []
+    inp, step_pos = prompt_ids, pos
+    for t in range(max_new_tokens):
+        out = core(input_ids=inp, attention_mask=attn, position_ids=step_pos, use_cache=True, logits_to_keep=1,
+                   **{cache_kw(core): cache})
+        tok, lp = sampler(out.logits[:, -1, :])
+        tok = tok.masked_fill(done, pad_id)
+        lps.append(lp.masked_fill(done, 0.0))
+        toks.append(tok)
+        done = done | (tok == eos_id)
+        # one host sync per token: the plain loop is the CPU/reference path
+        if bool(done.all()):
+            break
+        inp = tok[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        attn = torch.cat([attn, attn.new_ones(B, 1)], dim=1)
+    return torch.stack(toks, 1), torch.stack(lps, 1)
+
+
+def cache_kw(core) -> str:
+    """transformers >= 5.2x names the cache argument `cache` (`past_key_values` is deprecated)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(core.forward).parameters else "past_key_values"
+
+
+def _cache_takes_config() -> bool:
+    import inspect
+
+    from transformers import DynamicCache
+
+    return "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def finish(completion: Tensor, logprobs: Tensor, eos_id: int, pad_id: int):
+    """Masks (up to and including the first EOS), pad after it, truncation flags."""
+    is_eos = completion == eos_id
+    # rows of tokens strictly after the first EOS
+    after = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    mask = (~after).long()
+    completion = completion.masked_fill(after, pad_id)
+    logprobs = logprobs.masked_fill(after, 0.0)
+    truncated = (~is_eos.any(1)).tolist()
+    return completion, mask, logprobs, truncated
+
+
+def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tokens: int = 48,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
+             batch_size: int = 0, system_prompt: str = "", fast: bool | None = None,
+             bf16_weights: bool | None = None, on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
+    """Sample `num_generations` completions per prompt (rows of one prompt adjacent).
+
+    prompts: strings / chat-message lists (rendered with the chat template), or lists of
+    token ids (used as is). batch_size: rows per decode batch (0 = all rows at once);
+    chunks keep row order. fast: None = the CUDA-graph static loop when the model is on
+    CUDA and of a known layout, else the plain loop; True insists (error if impossible);
+    False forces the plain loop. bf16_weights (fast loop only): None = dequantise NF4 base
+    weights to a temporary bf16 copy when the GPU has room for it (see fast_decode.py).
+    on_chunk(rows): called before each chunk is decoded with the global row indices it
+    holds (for per-row adapters).
+    """
+    if temperature <= 0 and not greedy:
+        raise ValueError("temperature must be > 0 (use greedy=True for argmax decoding)")
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError("top_p must be in (0, 1]")
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
+        rendered = [list(p) for p in prompts]
+    else:
+        rendered = render_prompts(tokenizer, prompts, system_prompt)
+    rows = [r for r in rendered for _ in range(num_generations)]
+    prompt_index = [i for i in range(len(rendered)) for _ in range(num_generations)]
+    device = next(model.parameters()).device
+    sampler = Sampler(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, greedy=greedy,
+                      generator=make_generator(device, seed))
+
+    use_fast = _pick_fast(model, device, fast)
+    n = len(rows)
+    bs = batch_size if batch_size > 0 else n
+    comp_chunks, lp_chunks = [], []
+    with _eval_mode(model), contextlib.ExitStack() as stack:
+        if use_fast:
+            from . import fast_decode
+
+            decoder = stack.enter_context(fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights))
+        for s in range(0, n, bs):
+            idx = list(range(s, min(n, s + bs)))
+            if on_chunk is not None:
+                on_chunk(idx)
+            ids, mask = left_pad([rows[i] for i in idx], pad_id, device)
+            if use_fast:
+                c, lp = decoder.decode(ids, mask, max_new_tokens, sampler, eos_id, pad_id)
+            else:
+                c, lp = decode_plain(model, ids, mask, max_new_tokens, sampler, eos_id, pad_id)
+            comp_chunks.append(c)
+            lp_chunks.append(lp)
+    T = max(c.shape[1] for c in comp_chunks)
+    completion = torch.cat([_pad_right(c, T, pad_id) for c in comp_chunks])
+    logprobs = torch.cat([_pad_right(c, T, 0.0) for c in lp_chunks])
+    completion, cmask, logprobs, truncated = finish(completion, logprobs, eos_id, pad_id)
+    prompt_ids, prompt_mask = left_pad(rows, pad_id, device)
+    texts = tokenizer.batch_decode(completion.masked_fill(cmask == 0, pad_id).tolist(), skip_special_tokens=True)
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion,
+                        completion_mask=cmask, logprobs=logprobs, texts=texts, prompt_index=prompt_index,
+                        truncated=truncated)
+
+
+def _pad_right(x: Tensor, T: int, value) -> Tensor:
+    if x.shape[1] == T:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], T - x.shape[1]), value)], dim=1)
+
+
+def _pick_fast(model, device, fast: bool | None) -> bool:
+    if fast:
+        raise ValueError("fast rollouts are not available yet")
+    return False
