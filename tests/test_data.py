@@ -66,21 +66,24 @@ def test_collate_pads_right_and_masks_padding(tok):
 # --------------------------------------------------------------------------- embedded
 
 
+def rl_pairs():
+    rl_train = D.read_rows("embedded:arith-rl")
+    rl_eval = D.read_rows(str(D.EMBEDDED_EVAL["embedded:arith-rl"]))
+    return {(r["a"], r["b"]) for r in rl_train}, {(r["a"], r["b"]) for r in rl_eval}
+
+
 def test_embedded_sft_loads_from_train_pairs_only(tok):
     d = D.load_sft(DataSettings(), tok, seed=0)
     assert d.report.rows_total == 350 and d.report.rows_kept == 350
     assert len(d.eval) == 35 and len(d.train) == 315
-    train_pairs, held_out = D_pairs()
+    train_pairs, held_out = rl_pairs()
+    assert len(train_pairs) == 70 and len(held_out) == 30 and not train_pairs & held_out
+    # Every SFT row (train and eval) teaches one of the 70 train pairs, none of the 30.
     texts = {targets(tok, e) for e in d.train + d.eval}
+    assert texts == {f"{a} + {b} = {a + b}. Answer: {a + b}<|im_end|>" for a, b in train_pairs}
+    prompts = " ".join(tok.decode(e.input_ids) for e in d.train + d.eval)
     for a, b in held_out:
-        assert f"{a} + {b} = {a + b}. Answer" not in " ".join(texts)
-    assert len(texts) == 70  # one answer text per train pair
-
-
-def D_pairs():
-    rl_train = D.read_rows("embedded:arith-rl")
-    rl_eval = [json.loads(l) for l in open(D.EMBEDDED_EVAL["embedded:arith-rl"])]
-    return {(r["a"], r["b"]) for r in rl_train}, {(r["a"], r["b"]) for r in rl_eval}
+        assert f"What is {a} plus {b}?" not in prompts and f"Add {a} and {b}." not in prompts
 
 
 def test_embedded_rl_held_out_pairs(tok):
@@ -364,3 +367,27 @@ def test_rl_rows_without_answer(tmp_path):
     assert "['completion', 'prompt']" in msg
     empty = [{"prompt": "What is 2 plus 2?", "answer": ""}]
     bad("'answer' is empty", lambda: D.load_rl(DataSettings(path=write(empty, tmp_path / "e.jsonl")), 0), row=1)
+
+
+def test_values_are_kept_as_written(tmp_path):
+    # Arrow/pandas type inference would turn these into 5.0, 7 and a missing value.
+    (tmp_path / "r.jsonl").write_text('{"prompt": "a", "answer": 5}\n{"prompt": "b", "answer": 5.5}\n')
+    r = D.load_rl(DataSettings(path=str(tmp_path / "r.jsonl"), eval_fraction=0), 0)
+    assert [x["answer"] for x in r.train] == ["5", "5.5"]
+    (tmp_path / "r.csv").write_text('prompt,answer\n"Pad 7 to 3 digits, please",007\nUnknown?,NA\n')
+    rows = D.read_rows(str(tmp_path / "r.csv"))
+    assert rows == [{"prompt": "Pad 7 to 3 digits, please", "answer": "007"}, {"prompt": "Unknown?", "answer": "NA"}]
+
+
+def test_gzip_columnar_json_and_max_rows(tmp_path):
+    import gzip
+
+    with gzip.open(tmp_path / "t.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in ROWS["text"]))
+    assert D.read_rows(str(tmp_path / "t.jsonl.gz")) == ROWS["text"]
+    (tmp_path / "cols.json").write_text(json.dumps({"prompt": ["1+1?", "2+2?"], "answer": ["2", "4"]}))
+    assert D.read_rows(str(tmp_path / "cols.json")) == [{"prompt": "1+1?", "answer": "2"},
+                                                          {"prompt": "2+2?", "answer": "4"}]
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": ROWS["rl"]}))
+    assert D.read_rows(str(tmp_path / "wrapped.json"), max_rows=3) == ROWS["rl"][:3]
+    assert len(D.read_rows("embedded:arith-sft", max_rows=7)) == 7
