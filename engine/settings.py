@@ -215,7 +215,16 @@ def _field_types(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# Names other tools use for our fields: suggested when they are typed here.
+ALIASES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout",
+           "learning_rate": "lr", "max_steps": "steps", "num_steps": "steps",
+           "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
+           "model_name_or_path": "name", "max_length": "max_seq_len", "beta_kl": "beta"}
+
+
 def _suggest(key: str, known: list[str]) -> str:
+    if ALIASES.get(key) in known:
+        return f" (did you mean '{ALIASES[key]}'?)"
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     return f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(known)})"
 
