@@ -127,6 +127,8 @@ def bench_case(kind, k, n, f, gen, do_bench):
     zero_ok = bool((got[0][~mask] == 0).all())
     row = {"kind": kind, "K": k, "N": n, "f": round(idx.numel() / (BATCH * SEQ), 4), "rel_err": max(errs),
            "dx_zero_outside_R": zero_ok}
+    if kind == "lora-nf4" and DEVICE == "cuda" and idx.numel() < BATCH * SEQ:
+        row["err_vs_fp32"] = fp32_errors(holder, x, dy, idx, params, ref, got)
     for name, fn in variants.items():
         row[f"{name}_ms"] = do_bench(fn)
         row[f"{name}_peak_mib"] = peak_extra(fn) / 2**20
@@ -135,6 +137,23 @@ def bench_case(kind, k, n, f, gen, do_bench):
     row["extra_mib"] = row["sebp_peak_mib"] - row["dense_peak_mib"]
     sebp.unpatch(holder)
     return row
+
+
+def fp32_errors(holder, x, dy, idx, params, dense, ours):
+    """Both bf16 backwards against fp32 math on the same (dequantised) weights."""
+    import bitsandbytes.functional as bnbf
+
+    layer = holder.layer
+    w = bnbf.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state).float()
+    a, b = (t.float() for t in params)
+    s = layer.scaling["default"]
+    xr = x.detach().reshape(-1, x.shape[-1])[idx].float()
+    gr = dy.reshape(-1, dy.shape[-1])[idx].float()
+    dh = s * (gr @ b)
+    ref = [gr @ w + dh @ a, dh.t() @ xr, s * gr.t() @ (xr @ a.t())]
+    pick = lambda g: [g[0].reshape(-1, g[0].shape[-1])[idx], g[1], g[2]]  # noqa: E731
+    names = ("dx", "dA", "dB")
+    return {v: {nm: rel(t, r) for nm, t, r in zip(names, pick(g), ref)} for v, g in (("dense", dense), ("sebp", ours))}
 
 
 # --------------------------------------------------------------------------- CUDA check

@@ -105,7 +105,7 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     dx = dw = db = da = dbb = None
     triton_path = _use_triton(x2, backend)
     if triton_path:
-        from .sebp_triton import gathered_mm, gathered_tn
+        from .sebp_triton import gathered_mm, gathered_tn, zero_rows
 
     dh = None
     if lora is not None and (want_dx or want_da or want_dbb):
@@ -144,7 +144,10 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
             if dh is not None:
                 part = part + dh.float() @ lora[0].float()
             dx.index_copy_(0, idx.long(), part.to(dx.dtype))
-        dx.index_fill_(0, rows.inactive.to(x2.device), 0)
+        if triton_path:
+            zero_rows(dx, rows.inactive.to(x2.device))
+        else:
+            dx.index_fill_(0, rows.inactive.to(x2.device), 0)
     if want_dw:
         if triton_path:
             dw = torch.empty_like(weight)

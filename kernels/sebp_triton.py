@@ -18,8 +18,13 @@ Speed trade-offs:
 - gathered_tn reduces over rows; when its output has few tiles (LoRA's [N, r] and
   [K, r]) the rows are split over programs into an fp32 buffer summed afterwards
   (deterministic, unlike atomics), so the GPU is filled at small ranks too.
-- fp32 operands use IEEE products (not tf32): LoRA factors are fp32 in PEFT and tf32
-  would cost ~1e-3 relative error; those products are skinny and memory-bound anyway.
+- fp32 operands (PEFT keeps LoRA factors in fp32) use tf32x3 products on the GPU: three
+  tensor-core passes give about fp32's accuracy (plain tf32 would cost ~1e-3 relative
+  error) at several times the rate of fp32 FMAs. The interpreter uses IEEE products.
+- The skinny products (outputs of width r) also split their reduction over programs
+  when they have few row tiles, for the same reason as gathered_tn.
+- Rows of dX outside R are zeroed by a store-only kernel over those rows, so every
+  element of dX is written exactly once (no memset of the whole tensor first).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def _mm_configs(skinny: bool):
     if skinny:
         return [
             triton.Config({"BLOCK_M": bm, "BLOCK_C": 16, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bk, w, s in [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (32, 256, 4, 3)]
+            for bm, bk, w, s in [(64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (32, 256, 4, 3)]
         ]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_C": bc, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
@@ -50,39 +55,44 @@ def _mm_configs(skinny: bool):
             (64, 256, 64, 4, 4),
             (256, 128, 64, 8, 3),
             (128, 256, 32, 8, 4),
+            (64, 128, 64, 4, 4),
         ]
     ]
 
 
 def _tn_configs(skinny: bool):
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_A": 16, "BLOCK_B": 16, "BLOCK_I": 16, "GROUP_A": 4})]
+    if _INTERPRET:  # both index-load orders are exercised by the tests' two kernels
+        return [triton.Config({"BLOCK_A": 16, "BLOCK_B": 16, "BLOCK_I": 16, "GROUP_A": 4, "PREFETCH": not skinny})]
     if skinny:
         return [
-            triton.Config({"BLOCK_A": ba, "BLOCK_B": 16, "BLOCK_I": bi, "GROUP_A": 8}, num_warps=w, num_stages=s)
-            for ba, bi, w, s in [(128, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3)]
+            triton.Config({"BLOCK_A": ba, "BLOCK_B": 16, "BLOCK_I": bi, "GROUP_A": 8, "PREFETCH": pf},
+                          num_warps=w, num_stages=s)
+            for ba, bi, w, s in [(128, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3)]
+            for pf in (False, True)
         ]
     return [
-        triton.Config({"BLOCK_A": ba, "BLOCK_B": bb, "BLOCK_I": bi, "GROUP_A": 8}, num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_A": ba, "BLOCK_B": bb, "BLOCK_I": bi, "GROUP_A": 8, "PREFETCH": pf},
+                      num_warps=w, num_stages=s)
         for ba, bb, bi, w, s in [
             (128, 256, 64, 8, 3),
             (128, 128, 64, 8, 4),
             (128, 128, 64, 4, 4),
             (256, 128, 64, 8, 3),
-            (64, 256, 64, 4, 4),
-            (128, 128, 32, 4, 4),
+            (128, 128, 32, 4, 5),
         ]
+        for pf in (False, True)
     ]
 
 
 @triton.jit
 def _gathered_mm_kernel(
     P, Idx, Q, D, E, Out,
-    n_rows, C, K, R,
+    n_rows, C, K, R, n_split,
     stride_pm, stride_pk, stride_qk, stride_qc,
-    stride_dm, stride_dr, stride_er, stride_ec, stride_om, stride_oc,
+    stride_dm, stride_dr, stride_er, stride_ec, stride_os, stride_om, stride_oc,
     rows_bucket,  # only an autotune key: best tiles differ between few and many rows
-    HAS_EXTRA: tl.constexpr, SCATTER: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, SCATTER: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -102,9 +112,16 @@ def _gathered_mm_kernel(
     c_ok = offs_c < C
     p_ptrs = P + rows[:, None] * stride_pm
     acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = 0
+    k_end = K
+    if SPLIT_K:  # skinny outputs (LoRA's [rows, r]) have few tiles: split the reduction too
+        chunk = tl.cdiv(tl.cdiv(K, n_split), BLOCK_K) * BLOCK_K
+        k_begin = tl.program_id(1) * chunk
+        k_end = tl.minimum(K, k_begin + chunk)
+        Out += tl.program_id(1).to(tl.int64) * stride_os
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < k_end
         p = tl.load(p_ptrs + offs_k[None, :] * stride_pk, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(
             Q + offs_k[:, None] * stride_qk + offs_c[None, :] * stride_qc,
@@ -112,7 +129,7 @@ def _gathered_mm_kernel(
             other=0.0,
         )
         if DOT_FP32:
-            acc = tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(p, q.to(p.dtype), acc)
     if HAS_EXTRA:  # LoRA's share of dX: (dY[R] B s) @ A, a rank-r update of the same tile
@@ -122,7 +139,7 @@ def _gathered_mm_kernel(
                     mask=i_ok[:, None] & r_ok[None, :], other=0.0)
         e = tl.load(E + offs_r[:, None] * stride_er + offs_c[None, :] * stride_ec,
                     mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        acc = tl.dot(d.to(tl.float32), e.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(d.to(tl.float32), e.to(tl.float32), acc, input_precision=PRECISION)
     if SCATTER:
         out_rows = rows
     else:
@@ -140,8 +157,9 @@ def _gathered_tn_kernel(
     n_rows, A, B, n_split,
     stride_pm, stride_pa, stride_qm, stride_qb, stride_os, stride_oa, stride_ob,
     rows_bucket,
-    GATHER_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+    GATHER_Q: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr, GROUP_A: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -161,10 +179,13 @@ def _gathered_tn_kernel(
     i_begin = split * chunk
     i_end = tl.minimum(n_rows, i_begin + chunk)
     acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    offs_i = i_begin + tl.arange(0, BLOCK_I)
+    rows = tl.load(Idx + offs_i, mask=offs_i < i_end, other=0).to(tl.int64)
     for i0 in range(i_begin, i_end, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
+        if not PREFETCH:
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            rows = tl.load(Idx + offs_i, mask=offs_i < i_end, other=0).to(tl.int64)
         i_ok = offs_i < i_end
-        rows = tl.load(Idx + offs_i, mask=i_ok, other=0).to(tl.int64)
         p = tl.load(P + rows[:, None] * stride_pm + offs_a[None, :] * stride_pa,
                     mask=i_ok[:, None] & a_ok[None, :], other=0.0)
         if GATHER_Q:
@@ -173,8 +194,13 @@ def _gathered_tn_kernel(
             q_rows = offs_i.to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qm + offs_b[None, :] * stride_qb,
                     mask=i_ok[:, None] & b_ok[None, :], other=0.0)
+        if PREFETCH:
+            # The next tile's row ids, one iteration ahead: the addresses of the next
+            # loads then do not wait on an index load, so the pipeliner can issue them early.
+            offs_i = offs_i + BLOCK_I
+            rows = tl.load(Idx + offs_i, mask=offs_i < i_end, other=0).to(tl.int64)
         if DOT_FP32:
-            acc = tl.dot(tl.trans(p.to(tl.float32)), q.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(tl.trans(p.to(tl.float32)), q.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(tl.trans(p), q.to(p.dtype), acc)
     tl.store(
@@ -184,7 +210,30 @@ def _gathered_tn_kernel(
     )
 
 
-_MM_KEY = ["C", "K", "rows_bucket", "DOT_FP32", "HAS_EXTRA"]
+@triton.jit
+def _zero_rows_kernel(Out, Idx, n_rows, C, stride_om, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < n_rows
+    rows = tl.load(Idx + offs_r, mask=r_ok, other=0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    zeros = tl.zeros((BLOCK_R, BLOCK_C), dtype=Out.dtype.element_ty)
+    tl.store(Out + rows[:, None] * stride_om + offs_c[None, :], zeros, mask=r_ok[:, None] & (offs_c < C)[None, :])
+
+
+def zero_rows(out, idx):
+    """out[idx] = 0 for a row-contiguous [rows, C] out: wide stores, one pass over those rows
+    (torch's index_fill_ took 2-5x the copy time on an H200)."""
+    n, C = idx.numel(), out.shape[1]
+    if n == 0:
+        return out
+    assert out.stride(1) == 1
+    block_c = 32 if _INTERPRET else 512
+    grid = (triton.cdiv(n, 16), triton.cdiv(C, block_c))
+    _zero_rows_kernel[grid](out, idx, n, C, out.stride(0), BLOCK_R=16, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+_MM_KEY = ["C", "K", "rows_bucket", "DOT_FP32", "HAS_EXTRA", "SPLIT_K"]
 _TN_KEY = ["A", "B", "rows_bucket", "DOT_FP32", "GATHER_Q"]
 
 
@@ -214,6 +263,22 @@ def _dot_fp32(*tensors) -> bool:
     return _INTERPRET or any(t.dtype == torch.float32 for t in tensors)
 
 
+def _launch(kernel, grid, *args, **kwargs):
+    """fp32 products use tf32x3 on the GPU (three tensor-core passes, about fp32's
+    accuracy, several times the speed of plain fp32 FMAs); IEEE if a Triton build lacks it."""
+    global _PRECISION
+    try:
+        kernel[grid](*args, PRECISION=_PRECISION, **kwargs)
+    except Exception:
+        if _PRECISION == "ieee" or not kwargs.get("DOT_FP32"):
+            raise
+        _PRECISION = "ieee"
+        kernel[grid](*args, PRECISION=_PRECISION, **kwargs)
+
+
+_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+
+
 def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
     """out[R[i] if scatter else i] = p[R[i]] @ q (+ d[i] @ e when extra=(d, e)).
 
@@ -225,16 +290,31 @@ def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
     d, e = extra if extra is not None else (out, out)  # placeholders, never read
     r = e.shape[0] if extra is not None else 1
     block_r = max(16, triton.next_power_of_2(r))
-    kernel = _mm_skinny if C <= 32 else _mm_wide
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_C"]),)  # noqa: E731
-    kernel[grid](
-        p, idx, q, d, e, out,
-        n, C, K, r,
+    skinny = C <= 32
+    # Few row tiles and a skinny output (LoRA's X[R] Aᵀ, dY[R] B at small f): split the
+    # reduction so the whole GPU works, summing fp32 partials afterwards (deterministic).
+    n_split = 1
+    if skinny and extra is None and not scatter:
+        n_split = max(1, min(triton.cdiv(2 * _num_sms(p.device), triton.cdiv(n, 64)), K // 256))
+        if _INTERPRET:  # keep the split path under test at the tests' small sizes
+            n_split = 2 if K >= 32 else 1
+    target = out if n_split == 1 else torch.empty((n_split, n, C), device=p.device, dtype=torch.float32)
+    so = 0 if n_split == 1 else target.stride(0)
+    som, soc = (out.stride(0), out.stride(1)) if n_split == 1 else (target.stride(1), target.stride(2))
+    kernel = _mm_skinny if skinny else _mm_wide
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_C"]), n_split)  # noqa: E731
+    _launch(
+        kernel, grid,
+        p, idx, q, d, e, target,
+        n, C, K, r, n_split,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-        d.stride(0), d.stride(1), e.stride(0), e.stride(1), out.stride(0), out.stride(1),
+        d.stride(0), d.stride(1), e.stride(0), e.stride(1), so, som, soc,
         _bucket(n),
-        HAS_EXTRA=extra is not None, SCATTER=scatter, DOT_FP32=_dot_fp32(p, q), BLOCK_R=block_r,
+        HAS_EXTRA=extra is not None, SCATTER=scatter, DOT_FP32=_dot_fp32(p, q), SPLIT_K=n_split > 1,
+        BLOCK_R=block_r,
     )
+    if n_split > 1:
+        torch.sum(target, 0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
     return out
 
 
@@ -252,12 +332,13 @@ def gathered_tn(p, idx, q, out, gather_q: bool):
     skinny = B <= 32
     # Split the row reduction only when the output alone cannot fill the GPU.
     tiles = triton.cdiv(A, 128) * triton.cdiv(B, 16 if skinny else 128)
-    n_split = max(1, min(triton.cdiv(2 * _num_sms(p.device), tiles), n // 512 if not _INTERPRET else 2))
+    n_split = max(1, min(triton.cdiv(2 * _num_sms(p.device), tiles), n // 128 if not _INTERPRET else 2))
     target = out if n_split == 1 else torch.empty((n_split, A, B), device=p.device, dtype=torch.float32)
     so, sa, sb = (0, out.stride(0), out.stride(1)) if n_split == 1 else target.stride()
     kernel = _tn_skinny if skinny else _tn_wide
     grid = lambda meta: (triton.cdiv(A, meta["BLOCK_A"]) * triton.cdiv(B, meta["BLOCK_B"]), n_split)  # noqa: E731
-    kernel[grid](
+    _launch(
+        kernel, grid,
         p, idx, q, target,
         n, A, B, n_split,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), so, sa, sb,
