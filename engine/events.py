@@ -13,6 +13,8 @@ Types and their fields (fields a method does not have are left out):
 - `eval`      step, and the method's held-out metrics: eval_loss (SFT),
               pass@1 / pass@k / success_rate (F-GRPO), reward (ESSA)
 - `candidate` ESSA only: generation, index, fitness, seconds
+- `warm_start` ESSA only: an event of the warm-start SFT run (in `<run>/warm_start/`),
+              its own type in `event`, its other fields unchanged
 - `checkpoint` step, path
 - `sample`    step, prompt, completion, reward (optional)
 - `warning`   message

@@ -388,3 +388,10 @@ def validate(cfg: Config) -> None:
             _positive(f"essa.{name}", getattr(cfg.essa, name))
         if not 0 < cfg.essa.alpha <= 1:
             raise ConfigError(f"essa.alpha must be in (0, 1], got {cfg.essa.alpha}")
+        if not cfg.essa.warm_start:
+            _positive("essa.warm_start_steps (or set essa.warm_start to an adapter folder)", cfg.essa.warm_start_steps)
+        if not cfg.essa.greedy:
+            _positive("essa.temperature", cfg.essa.temperature)
+        for name in ("candidates_per_batch", "eval_every", "eval_prompts"):
+            if getattr(cfg.essa, name) < 0:
+                raise ConfigError(f"essa.{name} must be >= 0, got {getattr(cfg.essa, name)}")

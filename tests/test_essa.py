@@ -181,3 +181,17 @@ def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):
     cfg = config(tiny, tmp_path, warm_start=str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="essa.warm_start"):
         run_essa(cfg, tmp_path / "bad")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("essa.warm_start_steps=0", "essa.warm_start_steps"),
+    ("essa.eval_prompts=-1", "essa.eval_prompts"),
+    ("essa.export=worst", "essa.export"),
+    ("essa.evaluation=parallel", "essa.evaluation"),
+    ("essa.alpha=0", "essa.alpha"),
+])
+def test_bad_essa_settings_name_the_setting(override, message):
+    from edgetune.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve(preset="essa-quickstart", overrides=[override])
