@@ -123,7 +123,7 @@ def load_tokenizer(path: str):
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except OSError as e:
+    except (OSError, ValueError, TypeError) as e:
         raise ModelError(_not_found(path, e)) from None
     _fix_special_tokens(tok)
     return tok
@@ -154,24 +154,32 @@ def quantization_config(ms: ModelSettings, dtype):
     return None
 
 
-def load_base(ms: ModelSettings):
-    """(model, tokenizer, path): the frozen base model, quantised as `ms.quant` says."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def check_model(ms: ModelSettings) -> str:
+    """Resolve the model to a loadable path and check it is a causal LM, without loading
+    any weights (cheap: only config.json is read)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = resolve_model_path(ms.name)
-    device = resolve_device(ms)
-    dtype = compute_dtype(ms, device)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=ms.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(_not_found(path, e)) from None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not ms.trust_remote_code:
         raise ModelError(
             f"{ms.name}: architecture '{config.model_type}' is not a causal language model "
             "that transformers can load (edgetune trains decoder-only LMs)"
         )
+    return path
+
+
+def load_base(ms: ModelSettings):
+    """(model, tokenizer, path): the frozen base model, quantised as `ms.quant` says."""
+    from transformers import AutoModelForCausalLM
+
+    path = check_model(ms)
+    device = resolve_device(ms)
+    dtype = compute_dtype(ms, device)
     tok = load_tokenizer(path)
     kwargs = dict(dtype=dtype, attn_implementation=ms.attn_implementation, trust_remote_code=ms.trust_remote_code)
     q = quantization_config(ms, dtype)

@@ -74,14 +74,16 @@ def train(ctx: RunContext) -> dict:
     seed_everything(cfg.run.seed)
     t0 = time.time()
 
-    model, tok, base_path = model_lib.load(cfg)
-    device = model_lib.resolve_device(cfg.model)
+    # Validate the data (needs only the tokenizer) before spending time on the model.
+    tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
     data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
         from .errors import DataError
 
         raise DataError("no training rows left after validation", file=cfg.data.path)
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
 
     optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
