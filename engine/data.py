@@ -604,38 +604,47 @@ def _rl_rows(rows: list[dict], fmt: str, ds: DataSettings, file: str) -> list[di
         answer = _text(row, "answer", file, n)
         if not answer.strip():
             raise DataError("'answer' is empty", file=file, row=n)
+        # Prompts stay as written; the rollouts add data.system_prompt when they render.
         prompt = row.get("prompt")
         if isinstance(prompt, list):
             prompt = _messages(prompt, "prompt", file, n)
-            if ds.system_prompt and prompt[0]["role"] != "system":
-                prompt = [{"role": "system", "content": ds.system_prompt}] + prompt
         else:
             prompt = _text(row, "prompt", file, n)
             if not prompt.strip():
                 raise DataError("'prompt' is empty", file=file, row=n)
-            if ds.system_prompt:
-                prompt = [{"role": "system", "content": ds.system_prompt}, {"role": "user", "content": prompt}]
         out.append({**row, "prompt": prompt, "answer": answer})
     return out
 
 
-def _prompt_length(prompt, tokenizer) -> int:
+def _prompt_lengths(rows: list[dict], tokenizer, system_prompt: str, file: str) -> list[int]:
+    """Prompt lengths as the rollouts will see them: in tokens through the chat template
+    with the generation prompt (and data.system_prompt where a prompt has no system turn),
+    or as plain text without a template; in characters without a tokenizer."""
     if tokenizer is None:
-        return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
-    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if _has_template(tokenizer):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return len(_encode(tokenizer, [text])[0])
-    return len(tokenizer("\n".join(m["content"] for m in msgs))["input_ids"])
+        return [len(p) if isinstance(p, str) else sum(len(m["content"]) for m in p)
+                for p in (r["prompt"] for r in rows)]
+    if not _has_template(tokenizer):
+        for n, r in enumerate(rows, start=1):
+            if not isinstance(r["prompt"], str):
+                raise DataError("a prompt given as chat messages needs a tokenizer with a chat template",
+                                file=file, row=n)
+        return [len(ids) for ids in _encode(tokenizer, [r["prompt"] for r in rows], special=True)]
+    texts = []
+    for n, r in enumerate(rows, start=1):
+        msgs = r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
+        if system_prompt and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": system_prompt}] + msgs
+        texts.append(_render(tokenizer, msgs, True, file, n))
+    return [len(ids) for ids in _encode(tokenizer, texts)]
 
 
-def _drop_long_prompts(rows: list[dict], tokenizer, max_len: int, dropped: dict) -> list[tuple[dict, int]]:
-    """(row, prompt length) pairs; with a tokenizer, prompts over max_len are dropped (cutting
-    a question makes it unanswerable, so `overlong: truncate` drops them too)."""
+def _drop_long_prompts(rows: list[dict], tokenizer, ds: DataSettings, file: str,
+                       dropped: dict) -> list[tuple[dict, int]]:
+    """(row, prompt length) pairs; with a tokenizer, prompts over max_seq_len are dropped
+    (cutting a question makes it unanswerable, so `overlong: truncate` drops them too)."""
     out = []
-    for r in rows:
-        n = _prompt_length(r["prompt"], tokenizer)
-        if tokenizer is not None and n > max_len:
+    for r, n in zip(rows, _prompt_lengths(rows, tokenizer, ds.system_prompt, file)):
+        if tokenizer is not None and n > ds.max_seq_len:
             dropped[DROP_LONG_PROMPT] = dropped.get(DROP_LONG_PROMPT, 0) + 1
             continue
         out.append((r, n))
@@ -649,13 +658,13 @@ def load_rl(ds: DataSettings, seed: int, tokenizer=None) -> RLData:
     rows = read_rows(ds.path, ds.max_rows)
     fmt = _format_for(rows, ds, ds.path)
     dropped: dict[str, int] = {}
-    train = _drop_long_prompts(_rl_rows(rows, fmt, ds, ds.path), tokenizer, ds.max_seq_len, dropped)
+    train = _drop_long_prompts(_rl_rows(rows, fmt, ds, ds.path), tokenizer, ds, ds.path, dropped)
     total = len(rows)
     eval_file = _eval_source(ds)
     if eval_file:
         eval_rows = read_rows(eval_file)
         evals = _rl_rows(eval_rows, _format_for(eval_rows, ds, eval_file), ds, eval_file)
-        evals = _drop_long_prompts(evals, tokenizer, ds.max_seq_len, dropped)
+        evals = _drop_long_prompts(evals, tokenizer, ds, eval_file, dropped)
         total += len(eval_rows)
     else:
         train, evals = _split(train, ds.eval_fraction, seed)

@@ -173,8 +173,18 @@ def test_system_prompt_replaces_the_template_default(tok, tmp_path):
     text = tok.decode(ex.input_ids)
     assert text.startswith("<|im_start|>system\nOnly digits.<|im_end|>") and "SmolLM" not in text
     assert targets(tok, ex) == "Answer: 1<|im_end|>"
-    r = D.load_rl(DataSettings(path="embedded:arith-rl", system_prompt="Only digits."), seed=0)
-    assert r.train[0]["prompt"][0] == {"role": "system", "content": "Only digits."}
+
+
+def test_rl_prompt_lengths_match_what_rollouts_render(tok):
+    from edgetune.engine.rollouts import render_prompts
+
+    for system in ("", "Only digits."):
+        r = D.load_rl(DataSettings(path="embedded:arith-rl", system_prompt=system), seed=0, tokenizer=tok)
+        assert r.train[0]["prompt"] == "What is 0 plus 0?"  # as written; rollouts add the system turn
+        lengths = [len(ids) for ids in render_prompts(tok, [x["prompt"] for x in r.train + r.eval], system)]
+        assert r.report.token_lengths["min"] == min(lengths) and r.report.token_lengths["max"] == max(lengths)
+        assert sum(r.report.histogram["counts"]) == 100
+    assert r.report.token_lengths["max"] < 30  # the short system turn replaced SmolLM's default one
 
 
 def test_tokenizer_without_chat_template_masks_the_prompt(tok, tmp_path):
