@@ -364,8 +364,8 @@ def test_wrong_types_name_the_row(tok, tmp_path):
     rows = ROWS["alpaca"][:1] + [{"instruction": ["a", "b"], "output": "x"}]
     bad("'instruction' must be a string, got list", sft(tok, write(rows, tmp_path / "a.jsonl")), row=2)
     rows = [{"prompt": {"text": "hi"}, "answer": "1"}]
-    bad("'prompt' must be a string, got dict", lambda: D.load_rl(DataSettings(path=write(rows, tmp_path / "r.jsonl")), 0),
-        row=1)
+    path = write(rows, tmp_path / "r.jsonl")
+    bad("'prompt' must be a string, got dict", lambda: D.load_rl(DataSettings(path=path), 0), row=1)
 
 
 def test_rl_rows_without_answer(tmp_path):
@@ -401,3 +401,14 @@ def test_gzip_columnar_json_and_max_rows(tmp_path):
     (tmp_path / "wrapped.json").write_text(json.dumps({"data": ROWS["rl"]}))
     assert D.read_rows(str(tmp_path / "wrapped.json"), max_rows=3) == ROWS["rl"][:3]
     assert len(D.read_rows("embedded:arith-sft", max_rows=7)) == 7
+
+
+def test_nothing_left_after_length_limits_is_an_error(tok, tmp_path):
+    path = write(ROWS["prompt_completion"], tmp_path / "p.jsonl")
+    bad(r"no rows left to train on after checking 4 \(4 longer than max_seq_len\)",
+        sft(tok, path, max_seq_len=8, overlong="drop"))
+    bad(r"no rows left to train on after checking 4 \(4 no target tokens left after truncation\)",
+        sft(tok, path, max_seq_len=8))
+    rl = write(ROWS["rl"], tmp_path / "r.jsonl")
+    bad("no prompts left to train on",
+        lambda: D.load_rl(DataSettings(path=rl, max_seq_len=8), seed=0, tokenizer=tok))
