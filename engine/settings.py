@@ -117,6 +117,10 @@ class SFTSettings:
     # Exact sparsity-exploiting backward (kernels/): skips padding and prompt rows in the
     # backward of every linear layer. None = on when CUDA is present.
     sebp: Any = None
+    # Padding-free batches (engine/packing.py): a micro-batch's rows laid end to end in one
+    # row, position ids restarting at each row, a block-diagonal causal mask. No compute or
+    # memory is spent on padding in the forward either; same loss as the padded batch.
+    packing: bool = False
 
 
 @dataclass

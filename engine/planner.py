@@ -1,0 +1,584 @@
+"""Memory planner: predict the peak GPU memory of an SFT / F-GRPO / ESSA configuration
+before anything is loaded, and say whether it fits.
+
+Imports no torch (the UI process calls it on every widget change): the model's shape
+comes from its `config.json` read with `json`, and the GPU's memory from `nvidia-smi`
+(a CUDA context in the UI process would itself take ~0.5 GiB of the card).
+
+What is counted, in bytes, following what the engine actually does:
+
+- weights: linear layers of the blocks in NF4 (0.5 byte/param, + 1 byte per 64-block
+  absmax with double quantisation, + an fp32 absmax per 256 blocks), int8 (1 byte/param
+  + an fp32 scale per output row) or plain `dtype`. Embeddings, norms, biases and an
+  untied lm_head stay unquantised; PEFT's `prepare_model_for_kbit_training` (which
+  engine/model.add_lora runs on a quantised base) casts them to fp32, so they cost
+  4 bytes/param there, and the residual stream that starts at the fp32 embedding then
+  runs in fp32 too (activations and KV cache at 4 bytes).
+- LoRA: r·(in + out) parameters per targeted projection, fp32; their gradients (fp32);
+  optimizer state: paged 8-bit AdamW 2 bytes/param (+ block statistics), AdamW 8.
+- activations of one micro-batch (B x T tokens): with gradient checkpointing each layer
+  keeps only its input ([tokens, hidden]) and one layer at a time is recomputed in the
+  backward (its full activations + gradient buffers + the dequantised weight: the
+  "recompute" transient); without it every layer keeps everything. Attention runs
+  through sdpa / flash kernels: no seq² score matrix, only a boolean [B, T, T] mask when
+  rows are padded or packed.
+- logits: engine/lm_loss computes them only at labelled positions in checkpointed
+  chunks of 2,048 rows; the backward of one chunk holds about three [chunk, vocab] fp32
+  buffers (logits, log-softmax, its gradient). The peak holds either this or the layer
+  recompute, not both (the head's backward finishes before the last layer's recompute).
+- F-GRPO: the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
+  and prefill, or the policy update on micro_batch_size rows, whichever is larger.
+- ESSA: inference only (no gradients, no optimizer state), plus K stacked LoRA copies
+  when candidates share a batch, plus the warm-start SFT when it runs first.
+- overhead: the CUDA context (outside PyTorch's allocator; nvidia-smi sees it) and the
+  caching allocator's slack (fragmentation, rounding to blocks).
+
+`allocated_peak` is the part `torch.cuda.max_memory_allocated` sees (tensors only, no
+context, no slack, no paged optimizer state, which lives in CUDA managed memory);
+bench/planner_check.py compares it with measurements. The formulas are first-order:
+they aim at ±15% on the tensors, which is what deciding "fits / does not fit" needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import ModelError
+from .settings import EMBEDDED_MODEL, Config
+
+GiB = 1024**3
+LOSS_CHUNK_ROWS = 2048  # engine/lm_loss.sparse_ce_loss's default
+CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
+ALLOCATOR_FIXED = 256 * 1024**2
+ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
+# without converting its GGUF file first (that conversion needs torch).
+EMBEDDED_CONFIG = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+}
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+@dataclass
+class Arch:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    experts: int = 0  # MoE: routed experts per layer (0 = dense)
+    experts_per_token: int = 0
+    model_type: str = ""
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (in_features, out_features, copies per layer)."""
+        h, i, e = self.hidden, self.intermediate, max(self.experts, 1)
+        return {
+            "q_proj": (h, self.q_dim, 1), "k_proj": (h, self.kv_dim, 1), "v_proj": (h, self.kv_dim, 1),
+            "o_proj": (self.q_dim, h, 1), "gate_proj": (h, i, e), "up_proj": (h, i, e), "down_proj": (i, h, e),
+        }
+
+
+def _first(d: dict, *keys, default=None):
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+def arch_from_config(c: dict) -> Arch:
+    """Arch from a config.json dict (Llama / Qwen / Mistral / Gemma names, GPT-style aliases)."""
+    if "text_config" in c and "hidden_size" not in c:
+        c = {**c["text_config"], "tie_word_embeddings": c.get("tie_word_embeddings", False)}
+    h = _first(c, "hidden_size", "n_embd", "d_model")
+    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(c, "num_attention_heads", "n_head")
+    vocab = c.get("vocab_size")
+    if not all((h, layers, heads, vocab)):
+        raise ModelError("config.json lacks hidden size, layer count, head count or vocab size: cannot plan")
+    mt = c.get("model_type", "")
+    experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0
+    inter = _first(c, "moe_intermediate_size", default=None) if experts else None
+    inter = inter or _first(c, "intermediate_size", "n_inner", "ffn_dim", default=4 * h)
+    return Arch(
+        hidden=h, intermediate=inter, layers=layers, heads=heads,
+        kv_heads=_first(c, "num_key_value_heads", default=heads), head_dim=_first(c, "head_dim", default=h // heads),
+        vocab=vocab, tied=bool(c.get("tie_word_embeddings", False)),
+        # Qwen2 puts biases on q, k, v without a config key; Llama's `attention_bias` covers q, k, v, o.
+        qkv_bias=mt.startswith("qwen2") or bool(c.get("attention_bias")), o_bias=bool(c.get("attention_bias")),
+        mlp_bias=bool(c.get("mlp_bias")), experts=experts,
+        experts_per_token=_first(c, "num_experts_per_tok", "moe_top_k", default=0) or 0, model_type=mt,
+    )
+
+
+def _hub_cached_config(name: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    hit = try_to_load_from_cache(name, "config.json")
+    return Path(hit) if isinstance(hit, str) else None
+
+
+def read_model_config(name: str) -> dict:
+    """config.json of a model folder, the embedded model, a GGUF's cached conversion, or a
+    hub id already in the local Hugging Face cache."""
+    if name == EMBEDDED_MODEL:
+        return dict(EMBEDDED_CONFIG)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        f = p / "config.json"
+        if not f.is_file():
+            raise ModelError(f"{name}: not a Hugging Face model folder (no config.json)")
+        return json.loads(f.read_text())
+    if p.suffix == ".gguf":
+        from .model import cache_dir  # light: model.py imports torch only inside its functions
+
+        hits = sorted((cache_dir() / "gguf").glob(f"{p.stem}-*/config.json"))
+        if hits:
+            return json.loads(hits[-1].read_text())
+        raise ModelError(f"{name}: a GGUF file is planned after its first load (its shape is read then)")
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelError(f"model path does not exist: {name}")
+    hit = _hub_cached_config(name)
+    if hit is not None:
+        return json.loads(hit.read_text())
+    raise ModelError(f"model '{name}' is not in the local Hugging Face cache and the hub is not "
+                     "contacted to plan: download it first, or give a local folder with its config.json")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of GPU 0 from nvidia-smi, or None without one. No torch, no CUDA
+    context in the calling process."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+        free, total = (int(float(x)) * 1024**2 for x in out.splitlines()[0].split(","))
+        return free, total
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_memory_torch() -> tuple[int, int] | None:
+    """(free, total) through torch, for a process that already holds a CUDA context."""
+    import torch
+
+    return torch.cuda.mem_get_info() if torch.cuda.is_available() else None
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@dataclass
+class Ctx:
+    """What the engine will do with this config, reduced to numbers."""
+
+    arch: Arch
+    quant: str
+    device: str
+    compute_bytes: int  # bf16 on CUDA by default
+    param_bytes: int  # unquantised parameters (embeddings, norms, biases, lm_head)
+    act_bytes: int  # residual stream / activations / KV cache
+    targets: tuple[str, ...]
+    r: int
+    checkpointing: bool
+    optimizer: str
+
+
+def _dtype_bytes(dtype: str, device: str) -> int:
+    if dtype == "auto":
+        return 2 if device.startswith("cuda") else 4
+    return {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+
+
+def _targets(target_modules, notes: list) -> tuple[str, ...]:
+    if target_modules in ("all-linear", None, ""):
+        return PROJECTIONS
+    names = target_modules.split(",") if isinstance(target_modules, str) else list(target_modules)
+    names = [n.strip() for n in names]
+    known = tuple(n for n in PROJECTIONS if n in names)
+    if len(known) < len(names):
+        notes.append(f"LoRA targets not sized (unknown names): {sorted(set(names) - set(known))}")
+    return known
+
+
+def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
+    notes: list[str] = []
+    arch = arch_from_config(read_model_config(cfg.model.name))
+    c = _dtype_bytes(cfg.model.dtype, device)
+    quantised = cfg.model.quant in ("nf4", "int8")
+    p = 4 if quantised else c  # prepare_model_for_kbit_training upcasts the unquantised params
+    opt = optimizer
+    if opt == "auto":
+        opt = "paged_adamw_8bit" if device.startswith("cuda") else "adamw"
+    if arch.experts:
+        notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
+    ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
+              cfg.model.gradient_checkpointing, opt)
+    return ctx, notes
+
+
+def weight_bytes(ctx: Ctx) -> int:
+    a = ctx.arch
+    linear = 0
+    n_linear = 0
+    bias = 0
+    for name, (i, o, copies) in a.projections().items():
+        linear += i * o * copies
+        n_linear += copies
+        has_bias = a.qkv_bias if name in ("q_proj", "k_proj", "v_proj") else (
+            a.o_bias if name == "o_proj" else a.mlp_bias)
+        bias += o * copies if has_bias else 0
+    linear *= a.layers
+    n_linear *= a.layers
+    if ctx.quant == "nf4":
+        blocks = linear / 64
+        # 4-bit codes + uint8 absmax per block (double quant) + fp32 absmax per 256 blocks
+        # + the two code tables (16 and 256 fp32) each layer keeps.
+        q = linear / 2 + blocks + blocks / 256 * 4 + n_linear * (16 + 256) * 4
+    elif ctx.quant == "int8":
+        q = linear + sum(o * cp for _, o, cp in a.projections().values()) * a.layers * 4
+    else:
+        q = linear * ctx.compute_bytes
+    router = a.layers * a.hidden * a.experts if a.experts else 0
+    norms = (2 * a.layers + 1) * a.hidden
+    embed = a.vocab * a.hidden * (1 if a.tied else 2)
+    return int(q + (bias * a.layers + norms + embed + router) * ctx.param_bytes)
+
+
+def lora_params(ctx: Ctx) -> int:
+    per_layer = sum(ctx.r * (i + o) * cp for n, (i, o, cp) in ctx.arch.projections().items() if n in ctx.targets)
+    return per_layer * ctx.arch.layers
+
+
+def optimizer_bytes(opt: str, n: int) -> int:
+    if opt in ("paged_adamw_8bit", "adamw_8bit"):
+        # two uint8 states + an fp32 max per 256-value block for each (bitsandbytes' blockwise 8-bit)
+        return int(n * 2 + 2 * n / 256 * 4)
+    return n * 8  # AdamW: fp32 exp_avg and exp_avg_sq
+
+
+def _mlp_width(a: Arch) -> int:
+    return a.intermediate * (a.experts_per_token or 1)
+
+
+def layer_activation_bytes(ctx: Ctx, tokens: int) -> int:
+    """What one decoder layer keeps for its backward (no checkpointing), for `tokens` tokens:
+    the two RMSNorms (normalised input, output), q / k / v, their rotary outputs and
+    rotate_half halves, the attention output and its transposed copy, gate, up, act(gate),
+    act * up; LoRA's rank-r intermediates. A bf16 residual also keeps the norms' fp32 upcast."""
+    a, b = ctx.arch, ctx.act_bytes
+    i = _mlp_width(a)
+    per_tok = b * (4 * a.hidden + 4 * a.q_dim + 4 * a.kv_dim + 4 * i) + len(ctx.targets) * ctx.r * b
+    if b < 4:
+        per_tok += 2 * 2 * a.hidden * 4
+    return tokens * per_tok
+
+
+def dequant_transient(ctx: Ctx) -> int:
+    """bitsandbytes dequantises the widest weight to compute dtype for each matmul."""
+    if ctx.quant == "none":
+        return 0
+    return max(i * o for i, o, _ in ctx.arch.projections().values()) * ctx.compute_bytes
+
+
+def recompute_bytes(ctx: Ctx, tokens: int) -> int:
+    """Backward of one layer: its activations (recomputed when checkpointing), gradient
+    buffers about two [tokens, intermediate] wide, the input cast to compute dtype, and the
+    dequantised weight."""
+    a = ctx.arch
+    grads = tokens * 2 * _mlp_width(a) * ctx.act_bytes
+    cast = tokens * _mlp_width(a) * ctx.compute_bytes if ctx.act_bytes != ctx.compute_bytes else 0
+    layer = layer_activation_bytes(ctx, tokens) if ctx.checkpointing else 0
+    return layer + grads + cast + dequant_transient(ctx)
+
+
+def head_bytes(ctx: Ctx, labelled: int) -> int:
+    """Backward of one loss chunk: logits, log-softmax and its gradient, fp32 ([chunk, vocab]);
+    a bf16 residual adds the bf16 logits before the upcast."""
+    rows = min(LOSS_CHUNK_ROWS, labelled)
+    per = ctx.arch.vocab * (3 * 4 + (ctx.act_bytes if ctx.act_bytes < 4 else 0))
+    return rows * per
+
+
+def mask_bytes(rows: int, seq: int, masked: bool) -> int:
+    """sdpa gets a boolean [B, 1, T, T] mask when rows are padded or packed (never a float one)."""
+    return rows * seq * seq if masked else 0
+
+
+def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int) -> dict:
+    """Saved activations and the peak transient of one forward+backward."""
+    a = ctx.arch
+    tokens = rows * seq
+    if ctx.checkpointing:
+        saved = a.layers * tokens * a.hidden * ctx.act_bytes
+    else:
+        saved = a.layers * layer_activation_bytes(ctx, tokens)
+    # final norm (2 x [tokens, hidden]), the gathered labelled rows, the hidden states' gradient
+    saved += (3 * tokens + labelled) * a.hidden * ctx.act_bytes
+    saved += mask_bytes(rows, seq, rows > 1)
+    head = head_bytes(ctx, labelled)
+    layer = recompute_bytes(ctx, tokens)
+    return {"activations": saved, "transient": max(head, layer), "logits_chunk": head, "layer_recompute": layer}
+
+
+def kv_cache_bytes(ctx: Ctx, rows: int, seq: int) -> int:
+    # DynamicCache grows by concatenation: one layer's cache is briefly held twice.
+    per = 2 * ctx.arch.kv_dim * ctx.act_bytes * rows * seq
+    return per * (ctx.arch.layers + 1)
+
+
+def prefill_bytes(ctx: Ctx, rows: int, prompt: int) -> int:
+    """Widest transient of an inference forward over the prompts: one layer's working set
+    (nothing is kept between layers), the left-padding mask, last-position logits."""
+    a = ctx.arch
+    tokens = rows * prompt
+    layer = tokens * (3 * a.hidden + a.q_dim + 2 * a.kv_dim + 3 * _mlp_width(a)) * ctx.act_bytes
+    return layer + mask_bytes(rows, prompt, True) + rows * a.vocab * 4 * 2 + dequant_transient(ctx)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def _static(ctx: Ctx, train: bool) -> dict:
+    n = lora_params(ctx)
+    return {
+        "weights": weight_bytes(ctx),
+        "lora": n * 4,
+        "lora_grads": n * 4 if train else 0,
+        "optimizer": optimizer_bytes(ctx.optimizer, n) if train else 0,
+    }
+
+
+def _plan_sft(cfg: Config, ctx: Ctx) -> dict:
+    rows, seq = cfg.sft.batch_size, cfg.data.max_seq_len
+    if getattr(cfg.sft, "packing", False):
+        rows, seq = 1, cfg.sft.batch_size * cfg.data.max_seq_len  # one row, block-diagonal mask
+        parts = train_activation_parts(ctx, 1, seq, seq)
+        parts["activations"] += mask_bytes(1, seq, True) - mask_bytes(1, seq, False)
+    else:
+        parts = train_activation_parts(ctx, rows, seq, rows * seq)
+    return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens"}
+
+
+def _plan_fgrpo(cfg: Config, ctx: Ctx) -> dict:
+    s = cfg.fgrpo
+    prompt = cfg.data.max_seq_len
+    roll_rows = s.prompts_per_step * s.num_generations
+    seq = prompt + s.max_new_tokens
+    kv = kv_cache_bytes(ctx, roll_rows, seq)
+    prefill = prefill_bytes(ctx, roll_rows, prompt)
+    mb = min(s.micro_batch_size, roll_rows)
+    train = train_activation_parts(ctx, mb, seq, mb * s.max_new_tokens)
+    static = _static(ctx, True)
+    if kv + prefill >= train["activations"] + train["transient"]:
+        parts = {"activations": 0, "transient": prefill, "kv_cache": kv, "phase": "rollout"}
+    else:
+        parts = {"activations": train["activations"], "transient": train["transient"], "kv_cache": 0,
+                 "phase": "policy update"}
+    parts.update(rollout_kv_cache=kv, rollout_prefill=prefill, update_activations=train["activations"],
+                 update_transient=train["transient"],
+                 shape=f"rollout {roll_rows} x ({prompt} + {s.max_new_tokens}); update {mb} x {seq}")
+    return {**static, **parts}
+
+
+def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
+    s = cfg.essa
+    if s.evaluation != "batched":
+        return 1
+    if s.candidates_per_batch:
+        return s.candidates_per_batch
+    if gpu_free is None:
+        return s.population  # no card known: the whole population, the CPU's rule
+    # engine/essa.auto_candidates_per_batch's rule: as many as fit in half the free memory.
+    seq = cfg.data.max_seq_len + s.max_new_tokens
+    per_row = kv_cache_bytes(ctx, 1, seq) + prefill_bytes(ctx, 1, cfg.data.max_seq_len)
+    per_candidate = s.prompts_per_generation * per_row + lora_params(ctx) * 4
+    return max(1, min(s.population, int(0.5 * gpu_free // per_candidate)))
+
+
+def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
+    s = cfg.essa
+    k = _essa_k(cfg, ctx, gpu_free)
+    rows = s.prompts_per_generation * k
+    prompt = cfg.data.max_seq_len
+    static = _static(ctx, False)
+    n = lora_params(ctx)
+    # the SVD search space keeps U, V of both factors (about two adapters' worth), and a
+    # batched pass stacks K candidates' rebuilt factors.
+    static["lora"] += 2 * n * 4 + (k * n * 4 if k > 1 else 0)
+    out = {**static, "activations": 0, "transient": prefill_bytes(ctx, rows, prompt),
+           "kv_cache": kv_cache_bytes(ctx, rows, prompt + s.max_new_tokens), "candidates_per_batch": k,
+           "shape": f"{rows} rows ({k} candidate(s) x {s.prompts_per_generation} prompts) x "
+                    f"({prompt} + {s.max_new_tokens})"}
+    return out
+
+
+ADDITIVE = ("weights", "lora", "lora_grads", "optimizer", "activations", "transient", "kv_cache")
+
+
+def _finish(plan: dict, ctx: Ctx) -> dict:
+    tensors = sum(int(plan[k]) for k in ADDITIVE)
+    dynamic = plan["activations"] + plan["transient"] + plan["kv_cache"]
+    plan["allocator_overhead"] = int(ALLOCATOR_FIXED + ALLOCATOR_SLACK * dynamic) if ctx.device.startswith("cuda") else 0
+    plan["cuda_context"] = CUDA_CONTEXT if ctx.device.startswith("cuda") else 0
+    paged = plan["optimizer"] if ctx.optimizer.startswith("paged") else 0
+    plan["allocated_peak"] = tensors - paged
+    plan["parts"] = list(ADDITIVE) + ["allocator_overhead", "cuda_context"]
+    plan["total"] = sum(int(plan[k]) for k in plan["parts"])
+    for k in plan["parts"] + ["total", "allocated_peak"]:
+        plan[k] = int(plan[k])
+    return plan
+
+
+def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, list]:
+    opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
+    ctx, notes = make_ctx(cfg, device, opt)
+    if cfg.method == "sft":
+        plan = _plan_sft(cfg, ctx)
+    elif cfg.method == "fgrpo":
+        plan = _plan_fgrpo(cfg, ctx)
+    else:
+        plan = _plan_essa(cfg, ctx, gpu_free)
+        if not cfg.essa.warm_start:
+            # the warm start is a short SFT on the same model before the search
+            warm = copy.deepcopy(cfg)
+            warm.method = "sft"
+            warm.sft = replace(cfg.sft, steps=cfg.essa.warm_start_steps)
+            wplan, _, _ = _plan(warm, device, gpu_free)
+            wplan = _finish(wplan, ctx)
+            plan["warm_start_total"] = wplan["total"]
+            if wplan["total"] > sum(int(plan[k]) for k in ADDITIVE):
+                notes.append("the warm-start SFT is the peak (essa.warm_start unset)")
+                plan = {**wplan, "candidates_per_batch": plan["candidates_per_batch"],
+                        "warm_start_total": wplan["total"], "phase": "warm-start SFT"}
+    return _finish(plan, ctx), ctx, notes
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def _gib(x: int) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
+    """Single changes that lower memory, most effective first where it does not cost quality."""
+    out = []
+    if cfg.model.quant != "nf4":
+        c = copy.deepcopy(cfg)
+        c.model.quant = "nf4"
+        out.append(("quant nf4", c))
+    if not cfg.model.gradient_checkpointing and cfg.method != "essa":
+        c = copy.deepcopy(cfg)
+        c.model.gradient_checkpointing = True
+        out.append(("gradient checkpointing", c))
+    if cfg.method == "essa" and cfg.essa.evaluation == "batched":
+        k = cfg.essa.candidates_per_batch or cfg.essa.population
+        while k > 1:
+            k //= 2
+            c = copy.deepcopy(cfg)
+            c.essa.candidates_per_batch = k
+            out.append((f"fewer candidates per batch (essa.candidates_per_batch={k})", c))
+    batch = {"sft": ("sft", "batch_size"), "fgrpo": ("fgrpo", "micro_batch_size"),
+             "essa": ("essa", "prompts_per_generation")}[cfg.method]
+    group = getattr(cfg, batch[0])
+    b = getattr(group, batch[1])
+    while b > 1:
+        b //= 2
+        c = copy.deepcopy(cfg)
+        setattr(getattr(c, batch[0]), batch[1], b)
+        out.append((f"smaller batch ({batch[0]}.{batch[1]}={b})", c))
+    if cfg.method == "fgrpo" and cfg.fgrpo.prompts_per_step > 1:
+        c = copy.deepcopy(cfg)
+        c.fgrpo.prompts_per_step = max(1, cfg.fgrpo.prompts_per_step // 2)
+        out.append((f"fewer rollouts (fgrpo.prompts_per_step={c.fgrpo.prompts_per_step})", c))
+    n = cfg.data.max_seq_len
+    while n > 128:
+        n //= 2
+        c = copy.deepcopy(cfg)
+        c.data.max_seq_len = n
+        out.append((f"shorter max_seq_len ({n})", c))
+    return out
+
+
+def verdict(cfg: Config, total: int, budget: int | None, device: str, gpu_free: int | None) -> tuple[str, bool | None]:
+    if budget is None:
+        return f"no GPU known: predicted peak {_gib(total)}", None
+    if total <= budget:
+        return f"fits: {_gib(total)} of {_gib(budget)}", True
+    for label, c in _suggestions(cfg):
+        t = _plan(c, device, gpu_free)[0]["total"]
+        if t <= budget:
+            return (f"does not fit ({_gib(total)} > {_gib(budget)}) — try: {label} (predicted {_gib(t)})", False)
+    return (f"does not fit ({_gib(total)} > {_gib(budget)}) — try: quant nf4 / gradient checkpointing / "
+            "smaller batch / shorter max_seq_len together, or a smaller model", False)
+
+
+def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = None,
+             device: str | None = None, detect_gpu: bool = True) -> dict:
+    """Predicted peak GPU memory of `cfg`, in bytes per part, with a verdict.
+
+    `gpu_total` / `gpu_free`: the card's memory; when both are None and `detect_gpu`,
+    nvidia-smi is asked. `device`: plan for this device (default: cfg.model.device, with
+    auto meaning cuda: the planner is about GPU memory).
+    Keys: each part in `parts` (they sum to `total`), `allocated_peak` (what
+    torch.cuda.max_memory_allocated would show), `verdict`, `fits`, and details."""
+    if device is None:
+        device = "cuda" if cfg.model.device == "auto" else cfg.model.device
+    if gpu_total is None and gpu_free is None and detect_gpu and device.startswith("cuda"):
+        got = gpu_memory()
+        if got is not None:
+            gpu_free, gpu_total = got
+    plan, ctx, notes = _plan(cfg, device, gpu_free)
+    budget = gpu_free if gpu_free is not None else gpu_total
+    plan["verdict"], plan["fits"] = verdict(cfg, plan["total"], budget, device, gpu_free)
+    a = ctx.arch
+    plan.update(
+        method=cfg.method, device=device, gpu_total=gpu_total, gpu_free=gpu_free, notes=notes,
+        model={"name": cfg.model.name, "type": a.model_type, "layers": a.layers, "hidden": a.hidden,
+               "intermediate": a.intermediate, "vocab": a.vocab, "quant": ctx.quant,
+               "lora_params": lora_params(ctx), "optimizer": ctx.optimizer,
+               "activation_bytes": ctx.act_bytes, "gradient_checkpointing": ctx.checkpointing},
+    )
+    return plan
+
+
+def summary(plan: dict) -> str:
+    """One line per part, for the CLI and the app."""
+    lines = [f"{k:>18s}: {_gib(plan[k])}" for k in plan["parts"] if plan[k]]
+    lines.append(f"{'total':>18s}: {_gib(plan['total'])}")
+    lines.append(plan["verdict"])
+    return "\n".join(lines)
+

@@ -1,0 +1,135 @@
+"""The memory planner: its parts add up, move the right way with batch / length / rank /
+checkpointing, give plausible numbers for the embedded model, and its static part
+(weights + LoRA + optimizer state) matches the bytes of a really loaded NF4 model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edgetune.engine import planner
+from edgetune.engine.errors import ModelError
+from edgetune.engine.settings import resolve
+
+GiB = 1024**3
+QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+              num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def q7b(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q7b")
+    (d / "config.json").write_text(json.dumps(QWEN7B))
+    return str(d)
+
+
+def plan(name, *sets, **kw):
+    kw.setdefault("detect_gpu", False)
+    return planner.estimate(resolve(overrides=[f"model.name={name}", *sets]), **kw)
+
+
+@pytest.mark.parametrize("method", ["sft", "fgrpo", "essa"])
+def test_parts_add_up(q7b, method):
+    p = plan(q7b, f"method={method}", gpu_total=80 * GiB)
+    assert p["total"] == sum(p[k] for k in p["parts"])
+    assert all(p[k] >= 0 for k in p["parts"])
+    assert 0 < p["allocated_peak"] <= p["total"]
+
+
+def test_monotone_in_batch_seq_rank(q7b):
+    base = plan(q7b, "sft.batch_size=2", "data.max_seq_len=512", "lora.r=8")
+    for change in ("sft.batch_size=4", "data.max_seq_len=1024", "lora.r=32"):
+        bigger = plan(q7b, "sft.batch_size=2", "data.max_seq_len=512", "lora.r=8", change)
+        assert bigger["total"] > base["total"], change
+    assert plan(q7b, "lora.r=32")["lora"] == 4 * plan(q7b, "lora.r=8")["lora"]
+
+
+def test_checkpointing_lowers_activations(q7b):
+    on = plan(q7b, "sft.batch_size=4", "data.max_seq_len=1024")
+    off = plan(q7b, "sft.batch_size=4", "data.max_seq_len=1024", "model.gradient_checkpointing=false")
+    assert on["activations"] * 5 < off["activations"]
+    assert on["total"] < off["total"]
+
+
+def test_verdict_suggests_a_change_that_fits(q7b):
+    p = plan(q7b, "sft.batch_size=8", "data.max_seq_len=4096", "model.gradient_checkpointing=false",
+             gpu_total=24 * GiB)
+    assert p["fits"] is False and "try: " in p["verdict"]
+    assert plan(q7b, gpu_total=80 * GiB)["fits"] is True
+    assert plan(q7b)["fits"] is None  # no card known
+
+
+def test_embedded_model_is_plausible():
+    p = plan("embedded:smollm2-135m")
+    # 135M params: ~106M in NF4 linears (~56 MB) + 28M embedding in fp32 (~113 MB)
+    assert 0.12 * GiB < p["weights"] < 0.25 * GiB
+    assert 0.3 * GiB < p["total"] < 4 * GiB
+    assert p["model"]["layers"] == 30
+
+
+def test_7b_numbers_are_plausible(q7b):
+    p = plan(q7b, "sft.batch_size=8", "data.max_seq_len=1024")
+    assert 6.5 * GiB < p["weights"] < 8 * GiB  # 3.4 GiB of NF4 blocks + 4.1 GiB fp32 embed / lm_head
+    assert 10 * GiB < p["total"] < 30 * GiB
+    f = plan(q7b, "method=fgrpo", "fgrpo.prompts_per_step=16", "fgrpo.num_generations=16",
+             "fgrpo.max_new_tokens=1024")
+    assert f["phase"] == "rollout" and f["kv_cache"] > 2 * GiB
+
+
+def test_unknown_hub_id_says_so():
+    with pytest.raises(ModelError, match="not in the local Hugging Face cache"):
+        plan("someone/not-a-cached-model-xyz")
+
+
+def test_import_loads_no_torch():
+    code = "import sys, edgetune.engine.planner as p; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_static_part_matches_a_loaded_nf4_model(tmp_path, embedded_dir):
+    """weights + LoRA + optimizer state, predicted vs the storage of a tiny NF4 model
+    loaded by the engine on the CPU (fp32 compute, AdamW) after one optimizer step."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from edgetune.engine import model as model_lib
+    from edgetune.engine.loop import make_optimizer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model_lib.load_tokenizer(str(embedded_dir)).save_pretrained(tmp_path)
+    c = resolve(overrides=[f"model.name={tmp_path}", "model.quant=nf4", "model.device=cpu", "lora.r=16"])
+    model, _, _ = model_lib.load(c)
+    opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, "cpu")
+    ids = torch.randint(0, 2048, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+    weights = lora = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            lora += _tensor_bytes(p)
+            continue
+        weights += _tensor_bytes(p)
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            weights += _tensor_bytes(qs.absmax) + _tensor_bytes(qs.code)
+            if qs.nested:
+                weights += _tensor_bytes(qs.state2.absmax) + _tensor_bytes(qs.state2.code) + _tensor_bytes(qs.offset)
+    weights += sum(_tensor_bytes(b) for _, b in model.named_buffers())
+    optim = sum(_tensor_bytes(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    actual = weights + lora + optim
+
+    p = planner.estimate(c, device="cpu", detect_gpu=False)
+    predicted = p["weights"] + p["lora"] + p["optimizer"]
+    assert abs(predicted - actual) / actual < 0.15, (predicted, actual, p["weights"], weights, p["lora"], lora,
+                                                     p["optimizer"], optim)
+    assert abs(p["lora"] - lora) / lora < 0.01
