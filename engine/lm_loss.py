@@ -65,9 +65,14 @@ def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_ro
 def causal_lm_loss(model, batch: dict, sparse_head: bool = True) -> tuple[torch.Tensor, int]:
     """(mean loss over target tokens, number of target tokens) for one batch."""
     labels = batch["labels"]
+    # A packed row (engine/packing.py) carries position_ids; its block-diagonal mask is
+    # built from them only when no 2D mask and no KV cache are passed.
+    pos = batch.get("position_ids")
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=None if pos is not None else batch["attention_mask"],
+                  position_ids=pos, use_cache=False)
     if not sparse_head or not supports_sparse_head(model):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+        out = model(**inputs, labels=labels)
         return out.loss, int((labels[:, 1:] != -100).sum())
     _, decoder, head = backbone_and_head(model)
-    hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    hidden = decoder(**inputs).last_hidden_state
     return sparse_ce_loss(hidden, head, labels)

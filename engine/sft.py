@@ -32,6 +32,7 @@ from . import model as model_lib
 from .lm_loss import causal_lm_loss
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
                    save_checkpoint, seed_everything)
+from .packing import collate_packed
 
 
 def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]:
@@ -99,6 +100,7 @@ def train(ctx: RunContext) -> dict:
         sebp.patch(model)
 
     pad_id = tok.pad_token_id
+    collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
     progress = Progress(s.steps, start_step)
     metrics: dict = {}
     if start_step == 0 and data.eval and s.eval_every:
@@ -116,7 +118,7 @@ def train(ctx: RunContext) -> dict:
         for j in range(s.grad_accum):
             k = step * s.grad_accum + j
             rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
-            batch = {key: v.to(device) for key, v in data_lib.collate(rows, pad_id).items()}
+            batch = {key: v.to(device) for key, v in collate(rows, pad_id).items()}
             if sebp is not None:
                 sebp.set_active_rows(model, batch["attention_mask"].bool())
             loss, n = causal_lm_loss(model, batch)
