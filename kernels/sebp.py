@@ -23,13 +23,22 @@ Trade-offs:
   rows inside the GEMM loads. On a plain CPU the same math runs through index_select
   (a gathered copy, which costs memory the GPU path avoids, but no GPU path exists).
 
-Use (the engine, once per optimisation step):
+Use (the engine):
 
-    handle = patch(model)                     # once, after LoRA is added
-    set_active_rows(handle, attention_mask)   # before each forward
-    loss = causal_lm_loss(model, input_ids, attention_mask, labels)   # or model(...)
-    loss.backward()
-    unpatch(model)                            # restores the original forwards exactly
+    handle = patch(model)          # once, after add_lora (patching first would leave the
+                                   # LoRA product on PEFT's dense path)
+    for each micro-batch:
+        set_active_rows(handle, attention_mask.bool())    # [batch, seq], on the model's device
+        loss = causal_lm_loss(model, input_ids, attention_mask, labels, num_items_in_batch)
+        loss.backward()            # (model(..., labels=...).loss works too, dense lm_head)
+    set_active_rows(handle, None)  # e.g. before generation / eval: dense everywhere
+    unpatch(model)                 # restores the original forwards exactly
+
+Labels must be -100 on padding (and wherever no loss is wanted); a padding row with a
+real label would have a non-zero gradient that SEBP drops. Layers fall back to their own
+forward/backward when no rows are set, grad is off, the input is not [batch, seq, ·] of
+the mask's shape, every row is active, or the layer is not plain single-adapter LoRA
+(DoRA, active dropout, merged, disabled, several adapters, autocast on CUDA).
 """
 
 from __future__ import annotations
