@@ -176,7 +176,7 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def load_nf4_lora(path, checkpointing=True, seed=1):
+def load_nf4_lora(path, checkpointing=True, seed=1, targets="all-linear"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -189,7 +189,7 @@ def load_nf4_lora(path, checkpointing=True, seed=1):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # PEFT starts B at zero, which would hide dA: use random factors
         for name, p in model.named_parameters():
@@ -316,6 +316,29 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
     assert rel(loss, loss_ref) <= 1e-6
     for name in g_ref:
         assert rel(g[name], g_ref[name]) <= 1e-5, (name, rel(g[name], g_ref[name]))
+
+
+def test_frozen_nf4_layers_and_left_padding(tiny_dir):
+    """LoRA on q/v only: the other block linears are bare 4-bit layers (dX only, through
+    the dequantised weight); a left-padded batch, as generation batches are."""
+    import bitsandbytes as bnb
+
+    model = load_nf4_lora(tiny_dir, targets=["q_proj", "v_proj"])
+    handle = sebp.patch(model)
+    bare = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and "forward" in m.__dict__]
+    assert len(bare) == 2 * 5 and len(handle) == 2 * 7
+    gen = torch.Generator().manual_seed(17)
+    ids, attn, labels = sft_batch(gen)
+    attn, ids, labels = attn.flip(1), ids.flip(1), labels.flip(1)  # padding on the left
+    for backend in BACKENDS:
+        handle.backend = backend
+        loss_ref, g_ref = step(model, (ids, attn, labels), use_sebp=False)
+        loss, g = step(model, (ids, attn, labels), use_sebp=True, lm_head_sparse=True)
+        assert rel(loss, loss_ref) <= 1e-6
+        assert len(g) == 2 * 2 * 2
+        for name in g_ref:
+            assert g_ref[name].abs().sum() > 0
+            assert rel(g[name], g_ref[name]) <= 1e-5, (backend, name, rel(g[name], g_ref[name]))
 
 
 # --------------------------------------------------------------------------- lm_head
