@@ -149,7 +149,8 @@ def cmd_data(a) -> int:
     from .settings import DataSettings, ModelSettings
 
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
-    if a.format == "rl":
+    fmt = data_lib.preview(a.path, a.format, 1)[1]
+    if fmt == "rl":
         report = data_lib.load_rl(ds, 0).report
     else:
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(a.model or ModelSettings().name))

@@ -69,10 +69,9 @@ def run(run_dir: str, resume: bool = False) -> int:
         run.clear_stop()
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt)
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
-        import torch
+        from .model import resolve_device
 
-        emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
-             device="cuda" if torch.cuda.is_available() and cfg.model.device in ("auto", "cuda") else cfg.model.device,
+        emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(), device=resolve_device(cfg.model),
              resumed_from=last[0] if resume and last else None, pid=os.getpid())
         method_module(cfg.method).train(ctx)
         return 0
