@@ -242,6 +242,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
                       generator=make_generator(device, seed))
 
     use_fast = _pick_fast(model, device, fast)
+    info = {"fast": use_fast}
     n = len(rows)
     bs = batch_size if batch_size > 0 else n
     comp_chunks, lp_chunks = [], []
@@ -249,7 +250,11 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
         if use_fast:
             from . import fast_decode
 
-            decoder = stack.enter_context(fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights))
+            longest = max(len(r) for r in rows) + max_new_tokens
+            reserve = fast_decode.kv_bytes(model, min(bs, n), longest + 64)
+            decoder = stack.enter_context(
+                fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights, reserve_bytes=reserve))
+            info.update(decoder.info)
         for s in range(0, n, bs):
             idx = list(range(s, min(n, s + bs)))
             if on_chunk is not None:
@@ -259,6 +264,8 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
                 c, lp = decoder.decode(ids, mask, max_new_tokens, sampler, eos_id, pad_id)
             else:
                 c, lp = decode_plain(model, ids, mask, max_new_tokens, sampler, eos_id, pad_id)
+            if use_fast:
+                info.update(decoder.info)
             comp_chunks.append(c)
             lp_chunks.append(lp)
     T = max(c.shape[1] for c in comp_chunks)
@@ -267,9 +274,16 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     completion, cmask, logprobs, truncated = finish(completion, logprobs, eos_id, pad_id)
     prompt_ids, prompt_mask = left_pad(rows, pad_id, device)
     texts = tokenizer.batch_decode(completion.masked_fill(cmask == 0, pad_id).tolist(), skip_special_tokens=True)
+    global last_info
+    last_info = info
     return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion,
                         completion_mask=cmask, logprobs=logprobs, texts=texts, prompt_index=prompt_index,
                         truncated=truncated)
+
+
+# What the last generate() call used (fast loop or not, CUDA graph, bf16 copy, capture
+# time, why a graph could not be captured): for benches and the run log.
+last_info: dict = {}
 
 
 def _pad_right(x: Tensor, T: int, value) -> Tensor:
@@ -279,6 +293,11 @@ def _pad_right(x: Tensor, T: int, value) -> Tensor:
 
 
 def _pick_fast(model, device, fast: bool | None) -> bool:
-    if fast:
-        raise ValueError("fast rollouts are not available yet")
-    return False
+    if fast is False:
+        return False
+    from . import fast_decode
+
+    ok, why = fast_decode.supported(model, device, require_cuda=fast is None)
+    if fast and not ok:
+        raise ValueError(f"fast rollouts unavailable: {why}")
+    return ok

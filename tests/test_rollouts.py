@@ -153,3 +153,44 @@ def test_token_id_prompts_and_errors(fp32):
         generate(model, tok, PROMPTS[:1], temperature=0.0)
     with pytest.raises(ValueError):
         generate(model, tok, PROMPTS[:1], top_p=0.0)
+
+
+# --------------------------------------------------------------------------- static loop
+# fast=True runs fast_decode's static-cache step eagerly on the CPU (the CUDA graph is a
+# capture of this same step), so its arithmetic is checked here against model.generate.
+
+
+def test_static_loop_greedy_matches_hf(fp32):
+    model, tok = fp32
+    rb = generate(model, tok, PROMPTS, greedy=True, max_new_tokens=20, fast=True)
+    ref = hf_greedy(model, tok, PROMPTS, 20)
+    assert torch.equal(rb.completion_ids, ref[:, :rb.completion_ids.shape[1]])
+    assert (ref[:, rb.completion_ids.shape[1]:] == tok.pad_token_id).all()
+    check_masks(rb, tok.eos_token_id, tok.pad_token_id, 20)
+
+
+def test_static_loop_sampling_equals_plain_loop(fp32):
+    model, tok = fp32
+    kw = dict(num_generations=2, max_new_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+    a = generate(model, tok, PROMPTS, **kw)
+    b = generate(model, tok, PROMPTS, fast=True, **kw)
+    assert a.texts == b.texts and torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert torch.allclose(b.logprobs, recompute_logprobs(model, b, 0.8, top_p=0.95), atol=1e-4)
+
+
+def test_static_loop_through_lora_and_chunks(lora):
+    model, tok = lora
+    a = generate(model, tok, PROMPTS, greedy=True, max_new_tokens=12)
+    seen = []
+    b = generate(model, tok, PROMPTS, greedy=True, max_new_tokens=12, fast=True, batch_size=2, on_chunk=seen.append)
+    assert seen == [[0, 1], [2]]
+    assert a.texts == b.texts
+
+
+def test_fast_is_not_picked_on_cpu(base):
+    model, tok = base
+    from edgetune.engine import rollouts
+
+    generate(model, tok, PROMPTS[:1], greedy=True, max_new_tokens=2)
+    assert rollouts.last_info == {"fast": False}
