@@ -140,7 +140,8 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.use_graph = self.device.type == "cuda"
         self.graphs: dict = {}
-        self.info = {"graph": self.use_graph, "bf16_weights": False, "capture_s": 0.0, "graph_error": ""}
+        self.info = {"graph": self.use_graph, "bf16_weights": False, "capture_s": 0.0, "graph_error": "",
+                     "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
 
     @classmethod
     @contextlib.contextmanager
@@ -229,6 +230,7 @@ class Decoder:
         from .rollouts import _cache_takes_config, decode_plain
 
         B, P = prompt_ids.shape
+        t_start = self._clock()
         # Round the cache length up so chunks with other prompt lengths reuse the graph.
         L = -(-(P + max_new_tokens) // 64) * 64
         if self.window and P + max_new_tokens > self.window:
@@ -255,6 +257,8 @@ class Decoder:
 
         tok, lp = sampler(out.logits[:, -1, :])
         del out
+        t_loop = self._clock()
+        self.info["prefill_s"] += t_loop - t_start
         done = tok == eos_id
         toks, lps = [tok], [lp]
         for step in range(1, max_new_tokens):
@@ -278,11 +282,19 @@ class Decoder:
             toks.append(tok)
             done = done | (tok == eos_id)
         toks, lps = torch.stack(toks, 1), torch.stack(lps, 1)
+        self.info["loop_s"] += self._clock() - t_loop
+        self.info["steps"] += toks.shape[1]
         # drop trailing steps taken after every row had stopped (between host checks)
         ended = (toks == eos_id).cumsum(1) > 0
         still = (~ended).any(0)
         T = min(toks.shape[1], int(still.nonzero().max()) + 2) if still.any() else 1
         return toks[:, :T], lps[:, :T]
+
+    def _clock(self) -> float:
+        # one sync per chunk, to split prefill from decode time in the info
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _try_capture(self, st: dict, key):
         try:

@@ -1,0 +1,299 @@
+"""Rollout throughput: model.generate (default, and HF's static cache + compile) against
+edgetune's rollouts.generate (static loop + CUDA graph; NF4 base, and with the bf16 copy),
+all in one process on one model, so the ratios hold on a shared machine.
+
+Model: random-init Qwen2.5-7B architecture, NF4 (built layer by layer on the GPU by
+shared/bench-reference/baseline.py, copied into the git-ignored .ref/), then edgetune's
+own add_lora (r=16, all linear projections, no gradient checkpointing): the model F-GRPO
+samples from. Batch 64, 128-token prompts, 256 new tokens, temperature 1.0. The model
+never emits EOS on purpose here; every row runs all 256 steps in every method.
+
+Correctness on the GPU: a small random Qwen2 in fp32 (greedy, ragged left-padded prompts)
+must give model.generate's tokens exactly through the CUDA-graph path; on the 7B model the
+share of greedy tokens equal to model.generate's (up to the first divergence, bf16) is
+reported, for the NF4 and the bf16-copy paths.
+
+    export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH; python bench/rollouts.py   # on the GPU
+    python bench/rollouts.py --tiny                                          # CPU smoke run
+Writes $OUT/rollouts.json; prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / ".ref"))
+sys.path.insert(0, str(ROOT))
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--tiny", action="store_true")
+ap.add_argument("--budget", type=float, default=380.0)
+ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_bf16,check7b")
+args = ap.parse_known_args()[0]
+
+import torch  # noqa: E402
+
+import baseline as B  # noqa: E402  (reads --tiny itself)
+
+from edgetune.engine import rollouts  # noqa: E402
+from edgetune.engine.model import add_lora  # noqa: E402
+from edgetune.engine.settings import LoraSettings  # noqa: E402
+
+T0 = time.perf_counter()
+OUT = os.environ.get("OUT", ".")
+DEV = B.DEV
+BATCH, PROMPT, NEW = (4, 16, 8) if args.tiny else (64, 128, 256)
+R: dict = {"env": {}, "setup": {}, "check": {}, "speed": {}, "errors": {}}
+
+
+def left():
+    return args.budget - (time.perf_counter() - T0)
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:6.1f}s]", *a, flush=True)
+
+
+def dump():
+    with open(os.path.join(OUT, "rollouts.json"), "w") as f:
+        json.dump(R, f, indent=1, default=str)
+
+
+def guarded(key, fn, need_s=0):
+    if key in args.skip.split(",") or left() < need_s:
+        R["errors"][key] = f"skipped ({left():.0f}s left)"
+        return None
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        R["errors"][key] = f"{type(e).__name__}: {e}"[:1500]
+        log(f"ERROR {key}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return None
+    finally:
+        dump()
+
+
+class IdTokenizer:
+    """What rollouts.generate needs from a tokenizer when prompts are token ids: ids of
+    eos and pad, and a decoder (ids as text: the random model has no vocabulary)."""
+
+    def __init__(self, eos, pad):
+        self.eos_token_id, self.pad_token_id = eos, pad
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [" ".join(map(str, r)) for r in rows]
+
+
+def peak_gib():
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEV == "cuda" else 0.0
+
+
+def reset_peak():
+    B.cleanup()
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def check_small():
+    """Greedy through the CUDA graph == model.generate, fp32, ragged left padding."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, max_position_embeddings=4096)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(DEV).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (5, 11, 17, 23)]
+    ids, mask = rollouts.left_pad(prompts, 0, DEV)
+
+    def hf(eos):
+        with torch.no_grad():
+            return m.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
+                              pad_token_id=0, eos_token_id=eos)[:, ids.shape[1]:]
+
+    # Rows must stop inside the run to check masks and stopping: call EOS the token that
+    # row 0 emits greedily at step 6.
+    eos = int(hf(2)[0, 6])
+    tok = IdTokenizer(eos=eos, pad=0)
+    ours = rollouts.generate(m, tok, prompts, greedy=True, max_new_tokens=40, fast=True)
+    info = dict(rollouts.last_info)
+    ref = hf(eos)
+    R["check"]["small_rows_stopped"] = sum(not t for t in ours.truncated)
+    T = ours.completion_ids.shape[1]
+    same = torch.equal(ours.completion_ids, ref[:, :T])
+    R["check"]["small_fp32_greedy_equal"] = bool(same)
+    R["check"]["small_fp32_info"] = info
+    log("small fp32 greedy equal:", same, info)
+
+
+def greedy_agreement(model, tok, n_rows=8, n_new=32, **kw):
+    """Share of greedy tokens equal to model.generate's before the first divergence."""
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(PROMPT // 2, PROMPT + 1, (n_rows,), generator=g).tolist()
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
+    ours = rollouts.generate(model, tok, prompts, greedy=True, max_new_tokens=n_new, fast=True, **kw)
+    info = dict(rollouts.last_info)
+    ids, mask = rollouts.left_pad(prompts, tok.pad_token_id, DEV)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n_new,
+                             min_new_tokens=n_new, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    o = ours.completion_ids[:, :n_new].cpu()
+    r = ref[:, : o.shape[1]].cpu()
+    first_diff = [(int((a != b).nonzero()[0]) if (a != b).any() else o.shape[1]) for a, b in zip(o, r)]
+    return {"rows_identical": sum(d == o.shape[1] for d in first_diff), "rows": n_rows,
+            "tokens_before_first_divergence": sum(first_diff), "tokens": n_rows * o.shape[1],
+            "first_divergence": first_diff, "info": info}
+
+
+# --------------------------------------------------------------------------- speed
+
+
+def prompts_ids(vocab):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, min(vocab, 1000), (BATCH, PROMPT), generator=g)
+
+
+def time_hf(model, ids, static, reps=1):
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, max_new_tokens=NEW,
+              min_new_tokens=NEW)
+    if static:
+        kw["cache_implementation"] = "static"
+    am = torch.ones_like(ids)
+    model.eval()
+    with torch.no_grad():
+        B.sync()
+        t = time.perf_counter()
+        # warm-up: the full run when static (compiles for that cache length), else a short one
+        model.generate(input_ids=ids, attention_mask=am, **(kw if static else {**kw, "max_new_tokens": 8,
+                                                                              "min_new_tokens": 8}))
+        B.sync()
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(reps):
+            reset_peak()
+            t = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=am, **kw)
+            B.sync()
+            times.append(time.perf_counter() - t)
+    n = out.shape[0] * (out.shape[1] - ids.shape[1])
+    return {"first_call_s": round(first, 2), "times_s": [round(x, 3) for x in times], "new_tokens": n,
+            "tok_per_s": round(n / min(times)), "ms_per_step": round(1000 * min(times) / NEW, 2),
+            "peak_GiB": peak_gib()}
+
+
+def time_ours(model, tok, ids, bf16, reps=2):
+    prompts = ids.tolist()
+    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16)
+    B.sync()
+    t = time.perf_counter()
+    rollouts.generate(model, tok, prompts, **kw)  # warm-up (graph capture, allocator)
+    B.sync()
+    first = time.perf_counter() - t
+    times = []
+    for i in range(reps):
+        reset_peak()
+        t = time.perf_counter()
+        rb = rollouts.generate(model, tok, prompts, **{**kw, "seed": i + 1})
+        B.sync()
+        times.append(time.perf_counter() - t)
+    steps = rb.completion_ids.shape[1]
+    n = BATCH * steps
+    return {"first_call_s": round(first, 2), "times_s": [round(x, 3) for x in times], "new_tokens": n,
+            "masked_tokens": int(rb.completion_mask.sum()), "steps": steps,
+            "tok_per_s": round(n / min(times)), "ms_per_step": round(1000 * min(times) / steps, 2),
+            "peak_GiB": peak_gib(), "info": dict(rollouts.last_info)}
+
+
+def main():
+    import bitsandbytes as bnb
+    import peft
+    import transformers
+
+    R["env"] = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "bitsandbytes": bnb.__version__, "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu",
+                "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    log("env", R["env"])
+    guarded("check_small", check_small)
+
+    def build():
+        m, bt = B.build_model(B.C7B, quant=True)
+        R["setup"]["build_s"] = round(bt, 1)
+        pm = add_lora(m, LoraSettings(r=16, alpha=32), gradient_checkpointing=False)
+        g = torch.Generator(device=DEV).manual_seed(0)
+        for n, p in pm.named_parameters():  # a trained-looking adapter, not the B = 0 no-op
+            if "lora_B" in n:
+                p.data.copy_(torch.randn(p.shape, generator=g, device=DEV, dtype=p.dtype) * 1e-3)
+        R["setup"]["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2) if DEV == "cuda" else 0
+        R["setup"]["lora_dtype"] = str(next(p.dtype for n, p in pm.named_parameters() if "lora_A" in n))
+        R["setup"]["embed_dtype"] = str(pm.get_base_model().model.embed_tokens.weight.dtype)
+        log("built 7B NF4 + LoRA", R["setup"])
+        return pm
+
+    pm = guarded("build", build)
+    if pm is None:
+        return
+    vocab = B.C7B["vocab_size"]
+    eos = B.C7B["eos_token_id"]
+    tok = IdTokenizer(eos=eos, pad=0)
+    ids = prompts_ids(vocab).to(DEV)
+    pm.eval()
+
+    def check7b():
+        R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False)
+        R["check"]["7b_bf16_copy"] = greedy_agreement(pm, tok, bf16_weights=True)
+        log("7B greedy agreement", R["check"]["7b_nf4"], R["check"]["7b_bf16_copy"])
+
+    for key, fn, need in [
+        ("ours_bf16", lambda: time_ours(pm, tok, ids, True), 30),
+        ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
+        ("default", lambda: time_hf(pm, ids, False), 60),
+        ("static", lambda: time_hf(pm, ids, True), 90),
+    ]:
+        r = guarded(key, fn, need)
+        if r is not None:
+            R["speed"][key] = r
+            log(key, r)
+    guarded("check7b", check7b, 40)
+
+
+def table():
+    S = R["speed"]
+    base = S.get("default", {}).get("tok_per_s")
+    stat = S.get("static", {}).get("tok_per_s")
+    names = {"default": "model.generate (default)", "static": 'model.generate (cache_implementation="static")',
+             "ours_nf4": "rollouts.generate, NF4 base", "ours_bf16": "rollouts.generate, bf16 copy of base"}
+    lines = [f"{R['env'].get('date', '')}, {R['env'].get('device', '')}, torch {R['env'].get('torch')}, "
+             f"transformers {R['env'].get('transformers')}; 7B NF4 + LoRA r16, batch {BATCH}, prompt {PROMPT}, "
+             f"{NEW} new tokens, sampling", "",
+             "| method | tokens/s | ms/step | x default | x static | peak GiB | first call s |",
+             "|---|---|---|---|---|---|---|"]
+    for k in ("default", "static", "ours_nf4", "ours_bf16"):
+        if k not in S:
+            lines.append(f"| {names[k]} | {R['errors'].get(k, 'not run')[:80]} | | | | | |")
+            continue
+        s = S[k]
+        xd = f"{s['tok_per_s'] / base:.1f}" if base else "-"
+        xs = f"{s['tok_per_s'] / stat:.1f}" if stat else "-"
+        lines.append(f"| {names[k]} | {s['tok_per_s']:,} | {s['ms_per_step']} | {xd} | {xs} | {s['peak_GiB']} | "
+                     f"{s['first_call_s']} |")
+    lines += ["", f"checks: {json.dumps(R['check'], default=str)[:1500]}", f"errors: {json.dumps(R['errors'])[:1500]}"]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        R["total_s"] = round(time.perf_counter() - T0, 1)
+        dump()
+        table()
