@@ -56,6 +56,10 @@ LOSS_CHUNK_ROWS = 2048  # engine/lm_loss.sparse_ce_loss's default
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
 ALLOCATOR_FIXED = 256 * 1024**2
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
+# engine/model.add_lora runs PEFT's prepare_model_for_kbit_training on a quantised base,
+# which casts every unquantised parameter (embeddings, norms, biases, lm_head) to fp32; the
+# residual stream then runs in fp32. Set False if the engine keeps them in compute dtype.
+UPCAST_FROZEN = True
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
@@ -214,6 +218,7 @@ class Ctx:
     r: int
     checkpointing: bool
     optimizer: str
+    offload: bool = False  # model.offload_activations: layer inputs in pinned host memory
 
 
 def _dtype_bytes(dtype: str, device: str) -> int:
@@ -238,14 +243,15 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     arch = arch_from_config(read_model_config(cfg.model.name))
     c = _dtype_bytes(cfg.model.dtype, device)
     quantised = cfg.model.quant in ("nf4", "int8")
-    p = 4 if quantised else c  # prepare_model_for_kbit_training upcasts the unquantised params
+    p = 4 if quantised and UPCAST_FROZEN else c
     opt = optimizer
     if opt == "auto":
         opt = "paged_adamw_8bit" if device.startswith("cuda") else "adamw"
     if arch.experts:
         notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
     ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
-              cfg.model.gradient_checkpointing, opt)
+              cfg.model.gradient_checkpointing, opt,
+              offload=cfg.model.gradient_checkpointing and getattr(cfg.model, "offload_activations", False))
     return ctx, notes
 
 
@@ -341,7 +347,13 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int) -> dict
     """Saved activations and the peak transient of one forward+backward."""
     a = ctx.arch
     tokens = rows * seq
-    if ctx.checkpointing:
+    host = 0
+    if ctx.offload:
+        # engine/offload.py: the inputs wait in host memory; about two are on the GPU at
+        # a time (the one being copied out, the one being computed on)
+        host = a.layers * tokens * a.hidden * ctx.act_bytes
+        saved = 2 * tokens * a.hidden * ctx.act_bytes
+    elif ctx.checkpointing:
         saved = a.layers * tokens * a.hidden * ctx.act_bytes
     else:
         saved = a.layers * layer_activation_bytes(ctx, tokens)
@@ -350,7 +362,8 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int) -> dict
     saved += mask_bytes(rows, seq, rows > 1)
     head = head_bytes(ctx, labelled)
     layer = recompute_bytes(ctx, tokens)
-    return {"activations": saved, "transient": max(head, layer), "logits_chunk": head, "layer_recompute": layer}
+    return {"activations": saved, "transient": max(head, layer), "logits_chunk": head, "layer_recompute": layer,
+            "host_pinned": host}
 
 
 def kv_cache_bytes(ctx: Ctx, rows: int, seq: int) -> int:
@@ -511,6 +524,10 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
             c = copy.deepcopy(cfg)
             c.essa.candidates_per_batch = k
             out.append((f"fewer candidates per batch (essa.candidates_per_batch={k})", c))
+    if cfg.method == "sft" and cfg.model.gradient_checkpointing and not cfg.model.offload_activations:
+        c = copy.deepcopy(cfg)
+        c.model.offload_activations = True
+        out.append(("offload activations (model.offload_activations)", c))
     batch = {"sft": ("sft", "batch_size"), "fgrpo": ("fgrpo", "micro_batch_size"),
              "essa": ("essa", "prompts_per_generation")}[cfg.method]
     group = getattr(cfg, batch[0])

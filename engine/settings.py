@@ -41,6 +41,10 @@ class ModelSettings:
     dtype: str = "auto"
     # Trades ~30% more compute for not storing activations of every layer.
     gradient_checkpointing: bool = True
+    # With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU
+    # memory (engine/offload.py), for very long sequences; costs host RAM of layers x
+    # tokens x hidden x 2-4 bytes and one host->GPU copy per layer per step.
+    offload_activations: bool = False
     attn_implementation: str = "sdpa"
     # auto = cuda when present, else cpu.
     device: str = "auto"

@@ -85,6 +85,10 @@ def train(ctx: RunContext) -> dict:
         raise DataError("no training rows left after validation", file=cfg.data.path)
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
+    if cfg.model.offload_activations:
+        from .offload import enable as offload_activations
+
+        offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
 
     optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
