@@ -1,0 +1,189 @@
+"""Pieces the GPU benchmarks share (sft_speed, big72b, planner_check): the reference
+baseline imported from `.ref/`, the engine's own training step with per-phase timing,
+LoRA re-initialisation so every variant starts from the same weights, and the planner's
+prediction for a measured shape.
+
+The baseline script (`bench-reference/baseline.py`) is not ours to commit: copy it into
+the git-ignored `.ref/` folder of the checkout; it is imported from there at run time.
+It reads `--tiny` from the command line itself (parse_known_args), so the scripts that
+import it must be started with the same `--tiny`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _importable_edgetune() -> None:
+    """edgetune.* from this checkout without installing it. Not by putting the checkout
+    itself on sys.path: its `kernels/` folder would then pass for the PyPI package
+    `kernels` that transformers and bitsandbytes probe for (see pyproject.toml)."""
+    try:
+        import edgetune  # noqa: F401  (installed, e.g. the dev venv)
+        return
+    except ImportError:
+        pass
+    d = Path(tempfile.mkdtemp(prefix="edgetune-path-"))
+    (d / "edgetune").symlink_to(ROOT / "edgetune")
+    sys.path.insert(0, str(d))
+
+
+_importable_edgetune()
+
+import torch  # noqa: E402
+
+GiB = 1024**3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_baseline(ref_dir: str | os.PathLike = ROOT / ".ref"):
+    """The reference baseline module (builds models layer by layer, HF QLoRA step)."""
+    ref = Path(ref_dir)
+    if not (ref / "baseline.py").is_file():
+        raise SystemExit(f"{ref}/baseline.py missing: cp /work/shared/bench-reference/*.py {ref}/")
+    sys.path.insert(0, str(ref))
+    import baseline  # noqa: PLC0415
+
+    return baseline
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() and "--tiny" not in sys.argv else "cpu"
+
+
+def sync() -> None:
+    if device() == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    import gc
+
+    gc.collect()
+    if device() == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak() -> int | None:
+    return torch.cuda.max_memory_allocated() if device() == "cuda" else None
+
+
+def gib(x) -> float | None:
+    return None if x is None else round(x / GiB, 2)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- engine step
+
+
+def reinit_lora(model, seed: int = 0) -> None:
+    """PEFT's own init again (kaiming A, zero B): the adapter is the identity, so every
+    variant's first loss is the base model's loss and all variants train the same path."""
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A"):
+            for name in list(m.lora_A.keys()):
+                m.reset_lora_parameters(name, True)
+
+
+def bf16_frozen_params(model) -> None:
+    """Undo PEFT's fp32 upcast of the frozen unquantised parameters (embeddings, norms,
+    lm_head, biases): the residual stream then stays bf16 as in the HF/Unsloth stacks."""
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32 and type(p).__name__ == "Parameter":
+            p.data = p.data.to(torch.bfloat16)
+
+
+def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0) -> tuple[float, dict]:
+    """engine/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss,
+    backward, clip, optimizer step. Returns (loss, seconds per phase)."""
+    from edgetune.engine.lm_loss import causal_lm_loss
+
+    t = [time.perf_counter()]
+    if handle is not None:
+        from edgetune.kernels import sebp
+
+        sebp.set_active_rows(handle, batch["attention_mask"].bool())
+    loss, _ = causal_lm_loss(model, batch)
+    sync()
+    t.append(time.perf_counter())
+    loss.backward()
+    sync()
+    t.append(time.perf_counter())
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync()
+    t.append(time.perf_counter())
+    return float(loss.detach()), {"fwd": t[1] - t[0], "bwd": t[2] - t[1], "opt": t[3] - t[2]}
+
+
+def time_steps(step, n_warm: int, n_meas: int, log=print) -> dict:
+    """Run `step()` (-> (loss, phases)) n_warm + n_meas times; medians of the timed ones,
+    every loss, and the peak allocated since the last reset_peak()."""
+    rec: dict = {"total": [], "fwd": [], "bwd": [], "opt": []}
+    losses = []
+    for it in range(n_warm + n_meas):
+        sync()
+        t0 = time.perf_counter()
+        loss, ph = step()
+        total = time.perf_counter() - t0
+        losses.append(loss)
+        log(f"  step {it}: {total:.3f}s fwd {ph['fwd']:.3f} bwd {ph['bwd']:.3f} opt {ph['opt']:.4f} loss {loss:.4f}")
+        if it >= n_warm:
+            rec["total"].append(total)
+            for k in ph:
+                rec[k].append(ph[k])
+    assert all(x == x for x in losses), "NaN loss"
+    out = {k: statistics.median(v) for k, v in rec.items() if v}
+    out["all_totals"] = [round(x, 4) for x in rec["total"]]
+    out["losses"] = [round(x, 5) for x in losses]
+    out["first_loss"] = losses[0]
+    out["peak_alloc"] = peak()
+    out["peak_alloc_GiB"] = gib(out["peak_alloc"])
+    return out
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def arch_folder(arch: dict, model_type: str = "qwen2") -> str:
+    """A folder holding only config.json for `arch`: what the planner reads."""
+    d = Path(tempfile.mkdtemp(prefix="arch-"))
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, **arch}))
+    return str(d)
+
+
+def planner_prediction(folder: str, method: str, sets: list[str]) -> dict:
+    """The planner's estimate for the engine path (NF4, LoRA r16/a32 on all 7 projections,
+    checkpointing) of a measured shape."""
+    from edgetune.engine import planner
+    from edgetune.engine.settings import resolve
+
+    cfg = resolve(overrides=[f"method={method}", f"model.name={folder}", "model.quant=nf4", "lora.r=16",
+                             "lora.alpha=32", "model.gradient_checkpointing=true", *sets])
+    return planner.estimate(cfg, device="cuda", detect_gpu=False)
+
+
+def compare(name: str, plan: dict, measured: int | None, key: str = "allocated_peak") -> dict:
+    pred = plan[key]
+    row = {"name": name, "predicted": pred, "predicted_GiB": gib(pred), "measured": measured,
+           "measured_GiB": gib(measured), "shape": plan.get("shape"),
+           "parts_GiB": {k: gib(plan[k]) for k in plan["parts"]}}
+    if measured:
+        row["error"] = round(pred / measured - 1, 3)
+    return row

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Every GPU benchmark of issue 7 in two device calls of under 10 minutes each.
+
+    call 1 (~9.5 min): sebp.py --quick, rollouts.py, sft_speed.py (HF, ours, Unsloth)
+    call 2 (~9.5 min): planner_check.py, essa.py, big72b.py (72B build + 2k + 32k steps)
+    report:            tables for bench/RESULTS.md from both calls' JSON, on any machine
+
+Each bench runs in its own process (Unsloth patches transformers on import; a crash or a
+CUDA OOM in one must not take the others down) with a wall-clock cap taken from what is
+left of the call's budget; the ones that self-limit get a --time-limit / --budget inside
+their cap, so they end with their JSON written. The most expensive bench of each call runs
+last and gets whatever the cheaper ones left. Everything lands in $OUT (at most 8 files
+come back: one JSON per bench plus this script's log).
+
+    export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH
+    python bench/run_all.py --call 1          # on the GPU; then --call 2 in a second run
+    python bench/run_all.py --report DIR1 DIR2   # here: tables from the fetched files
+    python bench/run_all.py --call 1 --tiny   # CPU check of the plumbing (tiny configs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# (name, script, extra args, cap seconds, argument that passes an inner time limit or None)
+CALLS = {
+    1: [("sebp", "sebp.py", ["--quick"], 75, None),
+        ("rollouts", "rollouts.py", [], 150, "--budget"),
+        ("sft_speed", "sft_speed.py", [], 400, "--time-limit")],
+    2: [("planner_check", "planner_check.py", [], 100, "--time-limit"),
+        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 140, None),
+        ("big72b", "big72b.py", ["--max-build-s", "180"], 400, "--time-limit")],
+}
+TINY_ARGS = {"sebp": ["--dry-run"]}  # sebp.py's CPU mode has its own name
+
+
+def run_call(call: int, budget: float, tiny: bool, out: Path) -> dict:
+    t0 = time.perf_counter()
+    steps = [s for s in CALLS[call] if (HERE / s[1]).is_file()]
+    status = {}
+    env = dict(os.environ, OUT=str(out), PYTHONUNBUFFERED="1")
+    for i, (name, script, extra, cap, limit_flag) in enumerate(steps):
+        left = budget - (time.perf_counter() - t0)
+        # keep ~45 s for each later bench (so each at least starts and writes its JSON)
+        later = 45 * (len(steps) - i - 1)
+        wall = max(20.0, min(cap, left - later) if i < len(steps) - 1 else left)
+        if left < 20:
+            status[name] = {"rc": "skipped: no time left"}
+            continue
+        argv = [sys.executable, str(HERE / script), *extra]
+        if tiny:
+            argv += TINY_ARGS.get(name, ["--tiny"])
+        if limit_flag:
+            argv += [limit_flag, str(int(wall - 25))]  # inner limit: room for imports and the JSON
+        print(f"\n######## [{time.perf_counter() - t0:5.0f}s] {name}: cap {wall:.0f}s: {' '.join(argv[1:])}",
+              flush=True)
+        t = time.perf_counter()
+        try:
+            rc = subprocess.run(argv, env=env, cwd=ROOT, timeout=wall).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        status[name] = {"rc": rc, "wall_s": round(time.perf_counter() - t, 1), "cap_s": round(wall)}
+        print(f"######## {name}: {status[name]}", flush=True)
+    status["total_s"] = round(time.perf_counter() - t0, 1)
+    (out / f"run_all_call{call}.json").write_text(json.dumps(status, indent=1))
+    return status
+
+
+# --------------------------------------------------------------------------- report
+
+
+def load(dirs, name):
+    for d in dirs:
+        f = Path(d) / name
+        if f.is_file():
+            try:
+                return json.loads(f.read_text())
+            except ValueError:
+                return None
+    return None
+
+
+def other_table(name: str, r: dict) -> str:
+    """The other helpers' benches print their own tables; rebuild ESSA's from its JSON,
+    show the others' JSON (their logs in run_all's output hold the printed tables)."""
+    if isinstance(r.get("table"), str):
+        return r["table"]
+    if name == "essa.json":
+        try:
+            sys.path.insert(0, str(HERE))
+            import essa  # noqa: PLC0415
+
+            return essa.table(r)
+        except Exception as e:  # noqa: BLE001
+            return f"(essa table failed: {e}) {json.dumps(r, default=str)[:2000]}"
+    return json.dumps(r, default=str)[:3000]
+
+
+def report(dirs) -> str:
+    out = []
+    sft = load(dirs, "sft_speed.json")
+    if sft:
+        out += ["## SFT step (target 1-2)", "", sft.get("table", "(no table: see errors)"), ""]
+    big = load(dirs, "big72b.json")
+    if big:
+        out += ["## 72B (target 3)", "", big.get("table", "(no table)"), ""]
+    for name, title in (("rollouts.json", "Rollouts"), ("essa.json", "ESSA"), ("sebp.json", "SEBP")):
+        r = load(dirs, name)
+        if r:
+            out += [f"## {title}", "", other_table(name, r), ""]
+    # the planner table over both calls' rows: planner_check re-plans them on this machine
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "planner-report"
+    tmp.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(HERE / "planner_check.py"), "--collect-only", "--out", str(tmp)]
+    for d in dirs:
+        argv += ["--from", str(d)]
+    subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    pc = load([tmp], "planner_check.json")
+    if pc:
+        out += ["## Memory planner vs measured peak (target 5)", "", pc.get("table", ""), ""]
+    for d in dirs:
+        for c in (1, 2):
+            st = load([d], f"run_all_call{c}.json")
+            if st:
+                out.append(f"call {c} ({d}): {json.dumps(st)}")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--call", type=int, choices=(1, 2))
+    ap.add_argument("--report", nargs="*", metavar="DIR", help="folders holding the fetched JSON of the calls")
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for this call (the device allows 600)")
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    if a.call:
+        run_call(a.call, a.budget, a.tiny, out)
+        print("\n" + report([out]), flush=True)
+    elif a.report is not None:
+        print(report(a.report or [out]))
+    else:
+        ap.error("--call 1|2 or --report DIR ...")
+
+
+if __name__ == "__main__":
+    main()
