@@ -20,24 +20,17 @@ REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, comp
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model folder, warm-start adapter folder, RL data file, SFT data file)."""
+def tiny(tmp_path_factory, tiny_model_dir):
+    """(folder with: model -> the tiny Llama, warm -> a warm-start adapter with non-zero
+    factors, rl.jsonl, sft.jsonl, reward.py)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from edgetune.engine.model import embedded_model_dir, load_tokenizer
+    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("essa")
-    tok = load_tokenizer(str(embedded_model_dir()))
+    (root / "model").symlink_to(tiny_model_dir)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"]))
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:

@@ -1,0 +1,23 @@
+"""The essa-quickstart preset learns: on the embedded SmolLM2-135M (NF4), after its SFT
+warm start, CMA-ES over the adapter's singular values raises the greedy held-out reward
+("What is A plus B?", 30 held-out pairs). About 15 minutes on 2 shared CPU cores, so
+slow; a recorded run is in bench/results/essa-quickstart-cpu.md."""
+
+import pytest
+
+
+@pytest.mark.slow
+def test_essa_quickstart_raises_held_out_reward(tmp_path):
+    from edgetune.engine import api
+    from edgetune.engine.settings import resolve
+
+    cfg = resolve(preset="essa-quickstart", overrides=[f"run.runs_dir={tmp_path}"])
+    run = api.start(cfg, name="essa-quickstart")
+    assert run.wait(timeout=3600) == "finished", run.dir.log_path.read_text()[-2000:]
+    events = list(run.events())
+    evals = [e for e in events if e["type"] == "eval"]
+    assert evals[0]["candidate"] == "warm_start" and evals[0]["step"] == 0
+    assert evals[-1]["step"] == cfg.essa.generations
+    assert evals[-1]["reward"] > evals[0]["reward"]
+    assert sum(e["type"] == "candidate" for e in events) == cfg.essa.population * cfg.essa.generations
+    assert (run.path / "adapter" / "adapter_model.safetensors").is_file()
