@@ -13,7 +13,7 @@ last and gets whatever the cheaper ones left. Everything lands in $OUT (at most 
 come back: one JSON per bench plus this script's log).
 
     export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH
-    python bench/run_all.py --call 1          # on the GPU; then --call 2 in a second run
+    python bench/run_all.py --call 1 2>&1 | tee $OUT/run_all_call1.log   # GPU; then --call 2
     python bench/run_all.py --report DIR1 DIR2   # here: tables from the fetched files
     python bench/run_all.py --call 1 --tiny   # CPU check of the plumbing (tiny configs)
 """
@@ -32,20 +32,25 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 # (name, script, extra args, cap seconds, argument that passes an inner time limit or None)
+# Expected walls on an H200 (estimates until the first run): sebp --quick ~1 min;
+# rollouts: its own --budget; sft_speed ~5-6 min (7B build, HF and our rows ~2 min,
+# Unsloth's save overlapped with our build, then its 4-bit load + compile + steps ~2-3 min);
+# planner_check ~1.5 min (0.5B); essa with population 16 ~2 min; big72b: the 72B build
+# (1-3 min, capped) + 2k steps ~1 min + one or two 32k steps ~1-2 min each.
 CALLS = {
-    1: [("sebp", "sebp.py", ["--quick"], 75, None),
-        ("rollouts", "rollouts.py", [], 150, "--budget"),
-        ("sft_speed", "sft_speed.py", [], 400, "--time-limit")],
-    2: [("planner_check", "planner_check.py", [], 100, "--time-limit"),
-        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 140, None),
-        ("big72b", "big72b.py", ["--max-build-s", "180"], 400, "--time-limit")],
+    1: [("sebp", "sebp.py", ["--quick"], 60, None),
+        ("rollouts", "rollouts.py", [], 130, "--budget"),
+        ("sft_speed", "sft_speed.py", [], 420, "--time-limit")],
+    2: [("planner_check", "planner_check.py", [], 90, "--time-limit"),
+        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 130, None),
+        ("big72b", "big72b.py", ["--max-build-s", "180"], 420, "--time-limit")],
 }
 TINY_ARGS = {"sebp": ["--dry-run"]}  # sebp.py's CPU mode has its own name
 
 
-def run_call(call: int, budget: float, tiny: bool, out: Path) -> dict:
+def run_call(call: int, budget: float, tiny: bool, out: Path, skip: set) -> dict:
     t0 = time.perf_counter()
-    steps = [s for s in CALLS[call] if (HERE / s[1]).is_file()]
+    steps = [s for s in CALLS[call] if (HERE / s[1]).is_file() and s[0] not in skip]
     status = {}
     env = dict(os.environ, OUT=str(out), PYTHONUNBUFFERED="1")
     for i, (name, script, extra, cap, limit_flag) in enumerate(steps):
@@ -140,12 +145,13 @@ def main():
     ap.add_argument("--call", type=int, choices=(1, 2))
     ap.add_argument("--report", nargs="*", metavar="DIR", help="folders holding the fetched JSON of the calls")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for this call (the device allows 600)")
+    ap.add_argument("--skip", default="", help="comma list of benches to leave out (e.g. sebp,rollouts)")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     if a.call:
-        run_call(a.call, a.budget, a.tiny, out)
+        run_call(a.call, a.budget, a.tiny, out, set(filter(None, a.skip.split(","))))
         print("\n" + report([out]), flush=True)
     elif a.report is not None:
         print(report(a.report or [out]))

@@ -23,6 +23,10 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
                               (PEFT's prepare_model_for_kbit_training makes them fp32, so
                               the engine's residual stream is fp32; not an engine setting
                               yet: this row measures what that costs)
+  ours/bf16_params_padded_sebp  bf16 as above, padded batch with SEBP (SEBP's effect
+                              without the fp32 residual; packing leaves SEBP nothing to skip)
+  ours/+liger                 packed + bf16 + Liger-Kernel's fused RMSNorm / SwiGLU / RoPE
+                              (liger-kernel 0.8.5 carried in .gpu-site; GPU only)
   unsloth/padded, /packed     .ref/unsloth_bench.py's own phases in separate processes
                               (Unsloth patches transformers on import): save a random
                               bf16 7B to disk, then Unsloth's 4-bit load + LoRA + steps
@@ -126,6 +130,20 @@ class Row:
         self.input_ids, self.labels = ids, labels
 
 
+def apply_liger(model):
+    """Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the model instance (not its loss:
+    ours already skips unlabelled logits). Its SwiGLU calls gate/up/down_proj as modules,
+    so the LoRA-over-NF4 layers (and SEBP's patch) stay in place."""
+    if DEV != "cuda":
+        raise RuntimeError("Liger's Triton kernels need a GPU")
+    try:
+        from liger_kernel.transformers.monkey_patch import apply_liger_kernel_to_qwen2
+    except ImportError as e:
+        raise RuntimeError(f"liger-kernel not importable ({e}); carry it in .gpu-site") from None
+    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False, model=model.get_base_model())
+
+
 def ours_rows(base, padded, real):
     from edgetune.engine import model as model_lib
     from edgetune.engine.data import collate
@@ -149,7 +167,10 @@ def ours_rows(base, padded, real):
     b_packed = to_dev(collate_packed(rows))
     handle = None
     levers = [("sparse_head", b_padded, False, None), ("+sebp", b_padded, True, None),
-              ("+packing", b_packed, True, None), ("+bf16_params", b_packed, True, C.bf16_frozen_params)]
+              ("+packing", b_packed, True, None), ("+bf16_params", b_packed, True, C.bf16_frozen_params),
+              # SEBP only acts on padded rows: its effect with the bf16 residual
+              ("bf16_params_padded_sebp", b_padded, True, None),
+              ("+liger", b_packed, True, apply_liger)]
     folder = C.arch_folder(B.C7B)
     for name, batch, use_sebp, prepare in levers:
         def one():
@@ -169,7 +190,7 @@ def ours_rows(base, padded, real):
             del opt
             # the planner models the engine as it is (fp32 non-quantised params): compare
             # the rows that are that engine
-            if prepare is None and name in ("sparse_head", "+packing"):
+            if name in ("sparse_head", "+packing"):
                 sets = (["sft.batch_size=8", f"data.max_seq_len={B.SEQ}"] if name == "sparse_head"
                         else ["sft.batch_size=1", f"data.max_seq_len={real}", "sft.packing=true"])
                 R["planner"].append(C.compare(f"7B SFT {name}", C.planner_prediction(folder, "sft", sets),
@@ -183,40 +204,66 @@ def ours_rows(base, padded, real):
 # --------------------------------------------------------------------------- Unsloth
 
 
-def unsloth_phase(phase: str, model_dir: str, part_dir: str, cap_s: float, site: list[str]) -> dict:
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != C.ROOT]
-    env = dict(os.environ, OUT=part_dir, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([p for p in site if os.path.isdir(p)] + inherited))
-    cmd = [sys.executable, str(Path(args.ref) / "unsloth_bench.py"), "--phase", phase, "--dir", model_dir]
-    if args.tiny:
-        cmd.append("--tiny")
-    t = time.perf_counter()
-    try:
-        rc = subprocess.run(cmd, env=env, timeout=cap_s, cwd=tempfile.gettempdir()).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    try:
-        part = json.loads((Path(part_dir) / f"part_{phase}.json").read_text())
-    except (OSError, ValueError) as e:
-        part = {"missing": repr(e)}
-    return {"rc": rc, "wall_s": round(time.perf_counter() - t, 1), **part}
+class UnslothPhase:
+    """One phase of .ref/unsloth_bench.py in its own process (Unsloth patches
+    transformers on import), its part file read back when it ends."""
+
+    def __init__(self, phase: str, model_dir: str, part_dir: str, site: list[str]):
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != C.ROOT]
+        env = dict(os.environ, OUT=part_dir, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([p for p in site if os.path.isdir(p)] + inherited))
+        cmd = [sys.executable, str(Path(args.ref) / "unsloth_bench.py"), "--phase", phase, "--dir", model_dir]
+        if args.tiny:
+            cmd.append("--tiny")
+        self.phase, self.part_dir, self.t0 = phase, part_dir, time.perf_counter()
+        log(f"unsloth phase {phase}: {' '.join(cmd[1:])}")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir())
+
+    def wait(self, cap_s: float) -> dict:
+        try:
+            rc = self.proc.wait(timeout=max(1.0, cap_s - (time.perf_counter() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rc = "timeout"
+        try:
+            part = json.loads((Path(self.part_dir) / f"part_{self.phase}.json").read_text())
+        except (OSError, ValueError) as e:
+            part = {"missing": repr(e)}
+        return {"rc": rc, "wall_s": round(time.perf_counter() - self.t0, 1), **part}
 
 
-def unsloth_rows():
-    site = [args.unsloth_site, args.gpu_site]
+UNSLOTH_DIR = os.path.join("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir(), "edgetune-q7b")
+
+
+def start_unsloth_save() -> tuple | None:
+    """Start the save phase (random bf16 7B built on the GPU, ~15 GB written to disk) in the
+    background: it overlaps our imports and NF4 build, and is waited for before any timing."""
+    if args.skip_unsloth:
+        return None
     if not os.path.isdir(args.unsloth_site):
         R["notes"].append(f"Unsloth skipped: {args.unsloth_site} missing")
-        return
+        return None
     part_dir = tempfile.mkdtemp(prefix="unsloth-parts-")
-    model_dir = os.path.join("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir(), "edgetune-q7b")
-    # the save phase writes ~15 GB of bf16 weights; it needs no Unsloth on the path
-    R["unsloth"]["save"] = unsloth_phase("save", model_dir, part_dir, min(160, left() - 100), [args.gpu_site])
+    return UnslothPhase("save", UNSLOTH_DIR, part_dir, [args.gpu_site]), part_dir
+
+
+def finish_unsloth_save(started) -> None:
+    if started is not None:
+        R["unsloth"]["save"] = started[0].wait(cap_s=170)
+        log(f"unsloth save phase: rc {R['unsloth']['save']['rc']}, {R['unsloth']['save']['wall_s']}s")
+
+
+def unsloth_rows(started):
+    if started is None or R["unsloth"].get("save", {}).get("rc") != 0:
+        R["notes"].append("Unsloth phase not run: the save phase did not succeed")
+        return
     if DEV != "cuda":
         R["notes"].append("Unsloth phase skipped on the CPU (Unsloth needs a GPU); the save phase ran")
         return
-    cap = min(260, left() - 10)
-    R["unsloth"]["run"] = unsloth_phase("unsloth", model_dir, part_dir, cap, site)
-    subprocess.run(["rm", "-rf", model_dir])
+    run = UnslothPhase("unsloth", UNSLOTH_DIR, started[1], [args.unsloth_site, args.gpu_site])
+    R["unsloth"]["run"] = run.wait(cap_s=min(260, left() - 10))
+    subprocess.run(["rm", "-rf", UNSLOTH_DIR])
 
 
 # --------------------------------------------------------------------------- table
@@ -267,7 +314,9 @@ def main():
         log(f"built in {secs:.1f}s")
         return model
 
+    started = start_unsloth_save()
     model = section("build", build)
+    finish_unsloth_save(started)  # nothing is timed while it writes
     if model is None:
         return
     lens, padded, packed, _ = B.make_sft_data(B.C7B["vocab_size"])
@@ -278,9 +327,12 @@ def main():
         return
     section("ours", lambda: ours_rows(base, padded, real))
     del model, base
-    C.reset_peak()
-    if not args.skip_unsloth:
-        section("unsloth", unsloth_rows, need_s=20 if args.tiny else 200)
+    try:
+        C.reset_peak()
+    except RuntimeError as e:  # a CUDA error in a row is sticky; Unsloth runs in its own process anyway
+        R["notes"].append(f"CUDA state after our rows: {e}"[:300])
+    if started is not None:
+        section("unsloth", lambda: unsloth_rows(started), need_s=20 if args.tiny else 150)
     R["table"] = table()
     R["wall_s"] = round(time.perf_counter() - T0, 1)
     dump()
