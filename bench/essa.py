@@ -81,8 +81,8 @@ def build_nf4_model(arch: dict, device: str, dtype):
         module.to_empty(device=device)
         for name, p in module.named_parameters():
             with torch.no_grad():
-                if p.dim() == 1:
-                    p.fill_(1.0) if "norm" in name else p.zero_()  # norms 1, biases 0
+                if p.dim() == 1:  # biases 0, norm weights 1
+                    p.zero_() if name.endswith("bias") else p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
 
@@ -231,6 +231,22 @@ def main(argv=None) -> dict:
     R["fitness_max_abs_diff"] = float(np.max(np.abs(np.array(fit_bat[:n_seq]) - np.array(fit_seq))))
     print("batched", R["batched"], "fitness equal:", R["fitness_equal_on_sequential_candidates"], flush=True)
 
+    # -- numerics: one prefill forward, batched vs one candidate at a time (greedy texts of a
+    # random-init model sit on near-ties, so bf16 rounding alone can change them)
+    ids = torch.tensor(prompts[:2], device=device)
+    with torch.inference_mode():
+        ref = []
+        for x in xs[:2]:
+            space.write(x)
+            ref.append(model(input_ids=ids).logits[:, -1].float())
+        from edgetune.engine.multilora import batched_lora
+
+        with batched_lora(space.modules, space.stacked(np.asarray(xs[:2])), torch.arange(2).repeat_interleave(2)):
+            got = model(input_ids=ids.repeat(2, 1)).logits[:, -1].float()
+    ref = torch.cat(ref)
+    R["prefill_logits_max_abs_diff"] = float((got - ref).abs().max())
+    R["prefill_logits_max_abs"] = float(ref.abs().max())
+
     # -- plain batched inference of the same rows (one adapter; then none)
     space.restore()
     plain_prompts = [r["prompt"] for r in rows] * min(k, a.population)
@@ -288,7 +304,9 @@ def table(R: dict) -> str:
               f"{R['batched_vs_plain_base']} (no LoRA); target >= 0.8",
               f"batched / sequential candidates per minute: {R['batched_vs_sequential_candidates_per_min']}x",
               f"batched fitness == sequential fitness on the same candidates: "
-              f"{R['fitness_equal_on_sequential_candidates']} (max diff {R['fitness_max_abs_diff']})",
+              f"{R['fitness_equal_on_sequential_candidates']} (max diff {R['fitness_max_abs_diff']}); "
+              f"last-position logits, batched vs sequential: max abs diff {R['prefill_logits_max_abs_diff']:.3g} "
+              f"(logits up to {R['prefill_logits_max_abs']:.3g})",
               f"build {R['build_s']} s, total {R['total_s']} s"]
     return "\n".join(lines)
 
