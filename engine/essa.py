@@ -311,13 +311,13 @@ def train(ctx: RunContext) -> dict:
         if every(cfg.run.checkpoint_every, gen) and gen < s.generations:
             _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
 
-    if stopped and gen > 0 and (ctx.run.last_checkpoint() or (None,))[0] != gen:
+    last = ctx.run.last_checkpoint()
+    if stopped and gen > 0 and (last is None or last[0] != gen):  # resume exactly here
         _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
     if held_out and not stopped:
         metrics["reward"] = held_out_reward(export_x())
         ctx.emit("eval", step=gen, reward=metrics["reward"], candidate=s.export)
-    with torch.no_grad():
-        space.write(export_x())
+    space.write(export_x())  # the adapter `finish` saves
     metrics["best_fitness"] = best_f
     return finish(ctx, model, tok, base_path, gen, metrics, stopped, t0)
 
