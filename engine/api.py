@@ -235,3 +235,18 @@ def preview_data(path: str, fmt: str = "auto", n: int = 20) -> Preview:
 
     rows, detected = preview(path, fmt, n)
     return Preview(rows, detected)
+
+
+def check_data(cfg: Config) -> dict:
+    """Preview, detected format, validation report and every bad row of `cfg.data`,
+    computed in a subprocess (it needs the model's tokenizer). See engine/checks.py."""
+    from .checks import isolated
+
+    return isolated("data", cfg.to_dict())
+
+
+def chat_session(log_path: str | os.PathLike | None = None):
+    """A handle on a chat worker process: base vs adapter replies (engine/chat.py)."""
+    from .chat import ChatSession
+
+    return ChatSession(log_path)

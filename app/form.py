@@ -1,0 +1,216 @@
+"""The settings form: one widget spec per dataclass field of engine/settings.py, read from
+the dataclasses themselves (type, default, and the comment above or beside the field as
+help text), so a new setting appears in the app without touching it.
+
+Values travel as a flat dict {"sft.lr": 0.001, ...}; `config_from_values` hands them to
+the engine's `resolve()`, the same validator the CLI's `--set` goes through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from edgetune.engine import settings as S
+
+# Settings groups of a Config, in the order the page shows them.
+GROUPS = {"model": S.ModelSettings, "data": S.DataSettings, "lora": S.LoraSettings, "run": S.RunSettings,
+          "sft": S.SFTSettings, "fgrpo": S.FGRPOSettings, "essa": S.ESSASettings}
+
+# What a newcomer needs to see; everything else of a group folds into "Advanced".
+BASIC = {
+    "model": ("name", "quant"),
+    "data": ("path", "format", "max_seq_len"),
+    "lora": ("r", "alpha", "target_modules"),
+    "run": ("name", "seed", "checkpoint_every"),
+    "sft": ("steps", "lr", "batch_size", "eval_every"),
+    "fgrpo": ("steps", "lr", "num_generations", "prompts_per_step", "max_new_tokens", "reward", "gamma",
+              "sample_every"),
+    "essa": ("generations", "population", "reward", "prompts_per_generation", "warm_start", "evaluation"),
+}
+
+# The app owns where runs live.
+HIDDEN = {"run.runs_dir"}
+
+# Closed sets of values, as engine/settings.py `validate` accepts them (tests/test_app.py
+# checks each one resolves, so the two cannot drift apart unnoticed).
+CHOICES = {
+    "model.quant": ("nf4", "int8", "none"),
+    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
+    "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
+    "data.overlong": ("truncate", "drop"),
+    "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
+    "fgrpo.scale_rewards": ("group", "batch", "none"),
+    "essa.evaluation": ("sequential", "batched"),
+    "essa.export": ("mean", "best"),
+}
+
+
+@dataclass
+class FieldSpec:
+    group: str
+    name: str
+    kind: str  # int | float | bool | str | any (YAML text: lists, dicts, null)
+    default: Any
+    help: str
+    section: str  # "-- optimisation" headings of the dataclass, "" before the first
+    basic: bool
+    choices: tuple | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.group}.{self.name}"
+
+    @property
+    def elem_id(self) -> str:
+        return f"field-{self.group}-{self.name}"
+
+
+def _comments(cls) -> dict[str, tuple[str, str]]:
+    """field name -> (help text, section) from the dataclass source."""
+    out, pending, section = {}, [], ""
+    for line in inspect.getsource(cls).splitlines():
+        s = line.strip()
+        if s.startswith("# --"):
+            section, pending = s[4:].strip(), []
+        elif s.startswith("#"):
+            pending.append(s.lstrip("# ").strip())
+        else:
+            m = re.match(r"(\w+)\s*:\s*[^=]+(?:=.*?)?(?:#\s*(.*))?$", s)
+            if m and not s.startswith(("def ", "class ", '"""')):
+                inline = m.group(2) or ""
+                out[m.group(1)] = (" ".join(pending + ([inline] if inline else [])), section)
+            pending = []
+    return out
+
+
+def _kind(typ) -> str:
+    return {int: "int", float: "float", bool: "bool", str: "str"}.get(typ, "any")
+
+
+def field_specs() -> list[FieldSpec]:
+    specs = []
+    for group, cls in GROUPS.items():
+        hints, notes = typing.get_type_hints(cls), _comments(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{group}.{f.name}"
+            if key in HIDDEN:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            help_text, section = notes.get(f.name, ("", ""))
+            specs.append(FieldSpec(group, f.name, _kind(hints[f.name]), default, help_text, section,
+                                   f.name in BASIC.get(group, ()), CHOICES.get(key)))
+    return specs
+
+
+# --------------------------------------------------------------------------- values
+
+
+def to_widget(spec: FieldSpec, value: Any) -> Any:
+    """A setting's value as its widget shows it."""
+    if spec.kind == "any":
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        return yaml.safe_dump(value, default_flow_style=True).strip()
+    if spec.kind == "str":
+        return "" if value is None else str(value)
+    return value
+
+
+def from_widget(spec: FieldSpec, value: Any) -> Any:
+    if spec.kind == "any":
+        text = (value or "").strip()
+        if not text:
+            return None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+    if spec.kind == "int" and isinstance(value, float) and value == int(value):
+        return int(value)
+    if spec.kind == "str":
+        return "" if value is None else str(value)
+    return value
+
+
+def values_from_config(cfg: S.Config, specs: list[FieldSpec]) -> list:
+    d = cfg.to_dict()
+    return [to_widget(s, d[s.group][s.name]) for s in specs]
+
+
+def nested(method: str, values: list, specs: list[FieldSpec]) -> dict:
+    out: dict = {"method": method}
+    for spec, v in zip(specs, values):
+        out.setdefault(spec.group, {})[spec.name] = from_widget(spec, v)
+    return out
+
+
+def config_from_values(method: str, values: list, specs: list[FieldSpec], runs_dir: str) -> S.Config:
+    """Widget values -> a validated Config (raises ConfigError with a one-line message)."""
+    data = nested(method, values, specs)
+    data.setdefault("run", {})["runs_dir"] = str(runs_dir)
+    return S.resolve(overrides=data)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def user_preset_dir() -> Path:
+    return Path(os.environ.get("EDGETUNE_PRESETS", Path.home() / ".config" / "edgetune" / "presets"))
+
+
+def all_presets() -> dict[str, Path]:
+    """Built-in presets (presets/*.yaml), then the user's (a saved name shadows nothing:
+    user presets are listed as 'name (saved)' when the name is taken)."""
+    found = dict(S.list_presets())
+    d = user_preset_dir()
+    if d.is_dir():
+        for p in sorted(d.glob("*.yaml")):
+            found[p.stem if p.stem not in found else f"{p.stem} (saved)"] = p
+    return found
+
+
+def preset_config(name: str, runs_dir: str) -> S.Config:
+    path = all_presets().get(name)
+    if path is None:
+        raise S.ConfigError(f"unknown preset '{name}'")
+    return S.resolve(config=path, overrides={"run": {"runs_dir": str(runs_dir)}})
+
+
+def preset_title(path: Path) -> str:
+    """The first comment line of a preset file, shown as its description."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def save_preset(name: str, cfg: S.Config, folder: Path | None = None) -> Path:
+    """Write the settings that differ from the defaults (plus the method) as a preset."""
+    name = name.strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        raise S.ConfigError("a preset name uses letters, digits, '-', '_' or '.', e.g. my-sft")
+    folder = Path(folder or user_preset_dir())
+    folder.mkdir(parents=True, exist_ok=True)
+    default, current = S.Config().to_dict(), cfg.to_dict()
+    out: dict = {"method": current["method"]}
+    for group, fields in current.items():
+        if group == "method":
+            continue
+        diff = {k: v for k, v in fields.items()
+                if v != default[group][k] and f"{group}.{k}" not in HIDDEN and k != "name"}
+        if diff:
+            out[group] = diff
+    path = folder / f"{name}.yaml"
+    path.write_text(f"# {name}: saved from the edgetune app\n" + yaml.safe_dump(out, sort_keys=False))
+    return path

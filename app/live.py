@@ -1,0 +1,194 @@
+"""What the Train panel shows, computed from a run's events and its memory.json.
+
+Plain functions of data on disk, no Gradio: the page calls them on every timer tick, a
+reloaded page calls them once on the whole events.jsonl, and the tests call them on
+hand-written events.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+import pandas as pd
+
+from .methods import BY_KEY, Method, Plot
+
+GiB = 2**30
+
+
+def _event_key(ev: dict) -> str:
+    return f"warm_start:{ev.get('event')}" if ev["type"] == "warm_start" else ev["type"]
+
+
+def plot_frame(events: list[dict], plot: Plot) -> pd.DataFrame:
+    """Long-form data for one plot: columns step, value, series."""
+    rows = []
+    for ev in events:
+        key = _event_key(ev)
+        for s in plot.series:
+            if s.event == key and isinstance(ev.get(s.key), (int, float)) and ev.get("step") is not None:
+                rows.append({"step": int(ev["step"]), "value": float(ev[s.key]), "series": s.label})
+    return pd.DataFrame(rows, columns=["step", "value", "series"])
+
+
+def plot_frames(events: list[dict], method: Method) -> list[pd.DataFrame]:
+    return [plot_frame(events, p) for p in method.plots]
+
+
+def plot_figure(frame: pd.DataFrame, plot: Plot, x_title: str = "step"):
+    """A small matplotlib figure: one line with markers per series (a lone eval point
+    still shows). Figure objects, not pyplot: handlers run in several threads."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.0), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    for s in plot.series:
+        part = frame[frame["series"] == s.label]
+        if len(part):
+            ax.plot(part["step"], part["value"], marker="o", markersize=3.5, linewidth=1.6, label=s.label)
+    ax.set_title(plot.title, fontsize=11)
+    ax.set_xlabel(x_title)
+    ax.set_ylabel(plot.y_title)
+    ax.grid(alpha=0.3)
+    if len(frame):
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    return fig
+
+
+def duration(seconds) -> str:
+    if seconds is None:
+        return "–"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+def progress(events: list[dict]) -> dict:
+    """Where a run stands: step, total, elapsed, eta, phase text, last headline values."""
+    started = next((e for e in reversed(events) if e["type"] == "started"), None)
+    method = BY_KEY.get((started or {}).get("method", ""), None)
+    last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
+    total = (last_step or {}).get("total")
+    if total is None and started and method:
+        group = started.get("config", {}).get(method.key, {})
+        total = group.get("generations" if method.key == "essa" else "steps")
+    out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": (last_step or {}).get("elapsed"),
+           "eta": (last_step or {}).get("eta"), "phase": "", "values": {},
+           "unit": "generation" if method and method.key == "essa" else "step"}
+    if last_step and method:
+        out["values"] = {k: last_step[k] for k in method.headline if isinstance(last_step.get(k), (int, float))}
+    if not events:
+        out["phase"] = "waiting for the worker"
+    elif events[-1]["type"] in ("finished", "stopped", "error"):
+        last = events[-1]
+        out["phase"] = "adapter saved" if last["type"] != "error" else last.get("message", "")
+    elif events[-1]["type"] == "warm_start":
+        ws = [e for e in events if e["type"] == "warm_start" and e.get("event") == "step"]
+        out["phase"] = (f"warm-start SFT step {ws[-1]['step']}/{ws[-1].get('total')}" if ws
+                        else "warm-start SFT: loading")
+    elif last_step is None:
+        out["phase"] = "loading the model and data" if started else "starting the worker"
+    else:
+        out["phase"] = "training"
+    return out
+
+
+def progress_html(events: list[dict], status: str) -> str:
+    p = progress(events)
+    total = p["total"] or 0
+    frac = min(1.0, p["step"] / total) if total else 0.0
+    values = " · ".join(f"{k} {v:.4g}" for k, v in p["values"].items())
+    text = (f"{p['unit']} {p['step']} / {total or '?'} · {duration(p['elapsed'])} elapsed · "
+            f"ETA {duration(p['eta']) if status in ('running', 'starting') else '–'}")
+    return (
+        f'<div class="et-progress" data-step="{p["step"]}" data-total="{total}" data-status="{status}">'
+        f'<div class="et-progress-head"><b>{html.escape(status)}</b> · {html.escape(p["phase"])}'
+        f'<span class="et-progress-values">{html.escape(values)}</span></div>'
+        f'<div class="et-bar"><div class="et-bar-fill et-{status}" style="width:{frac * 100:.1f}%"></div></div>'
+        f'<div class="et-progress-text">{html.escape(text)}</div></div>'
+    )
+
+
+def _fmt_event(ev: dict) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
+    kind = ev["type"]
+    if kind == "warm_start":
+        inner = {k: v for k, v in ev.items() if k not in ("event",)}
+        inner["type"] = ev.get("event", "?")
+        return f"{t} warm-start {_fmt_event(inner)[9:]}"
+    skip = {"i", "time", "type", "config", "gpu", "report", "host_rss", "total"}
+    if kind == "data":
+        r = ev.get("report", {})
+        return (f"{t} data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')}), "
+                f"{r.get('train_rows')} train, {r.get('eval_rows')} eval")
+    if kind == "started":
+        resumed = f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") else ""
+        return f"{t} started {ev.get('method')} on {ev.get('device')}{resumed}"
+    if kind in ("warning", "error"):
+        return f"{t} {kind}: {ev.get('message')}"
+    if kind in ("finished", "stopped"):
+        m = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.get("metrics", {}).items())
+        return f"{t} {kind} at step {ev.get('step')}: {m}"
+    if kind == "step":  # elapsed and ETA are on the progress bar
+        skip |= {"step", "elapsed", "eta"}
+        head = f"{t} step {ev.get('step')}/{ev.get('total', '?')}"
+    else:
+        head = f"{t} {kind}"
+    parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+             for k, v in ev.items() if k not in skip and v is not None]
+    return f"{head}: " + ", ".join(parts)
+
+
+def log_lines(events: list[dict], n: int = 40) -> str:
+    shown = [e for e in events if e["type"] != "candidate"]  # ESSA writes one per candidate
+    return "\n".join(_fmt_event(e) for e in shown[-n:])
+
+
+def samples_markdown(events: list[dict], n: int = 4) -> str:
+    samples = [e for e in events if e["type"] == "sample"][-n:]
+    if not samples:
+        return "_No sample completions yet (F-GRPO writes one every `sample_every` steps)._"
+    out = []
+    for e in reversed(samples):
+        reward = f" · reward {e['reward']:.3g}" if isinstance(e.get("reward"), (int, float)) else ""
+        answer = f" · answer `{e['answer']}`" if e.get("answer") else ""
+        out.append(f"**step {e.get('step')}**{reward}{answer}\n\n> {html.escape(str(e.get('prompt', '')))[:300]}\n\n"
+                   f"```\n{str(e.get('completion', ''))[:600]}\n```")
+    return "\n\n".join(out)
+
+
+def _bar(label: str, used: float, total: float, extra: str = "") -> str:
+    frac = min(1.0, used / total) if total else 0.0
+    return (f'<div class="et-mem-row"><span class="et-mem-label">{label}</span>'
+            f'<div class="et-bar"><div class="et-bar-fill" style="width:{frac * 100:.1f}%"></div></div>'
+            f'<span class="et-mem-num">{used / GiB:.2f} / {total / GiB:.1f} GiB{extra}</span></div>')
+
+
+def memory_html(mem: dict | None, host_total: int, alive: bool, now: float | None = None) -> str:
+    """GPU allocated / reserved / peak against the card's total, and the worker's RSS
+    against the machine's RAM; `mem` is the run's memory.json (None before the first)."""
+    if not mem:
+        return ('<div class="et-memory" data-time="0"><div class="et-mem-note">No memory readings yet: '
+                'they start when a run\'s worker starts.</div></div>')
+    now = now or time.time()
+    age = now - mem.get("time", now)
+    gpu = mem.get("gpu", {})
+    rows = []
+    if gpu.get("total"):
+        rows.append(_bar("GPU allocated", gpu.get("allocated", 0), gpu["total"]))
+        rows.append(_bar("GPU reserved", gpu.get("reserved", 0), gpu["total"]))
+        rows.append(_bar("GPU peak", gpu.get("peak", 0), gpu["total"]))
+    else:
+        rows.append('<div class="et-mem-note">No CUDA GPU in the worker: training on the CPU.</div>')
+    rows.append(_bar("Host RAM (worker)", mem.get("host_rss", 0), host_total))
+    stamp = time.strftime("%H:%M:%S", time.localtime(mem.get("time", 0)))
+    state = (f"updated {stamp} ({age:.0f}s ago)" if alive and age < 10
+             else f"last reading {stamp} (worker not running)")
+    return (f'<div class="et-memory" data-time="{mem.get("time", 0)}">{"".join(rows)}'
+            f'<div class="et-mem-note">{state}</div></div>')

@@ -1,0 +1,121 @@
+"""Text and tables for the Data, Model (memory estimate) and Runs panels, from what the
+engine returns. Plain functions, no Gradio, so tests can call them directly."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------- data
+
+
+def data_report_markdown(result: dict) -> str:
+    """The validation report, or the problem with the file and every bad row by number."""
+    if not result.get("ok"):
+        lines = [f"### ✗ This data cannot be used yet\n\n**{result.get('error', 'unknown problem')}**"]
+        bad = result.get("bad_rows") or []
+        if bad:
+            lines.append("\n| row | problem |\n|---:|---|")
+            lines += [f"| {b['row']} | {b['problem'].replace('|', '/')} |" for b in bad]
+            if len(bad) >= 20:
+                lines.append("\n_(the first 20 bad rows)_")
+        return "\n".join(lines)
+    r = result["report"]
+    lines = [f"### ✓ {r['rows_kept']} of {r['rows_total']} rows kept · format **{r['format']}**",
+             f"{r['train_rows']} train, {r['eval_rows']} eval"
+             + (f" (eval from `{r['eval_file']}`)" if r.get("eval_file") else
+                "" if not r["eval_rows"] else " (held out from this file)")]
+    for reason, n in (r.get("dropped") or {}).items():
+        lines.append(f"- dropped {n}: {reason}")
+    if r.get("truncated"):
+        lines.append(f"- truncated {r['truncated']} (cut to max_seq_len)")
+    t = r.get("token_lengths") or {}
+    if t:
+        lines.append(f"- length in {r.get('length_unit', 'tokens')}: min {t['min']}, mean {t['mean']:.1f}, "
+                     f"p50 {t['p50']}, p95 {t['p95']}, max {t['max']}")
+    return "\n".join(lines)
+
+
+def histogram_figure(result: dict):
+    """The token-length histogram with its real bin edges (matplotlib Figure, no pyplot)."""
+    from matplotlib.figure import Figure
+
+    h = ((result.get("report") or {}).get("histogram")) or {}
+    edges, counts = h.get("edges") or [], h.get("counts") or []
+    fig = Figure(figsize=(5, 3.0), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    if counts:
+        ax.stairs(counts, edges, fill=True, alpha=0.8)
+    else:
+        ax.text(0.5, 0.5, "no data checked yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    unit = (result.get("report") or {}).get("length_unit", "tokens")
+    ax.set_title(f"Row length ({unit})", fontsize=11)
+    ax.set_xlabel(unit)
+    ax.set_ylabel("rows")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def preview_frame(result: dict) -> pd.DataFrame:
+    rows = result.get("preview") or []
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    df.insert(0, "row", range(1, len(df) + 1))
+    return df
+
+
+# --------------------------------------------------------------------------- memory estimate
+
+
+def _size(n) -> str:
+    if not isinstance(n, (int, float)):
+        return str(n)
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB"
+
+
+def estimate_markdown(result: dict) -> str:
+    """engine/planner.py's estimate: the verdict ("fits" / "does not fit — try ..."),
+    bytes by part, the batch shape and the GPU's free memory; "estimate unavailable"
+    while the planner is missing or fails."""
+    if not result.get("ok"):
+        return f"**Estimate unavailable.** {html.escape(result.get('error', ''))}"
+    est = result["estimate"]
+    mark = {True: "✓ ", False: "✗ "}.get(est.get("fits"), "")
+    lines = [f"### {mark}{est.get('verdict', '')}"]
+    if est.get("gpu_total"):
+        lines.append(f"GPU: {_size(est.get('gpu_free'))} free of {_size(est['gpu_total'])}.")
+    else:
+        lines.append("No GPU visible here: the verdict needs one; the parts below are for a CUDA card.")
+    if est.get("shape"):
+        lines.append(f"Peak step shape: {est['shape']}" + (f" ({est['phase']})" if est.get("phase") else "") + ".")
+    lines += ["", "| part | predicted |", "|---|---:|"]
+    lines += [f"| {k.replace('_', ' ')} | {_size(est.get(k))} |" for k in est.get("parts", [])]
+    lines.append(f"| **total** | **{_size(est.get('total'))}** |")
+    lines += [f"- {note}" for note in est.get("notes") or []]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+RUN_COLUMNS = ["run", "status", "method", "step", "metrics", "created"]
+
+
+def _metrics_text(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
+                     if not isinstance(v, (dict, list)))
+
+
+def runs_frame(summaries: list[dict]) -> pd.DataFrame:
+    import time
+
+    rows = [{"run": s["name"], "status": s["status"], "method": s.get("method") or "",
+             "step": f"{s.get('step', 0)}/{s.get('total') or '?'}", "metrics": _metrics_text(s.get("metrics") or {}),
+             "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s.get("created") else ""}
+            for s in summaries]
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)

@@ -1,0 +1,153 @@
+"""Checks the app runs before a run starts, in a fresh subprocess.
+
+Validating data needs the model's tokenizer (transformers, which loads torch); the UI
+process must not, so it calls `isolated()`,
+which runs `python -m edgetune.engine.checks` with the settings as JSON on stdin and
+reads one JSON answer from stdout. A problem with the user's input comes back as
+{"ok": false, "error": <one line>}, never as a traceback.
+
+    check_data(cfg)  -> preview rows, detected format, the ValidationReport, and every
+                        bad row found (row number + problem), not only the first
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import DataError, EdgetuneError
+
+MAX_BAD_ROWS = 20
+
+
+# --------------------------------------------------------------------------- in the subprocess
+
+
+def _jsonable_rows(rows: list[dict]) -> list[dict]:
+    # Preview cells are shown as text; nested values (messages lists) as compact JSON.
+    return [{k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v, ensure_ascii=False)
+             for k, v in r.items()} for r in rows]
+
+
+def _bad_json_lines(path: Path) -> list[dict]:
+    """Every malformed line of a JSONL file (the loader stops at the first)."""
+    bad = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return bad
+    if text.lstrip().startswith("["):
+        return bad
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.append({"row": n, "problem": f"malformed JSON: {e.msg} (column {e.colno})"})
+        else:
+            if not isinstance(row, dict):
+                bad.append({"row": n, "problem": f"expected a JSON object, got {type(row).__name__}"})
+        if len(bad) >= MAX_BAD_ROWS:
+            break
+    return bad
+
+
+def _bad_rows(rows: list[dict], fmt: str, method: str, ds, tokenizer) -> list[dict]:
+    """Check rows one at a time with the loader's own row checks, so that every bad
+    row is named (with its 1-based number), not only the first."""
+    from . import data as d
+
+    bad = []
+    for n, row in enumerate(rows, start=1):
+        try:
+            if method == "sft":
+                stats = {"total": 0, "dropped": {}, "truncated": 0}
+                d._tokenize_rows([row], fmt, tokenizer, ds, ds.path, stats)
+            else:
+                d._rl_rows([row], fmt, ds, ds.path)
+        except DataError as e:
+            bad.append({"row": n, "problem": e.problem})
+            if len(bad) >= MAX_BAD_ROWS:
+                break
+    return bad
+
+
+def check_data(cfg) -> dict:
+    from . import data as d
+    from . import model as model_lib
+
+    ds = cfg.data
+    out: dict = {"ok": False, "file": ds.path, "format": None, "preview": [], "report": None, "bad_rows": []}
+    try:
+        rows, fmt = d.preview(ds.path, ds.format, 20)
+        out["preview"], out["format"] = _jsonable_rows(rows), fmt
+    except DataError as e:
+        out["error"] = str(e)
+        p = Path(ds.path).expanduser()
+        if p.is_file() and p.name.lower().endswith((".jsonl", ".ndjson", ".json")):
+            out["bad_rows"] = _bad_json_lines(p)
+        return out
+    tokenizer = None
+    needs_tokenizer = cfg.method == "sft" or not ds.path.startswith("embedded:")
+    if needs_tokenizer:
+        tokenizer = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
+    try:
+        if cfg.method == "sft":
+            report = d.load_sft(ds, tokenizer, cfg.run.seed).report
+        else:
+            report = d.load_rl(ds, cfg.run.seed, tokenizer).report
+        out.update(ok=True, report=d.report_dict(report), summary=report.summary())
+    except DataError as e:
+        out["error"] = str(e)
+        try:
+            all_rows = d.read_rows(ds.path, ds.max_rows)
+            out["bad_rows"] = _bad_rows(all_rows, d._format_for(all_rows, ds, ds.path), cfg.method, ds, tokenizer)
+        except DataError:
+            pass
+    return out
+
+
+CHECKS = {"data": check_data}
+
+
+def main() -> int:
+    from .settings import from_dict
+
+    request = json.loads(sys.stdin.read())
+    # Libraries print progress and warnings on stdout; keep it for the one JSON answer.
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = CHECKS[request["check"]](from_dict(request["config"]))
+    except EdgetuneError as e:
+        result = {"ok": False, "error": str(e)}
+    with os.fdopen(answer_fd, "w") as f:
+        f.write(json.dumps(result, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- in the caller
+
+
+def isolated(check: str, config: dict, timeout: float = 300) -> dict:
+    """Run one check in a fresh Python process; returns its JSON answer."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "edgetune.engine.checks"],
+                              input=json.dumps({"check": check, "config": config}), capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"the {check} check took longer than {timeout:.0f} s"}
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "error": f"the {check} check failed: {last}"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The app without a browser: the settings form, presets, the live views computed from
+events and memory.json, the data / estimate / runs panels, the data check and the chat
+worker; and that importing and building the page loads no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edgetune.app import form, live, panels
+from edgetune.app.methods import BY_KEY, METHODS
+from edgetune.engine import settings as S
+from edgetune.engine.errors import ConfigError
+
+
+# --------------------------------------------------------------------------- no torch in the UI process
+
+
+def test_building_the_app_imports_no_torch(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from edgetune.app.main import launch
+        from edgetune.app.ui import build_app
+        demo = build_app({str(tmp_path / 'runs')!r})
+        from edgetune.engine import api
+        api.estimate(api.resolve(preset="sft-quickstart"))  # the Model tab calls it in-process
+        heavy = [m for m in ("torch", "transformers", "peft", "bitsandbytes") if m in sys.modules]
+        print("HEAVY", heavy)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout
+
+
+# --------------------------------------------------------------------------- form and presets
+
+
+def test_every_setting_has_a_widget_with_help():
+    specs = form.field_specs()
+    keys = {s.key for s in specs}
+    for group, cls in form.GROUPS.items():
+        for f in S.dataclasses.fields(cls):
+            key = f"{group}.{f.name}"
+            assert (key in keys) != (key in form.HIDDEN), key
+    by_key = {s.key: s for s in specs}
+    assert by_key["sft.lr"].kind == "float" and by_key["sft.steps"].kind == "int"
+    assert by_key["model.gradient_checkpointing"].kind == "bool"
+    assert by_key["lora.target_modules"].kind == "any"
+    assert "NormalFloat" in by_key["model.quant"].help
+    assert by_key["sft.lr"].section == "optimisation" and by_key["sft.sebp"].section == "speed"
+    assert by_key["sft.steps"].basic and not by_key["sft.weight_decay"].basic
+
+
+@pytest.mark.parametrize("key", sorted(form.CHOICES))
+def test_choices_are_what_the_engine_accepts(key):
+    group, name = key.split(".")
+    for value in form.CHOICES[key]:
+        assert getattr(getattr(S.resolve(overrides={group: {name: value}}), group), name) == value
+    with pytest.raises(ConfigError):
+        S.resolve(overrides={group: {name: "not-a-choice"}})
+
+
+@pytest.mark.parametrize("name", sorted(S.list_presets()))
+def test_a_preset_fills_every_field_and_round_trips(name, tmp_path):
+    specs = form.field_specs()
+    cfg = form.preset_config(name, str(tmp_path))
+    values = form.values_from_config(cfg, specs)
+    back = form.config_from_values(cfg.method, values, specs, str(tmp_path))
+    assert back.to_dict() == cfg.to_dict()
+
+
+def test_preset_values_are_widget_friendly(tmp_path):
+    specs = form.field_specs()
+    by_key = dict(zip([s.key for s in specs], form.values_from_config(form.preset_config("essa-quickstart", "r"),
+                                                                          specs)))
+    assert by_key["lora.target_modules"] == "[q_proj, k_proj, v_proj, o_proj]"
+    assert by_key["essa.population"] == 8 and by_key["sft.sebp"] == ""
+    assert by_key["model.name"] == "embedded:smollm2-135m"
+
+
+def test_widget_values_become_a_validated_config(tmp_path):
+    specs = form.field_specs()
+    values = form.values_from_config(form.preset_config("sft-quickstart", "r"), specs)
+    keys = [s.key for s in specs]
+    values[keys.index("sft.steps")] = 7.0  # gr.Number hands back floats
+    values[keys.index("lora.target_modules")] = "[q_proj, v_proj]"
+    cfg = form.config_from_values("sft", values, specs, str(tmp_path / "runs"))
+    assert cfg.sft.steps == 7 and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.run.runs_dir == str(tmp_path / "runs")
+    values[keys.index("sft.lr")] = -1.0
+    with pytest.raises(ConfigError, match="sft.lr must be positive"):
+        form.config_from_values("sft", values, specs, str(tmp_path))
+
+
+def test_saved_preset_lists_and_loads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGETUNE_PRESETS", str(tmp_path / "mine"))
+    cfg = S.resolve(preset="fgrpo-quickstart", overrides=["fgrpo.steps=3", "lora.r=4"])
+    path = form.save_preset("my-rl", cfg)
+    assert path.parent == tmp_path / "mine"
+    text = path.read_text()
+    assert "steps: 3" in text and "runs_dir" not in text
+    assert "my-rl" in form.all_presets()
+    again = form.preset_config("my-rl", cfg.run.runs_dir)
+    assert again.to_dict() == cfg.to_dict()
+    with pytest.raises(ConfigError, match="preset name"):
+        form.save_preset("../escape", cfg)
+
+
+# --------------------------------------------------------------------------- live views
+
+
+def _ev(i, type, **fields):
+    return {"i": i, "time": 1_700_000_000 + i, "type": type, **fields}
+
+
+SFT_EVENTS = [
+    _ev(0, "started", method="sft", run="r", config={"sft": {"steps": 10}}, device="cpu", resumed_from=None),
+    _ev(1, "data", report={"rows_kept": 9, "rows_total": 10, "format": "messages", "train_rows": 8, "eval_rows": 1}),
+    _ev(2, "eval", step=0, eval_loss=2.5),
+    _ev(3, "step", step=1, total=10, loss=2.4, elapsed=2.0, eta=18.0, gpu={}, host_rss=1),
+    _ev(4, "step", step=2, total=10, loss=2.0, elapsed=4.0, eta=16.0, gpu={}, host_rss=1),
+    _ev(5, "eval", step=2, eval_loss=1.9),
+]
+
+
+def test_sft_events_become_loss_plot_progress_and_logs():
+    frame = live.plot_frame(SFT_EVENTS, BY_KEY["sft"].plots[0])
+    assert frame.to_dict("records") == [
+        {"step": 0, "value": 2.5, "series": "eval loss"}, {"step": 1, "value": 2.4, "series": "train loss"},
+        {"step": 2, "value": 2.0, "series": "train loss"}, {"step": 2, "value": 1.9, "series": "eval loss"}]
+    p = live.progress(SFT_EVENTS)
+    assert (p["step"], p["total"], p["eta"], p["phase"], p["values"]) == (2, 10, 16.0, "training", {"loss": 2.0})
+    html = live.progress_html(SFT_EVENTS, "running")
+    assert 'data-step="2"' in html and "step 2 / 10 · 4s elapsed · ETA 16s" in html and "width:20.0%" in html
+    logs = live.log_lines(SFT_EVENTS)
+    assert "started sft on cpu" in logs and "data: 9/10 rows kept (messages)" in logs
+    assert "step 2/10: loss 2" in logs and "eta" not in logs.split("step 2/10")[1]
+
+
+def test_progress_before_the_first_step_and_at_the_end():
+    assert live.progress([])["phase"] == "waiting for the worker"
+    early = live.progress(SFT_EVENTS[:2])
+    assert (early["step"], early["total"], early["phase"]) == (0, 10, "loading the model and data")
+    done = SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={"loss": 2.0}, elapsed=5)]
+    assert live.progress(done)["phase"] == "adapter saved"
+    failed = SFT_EVENTS + [_ev(6, "error", message="data.path: file not found", kind="input")]
+    assert live.progress(failed)["phase"] == "data.path: file not found"
+    assert "ETA –" in live.progress_html(done, "stopped")
+    assert "stopped at step 2: loss 2" in live.log_lines(done)
+
+
+def test_fgrpo_events_become_reward_success_and_kl_plots_and_samples():
+    events = [_ev(0, "started", method="fgrpo", config={}),
+              _ev(1, "step", step=1, total=4, reward_mean=0.25, success_rate=0.5, kl=0.01),
+              _ev(2, "eval", step=1, **{"pass@1": 0.4}),
+              _ev(3, "sample", step=1, prompt="What is 2 plus 3?", completion="5", reward=1.0, answer="5")]
+    reward, kl = live.plot_frames(events, BY_KEY["fgrpo"])
+    assert set(reward["series"]) == {"reward", "success rate", "eval pass@1"}
+    assert kl.to_dict("records") == [{"step": 1, "value": 0.01, "series": "KL"}]
+    md = live.samples_markdown(events)
+    assert "step 1" in md and "reward 1" in md and "What is 2 plus 3?" in md
+
+
+def test_essa_events_become_fitness_per_generation_and_warm_start_loss():
+    events = [_ev(0, "started", method="essa", config={"essa": {"generations": 8}}),
+              _ev(1, "warm_start", event="step", step=1, total=12, loss=3.0),
+              _ev(2, "candidate", generation=1, index=0, fitness=0.5),
+              _ev(3, "step", step=1, total=8, best=0.6, mean=0.4)]
+    fitness, warm = live.plot_frames(events, BY_KEY["essa"])
+    assert fitness.to_dict("records") == [{"step": 1, "value": 0.6, "series": "best"},
+                                          {"step": 1, "value": 0.4, "series": "mean"}]
+    assert warm["value"].tolist() == [3.0]
+    assert "generation 1 / 8" in live.progress_html(events, "running")
+    assert "candidate" not in live.log_lines(events)
+    assert "warm-start step 1/12: loss 3" in live.log_lines(events)
+
+
+def test_memory_panel_shows_gpu_bars_or_says_cpu():
+    gib = 2**30
+    mem = {"time": 1000.0, "gpu": {"allocated": 3 * gib, "reserved": 4 * gib, "peak": 5 * gib, "total": 24 * gib},
+           "host_rss": 2 * gib}
+    html = live.memory_html(mem, 32 * gib, alive=True, now=1001.0)
+    for text in ("GPU allocated", "3.00 / 24.0 GiB", "GPU reserved", "GPU peak", "5.00 / 24.0 GiB",
+                 "Host RAM (worker)", "2.00 / 32.0 GiB", "(1s ago)"):
+        assert text in html
+    cpu = live.memory_html({"time": 1000.0, "gpu": {"total": 0}, "host_rss": gib}, 32 * gib, alive=False)
+    assert "No CUDA GPU" in cpu and "worker not running" in cpu
+    assert "No memory readings yet" in live.memory_html(None, 32 * gib, alive=False)
+
+
+def test_every_method_is_one_table_entry_with_its_settings_group():
+    for m in METHODS:
+        assert hasattr(S.Config(), m.key) and m.plots
+    assert [m.key for m in METHODS] == list(S.METHODS)
+
+
+# --------------------------------------------------------------------------- panels
+
+
+def test_bad_data_report_lists_rows_by_number():
+    md = panels.data_report_markdown({"ok": False, "error": "f.jsonl, row 2: missing 'completion'",
+                                      "bad_rows": [{"row": 2, "problem": "missing 'completion'"},
+                                                   {"row": 5, "problem": "'text' is empty"}]})
+    assert "f.jsonl, row 2" in md and "| 2 | missing 'completion' |" in md and "| 5 |" in md
+
+
+def test_good_data_report_and_histogram():
+    result = {"ok": True, "preview": [{"text": "a"}],
+              "report": {"rows_kept": 9, "rows_total": 10, "format": "text", "train_rows": 8, "eval_rows": 1,
+                         "dropped": {"longer than max_seq_len": 1}, "truncated": 0, "eval_file": "",
+                         "token_lengths": {"min": 3, "mean": 4.5, "p50": 4, "p95": 6, "max": 7},
+                         "histogram": {"edges": [3, 5, 7], "counts": [6, 3]}, "length_unit": "tokens"}}
+    md = panels.data_report_markdown(result)
+    assert "9 of 10 rows kept" in md and "dropped 1: longer than max_seq_len" in md and "p95 6" in md
+    bars = panels.histogram_figure(result).axes[0].patches[0].get_data()
+    assert bars.values.tolist() == [6, 3] and bars.edges.tolist() == [3, 5, 7]
+    assert panels.preview_frame(result).columns.tolist() == ["row", "text"]
+
+
+def test_estimate_panel_shows_the_planner_verdict_and_parts():
+    from edgetune.engine import planner
+
+    assert "Estimate unavailable" in panels.estimate_markdown({"ok": False, "error": "no planner"})
+    cfg = S.resolve(preset="sft-qlora-7b", overrides={"model": {"name": "embedded:smollm2-135m"}})
+    gib = 2**30
+    fits = panels.estimate_markdown({"ok": True, "estimate": planner.estimate(cfg, gpu_total=80 * gib,
+                                                                               gpu_free=79 * gib)})
+    assert fits.startswith("### ✓ fits") and "79.00 GiB free of 80.00 GiB" in fits
+    assert "| weights |" in fits and "| optimizer |" in fits and "| **total** |" in fits
+    tight = panels.estimate_markdown({"ok": True, "estimate": planner.estimate(cfg, gpu_total=2 * gib,
+                                                                                gpu_free=1 * gib)})
+    assert tight.startswith("### ✗ does not fit") and "try:" in tight
+
+
+def test_runs_table_rows():
+    df = panels.runs_frame([{"name": "sft-1", "status": "finished", "method": "sft", "step": 40, "total": 40,
+                             "metrics": {"loss": 0.123456, "eval_loss": 0.2}, "created": 1_700_000_000}])
+    row = df.iloc[0].to_dict()
+    assert row["run"] == "sft-1" and row["step"] == "40/40" and "loss 0.1235" in row["metrics"]
+
+
+# --------------------------------------------------------------------------- engine helpers the app calls
+
+
+def test_data_check_names_every_bad_row(tmp_path, embedded_dir):
+    from edgetune.engine.checks import check_data
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n{"prompt": "d", "completion": ""}\n')
+    cfg = S.resolve(preset="sft-quickstart", overrides={"data": {"path": str(bad)}})
+    result = check_data(cfg)
+    assert not result["ok"] and "row 2" in result["error"]
+    assert [b["row"] for b in result["bad_rows"]] == [2, 3]
+    assert result["format"] == "prompt_completion" and len(result["preview"]) == 3
+    good = check_data(S.resolve(preset="sft-quickstart"))
+    assert good["ok"] and good["report"]["rows_kept"] == 350 and sum(good["report"]["histogram"]["counts"]) == 350
+
+
+def test_isolated_data_check_of_malformed_json(tmp_path):
+    from edgetune.engine import api
+
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": \n{"text": "ok"}\n{oops}\n')
+    result = api.check_data(S.resolve(overrides={"data": {"path": str(bad)}}))
+    assert not result["ok"] and "row 2" in result["error"]
+    assert [b["row"] for b in result["bad_rows"]] == [2, 4]
+
+
+def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_dir):
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from edgetune.engine.chat import ChatSession
+    from edgetune.engine.model import lora_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft_model = get_peft_model(model, lora_config(S.LoraSettings(r=4, alpha=64)))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
+    chat = ChatSession(log_path=tmp_path / "chat.log")
+    try:
+        msgs = [{"role": "user", "content": "What is 2 plus 3?"}]
+        plain = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
+        both = chat.ask(ms, msgs, str(tmp_path / "adapter"), max_new_tokens=8, timeout=300)
+        again = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
+        missing = chat.ask(ms, msgs, str(tmp_path / "nowhere"), max_new_tokens=8, timeout=300)
+    finally:
+        chat.close()
+    assert plain["ok"] and both["ok"], (plain, both, (tmp_path / "chat.log").read_text()[-2000:])
+    # The base reply with the adapter switched off is the plain base reply; the adapter changes it.
+    assert both["base"] == plain["base"] == again["base"]
+    assert both["tuned"] != both["base"]
+    assert not missing["ok"] and "no adapter" in missing["error"]
+    json.dumps(both)

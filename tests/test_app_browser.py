@@ -1,0 +1,199 @@
+"""The app in a real Chromium (Playwright): preset -> start -> live progress and memory ->
+reload re-attaches with the history -> stop -> download the adapter zip and load it with
+PEFT; and a malformed data file shows its row number.
+
+Trains the embedded SmolLM2-135M on the CPU for a few steps (a couple of minutes).
+Screenshots of each stage go to artifacts/screenshots/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-gpu", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+STEPS = 10
+
+
+def _chromium() -> str | None:
+    for p in (os.environ.get("EDGETUNE_CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"),
+              "/usr/bin/chromium"):
+        if p and Path(p).exists():
+            return p
+    return None  # Playwright's own browser, if installed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def app_server(tmp_path):
+    runs = tmp_path / "runs"
+    port = _free_port()
+    env = dict(os.environ, EDGETUNE_PRESETS=str(tmp_path / "presets"), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", GRADIO_ANALYTICS_ENABLED="False")
+    log = open(tmp_path / "app.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.cli", "ui", "--port", str(port),
+                             "--runs-dir", str(runs)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"the app exited: {(tmp_path / 'app.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the app did not answer within 180 s")
+    yield url, runs
+    from edgetune.engine import api
+
+    busy = api.active_run(runs)
+    if busy is not None:
+        busy.kill()
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _progress(page) -> dict:
+    el = page.locator("#train-progress .et-progress")
+    return {"step": int(el.get_attribute("data-step") or 0), "status": el.get_attribute("data-status")}
+
+
+def _wait(cond, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+
+
+def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_dir):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, runs = app_server
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+
+        # -- the quick-start preset fills the form; fewer steps keep the test short
+        _tab(page, "3 · Method")
+        page.click("#preset-sft-quickstart")
+        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
+        # the preset's own values (sft.steps 40, lr 1e-3) replaced the defaults (60, 2e-4)
+        _wait(lambda: page.locator("#field-sft-steps input").input_value() == "40", 30, "the preset's steps")
+        assert float(page.locator("#field-sft-lr input").input_value()) == 1e-3
+        # The CPU is shared in CI: a small batch and a one-batch eval keep steps short.
+        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
+        for field, value in (("sft-steps", STEPS), ("sft-eval_every", 5), ("sft-batch_size", 4),
+                             ("sft-eval_batches", 1)):
+            box = page.locator(f"#field-{field} input")
+            box.fill(str(value))
+            box.press("Tab")
+        page.screenshot(path=str(SHOTS / "01-method-preset.png"), full_page=True)
+
+        # -- start: the progress bar and the memory panel move
+        _tab(page, "4 · Train")
+        page.click("#start-btn")
+        page.wait_for_selector("#train-message:has-text('Started run')")
+        _wait(lambda: page.locator("#memory-panel .et-memory").get_attribute("data-time") not in (None, "0"),
+              240, "a first memory reading")
+        t1 = float(page.locator("#memory-panel .et-memory").get_attribute("data-time"))
+        _wait(lambda: float(page.locator("#memory-panel .et-memory").get_attribute("data-time")) > t1, 30,
+              "the memory panel to update")
+        _wait(lambda: _progress(page)["step"] >= 2, 420, "two training steps")
+        first = _progress(page)
+        assert first["status"] == "running"
+        assert f"/ {STEPS}" in page.locator("#train-progress").inner_text()
+        _wait(lambda: _progress(page)["step"] > first["step"], 240, "the progress bar to advance")
+        page.wait_for_timeout(1500)  # let the plot redraw
+        page.screenshot(path=str(SHOTS / "02-train-running.png"), full_page=True)
+
+        # -- reload mid-run: the page re-attaches and replays the history
+        page.reload()
+        page.wait_for_selector("#tabs")
+        _tab(page, "4 · Train")
+        _wait(lambda: _progress(page)["step"] >= first["step"] and _progress(page)["status"] == "running", 60,
+              "the re-attached progress")
+        logs = _wait(lambda: page.locator("#log-lines textarea").input_value(), 30, "replayed log lines")
+        assert "started sft" in logs and "step 1/" in logs
+        assert "running" in page.locator("#run-banner").inner_text()
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(SHOTS / "03-train-after-reload.png"), full_page=True)
+
+        # -- a second start is refused with the engine's message
+        page.click("#start-btn")
+        page.wait_for_selector("#train-message:has-text('one run at a time')")
+
+        # -- stop: the worker finishes its step and saves the adapter
+        page.click("#stop-btn")
+        _wait(lambda: _progress(page)["status"] == "stopped", 420, "the run to stop")
+        stopped_at = _progress(page)["step"]
+        assert 2 <= stopped_at < STEPS
+        page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
+
+        # -- export: download the zip and load it with PEFT on the embedded base
+        _tab(page, "7 · Export")
+        page.click("#export-zip-btn")
+        page.wait_for_selector("#download-btn", state="visible")
+        with page.expect_download() as dl:
+            page.click("#download-btn")
+        zip_path = tmp_path / "adapter.zip"
+        dl.value.save_as(zip_path)
+        page.screenshot(path=str(SHOTS / "05-export.png"), full_page=True)
+
+        # -- a malformed data file: the report names the row, no traceback
+        bad = tmp_path / "broken.jsonl"
+        bad.write_text('{"prompt": "1+1?", "completion": "2"}\n{"prompt": "2+2?", "completion": "4"}\n'
+                       '{"prompt": "3+3?", "completion": \n')
+        _tab(page, "2 · Data")
+        page.locator("#data-upload input[type=file]").set_input_files(str(bad))
+        page.wait_for_selector("#data-report:has-text('row 3')", timeout=180_000)
+        report = page.locator("#data-report").inner_text()
+        assert "broken.jsonl" in report and "Traceback" not in report
+        page.screenshot(path=str(SHOTS / "06-data-bad-file.png"), full_page=True)
+        browser.close()
+
+    with zipfile.ZipFile(zip_path) as z:
+        names = set(z.namelist())
+        assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= names
+        z.extractall(tmp_path / "adapter")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(embedded_dir)
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b), "the downloaded adapter is untrained"
