@@ -165,7 +165,9 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
     keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N, device=adv.device)
     out = {"dropped": N - int(keep.numel()), "loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "ratio": 1.0,
            "grad_norm": 0.0, "train_tokens": 0, "train_s": 0.0}
-    if keep.numel() == 0:
+    if keep.numel() == 0:  # nothing to learn from: no update, but the schedule keeps time
+        for _ in range(s.num_iterations):
+            scheduler.step()
         return out
     t = time.time()
     mb = s.micro_batch_size if s.micro_batch_size > 0 else N

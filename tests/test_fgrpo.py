@@ -153,3 +153,22 @@ def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
 
     with pytest.raises(ConfigError, match="adapter_config.json"):
         fgrpo.evaluate_adapter(cfg, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_quickstart_raises_held_out_success(tmp_path):
+    """The fgrpo-quickstart preset, as shipped (seed 0, embedded SmolLM2-135M in NF4, fp32
+    compute on the CPU, 16 steps of 4 prompts x 8 completions), raises greedy success and
+    sampled pass@1 on the 30 held-out pairs above their start, both measured in fp32.
+    Long on 2 CPU cores (see bench/results/fgrpo-quickstart-cpu.md), hence slow."""
+    cfg = resolve(preset="fgrpo-quickstart", overrides=[f"run.runs_dir={tmp_path}"])
+    assert cfg.model.dtype == "auto" and not torch.cuda.is_available()  # fp32 before and after
+    run, metrics, events = run_fgrpo(cfg, tmp_path / "quickstart")
+    assert events[-1]["type"] == "finished" and events[-1]["step"] == cfg.fgrpo.steps
+    evals = [e for e in events if e["type"] == "eval"]
+    assert [e["step"] for e in evals] == [0, cfg.fgrpo.steps] and evals[0]["prompts"] == 30
+    assert metrics["success_rate_end"] > metrics["success_rate_start"]
+    assert metrics["pass@1_end"] > metrics["pass@1_start"]
+    steps = [e for e in events if e["type"] == "step"]
+    first, last = steps[: len(steps) // 2], steps[len(steps) // 2 :]
+    assert sum(e["reward_mean"] for e in last) / len(last) > sum(e["reward_mean"] for e in first) / len(first)
