@@ -299,17 +299,28 @@ def _mlp_width(a: Arch) -> int:
     return a.intermediate * (a.experts_per_token or 1)
 
 
-def layer_activation_bytes(ctx: Ctx, tokens: int) -> int:
-    """What one decoder layer keeps for its backward (no checkpointing), for `tokens` tokens:
-    the two RMSNorms (normalised input, output), q / k / v, their rotary outputs and
-    rotate_half halves, the attention output and its transposed copy, gate, up, act(gate),
-    act * up; LoRA's rank-r intermediates. A bf16 residual also keeps the norms' fp32 upcast."""
+def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
+    """What one decoder layer keeps for its backward (no checkpointing), for `tokens` tokens.
+
+    Counted from the tensors autograd saves (tests/test_planner.py checks this against a
+    real layer): the layer's input, the normalised inputs read by the adapters, the rotary
+    q and k, v, the attention output, gate, up and act(gate), act * up (read by down's
+    adapter), LoRA's rank-r intermediates (fp32). Frozen 4-bit matmuls keep nothing. With a
+    mask (padded or packed rows) transformers repeats k and v to all query heads before
+    sdpa, so they are saved at q's width. With a bf16 residual, PEFT casts each adapted
+    layer's input to the adapters' fp32 (one copy per projection) and each RMSNorm keeps
+    an fp32 upcast; with an fp32 residual those are the activations themselves."""
     a, b = ctx.arch, ctx.act_bytes
     i = _mlp_width(a)
-    per_tok = b * (4 * a.hidden + 4 * a.q_dim + 4 * a.kv_dim + 4 * i) + len(ctx.targets) * ctx.r * b
-    if b < 4:
-        per_tok += 2 * 2 * a.hidden * 4
-    return tokens * per_tok
+    kv = 2 * a.q_dim if masked else 2 * a.kv_dim
+    lora_mid = len(ctx.targets) * ctx.r * 4
+    if b >= 4:
+        per_tok = b * (3 * a.hidden + 2 * a.q_dim + kv + 3 * i + (i if "down_proj" in ctx.targets else 0))
+    else:
+        dims = a.projections()
+        fp32_inputs = a.hidden + sum(dims[t][0] for t in ctx.targets)
+        per_tok = 4 * fp32_inputs + b * (3 * i + 2 * a.q_dim + kv)
+    return tokens * (per_tok + lora_mid)
 
 
 def dequant_transient(ctx: Ctx) -> int:
@@ -319,14 +330,14 @@ def dequant_transient(ctx: Ctx) -> int:
     return max(i * o for i, o, _ in ctx.arch.projections().values()) * ctx.compute_bytes
 
 
-def recompute_bytes(ctx: Ctx, tokens: int) -> int:
+def recompute_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     """Backward of one layer: its activations (recomputed when checkpointing), gradient
     buffers about two [tokens, intermediate] wide, the input cast to compute dtype, and the
     dequantised weight."""
     a = ctx.arch
     grads = tokens * 2 * _mlp_width(a) * ctx.act_bytes
     cast = tokens * _mlp_width(a) * ctx.compute_bytes if ctx.act_bytes != ctx.compute_bytes else 0
-    layer = layer_activation_bytes(ctx, tokens) if ctx.checkpointing else 0
+    layer = layer_activation_bytes(ctx, tokens, masked) if ctx.checkpointing else 0
     return layer + grads + cast + dequant_transient(ctx)
 
 
@@ -343,9 +354,11 @@ def mask_bytes(rows: int, seq: int, masked: bool) -> int:
     return rows * seq * seq if masked else 0
 
 
-def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int) -> dict:
-    """Saved activations and the peak transient of one forward+backward."""
+def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int, masked: bool | None = None) -> dict:
+    """Saved activations and the peak transient of one forward+backward. `masked`: sdpa
+    gets a mask (default: when there are several rows, which are padded in practice)."""
     a = ctx.arch
+    masked = rows > 1 if masked is None else masked
     tokens = rows * seq
     host = 0
     if ctx.offload:
@@ -356,12 +369,12 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int) -> dict
     elif ctx.checkpointing:
         saved = a.layers * tokens * a.hidden * ctx.act_bytes
     else:
-        saved = a.layers * layer_activation_bytes(ctx, tokens)
+        saved = a.layers * layer_activation_bytes(ctx, tokens, masked)
     # final norm (2 x [tokens, hidden]), the gathered labelled rows, the hidden states' gradient
     saved += (3 * tokens + labelled) * a.hidden * ctx.act_bytes
-    saved += mask_bytes(rows, seq, rows > 1)
+    saved += mask_bytes(rows, seq, masked)
     head = head_bytes(ctx, labelled)
-    layer = recompute_bytes(ctx, tokens)
+    layer = recompute_bytes(ctx, tokens, masked)
     return {"activations": saved, "transient": max(head, layer), "logits_chunk": head, "layer_recompute": layer,
             "host_pinned": host}
 
@@ -398,8 +411,7 @@ def _plan_sft(cfg: Config, ctx: Ctx) -> dict:
     rows, seq = cfg.sft.batch_size, cfg.data.max_seq_len
     if getattr(cfg.sft, "packing", False):
         rows, seq = 1, cfg.sft.batch_size * cfg.data.max_seq_len  # one row, block-diagonal mask
-        parts = train_activation_parts(ctx, 1, seq, seq)
-        parts["activations"] += mask_bytes(1, seq, True) - mask_bytes(1, seq, False)
+        parts = train_activation_parts(ctx, 1, seq, seq, masked=True)
     else:
         parts = train_activation_parts(ctx, rows, seq, rows * seq)
     return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens"}

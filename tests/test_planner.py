@@ -133,3 +133,52 @@ def test_static_part_matches_a_loaded_nf4_model(tmp_path, embedded_dir):
     assert abs(predicted - actual) / actual < 0.15, (predicted, actual, p["weights"], weights, p["lora"], lora,
                                                      p["optimizer"], optim)
     assert abs(p["lora"] - lora) / lora < 0.01
+
+
+@pytest.mark.parametrize("frozen_bf16", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, monkeypatch, frozen_bf16, padded):
+    """One decoder layer of an NF4 + LoRA (all 7 projections) Qwen2 loaded by the engine
+    (bf16 compute): the bytes autograd saves inside it, against layer_activation_bytes.
+    As the engine loads it (fp32 embeddings, so an fp32 residual), and with the frozen
+    parameters cast back to bf16; with and without a padding mask."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from edgetune.engine import model as model_lib
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(tmp_path)
+    model_lib.load_tokenizer(str(embedded_dir)).save_pretrained(tmp_path)
+    c = resolve(overrides=[f"model.name={tmp_path}", "model.quant=nf4", "model.device=cpu", "model.dtype=bf16",
+                           "model.gradient_checkpointing=false", "lora.r=16"])
+    model, _, _ = model_lib.load(c)
+    model.train()
+    if frozen_bf16:
+        monkeypatch.setattr(planner, "UPCAST_FROZEN", False)
+        for p in model.parameters():
+            if not p.requires_grad and p.dtype == torch.float32 and type(p).__name__ == "Parameter":
+                p.data = p.data.to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layer = model.get_base_model().model.layers[0]
+    inside, saved = [False], {}
+
+    def pack(t):
+        if inside[0] and t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    ids = torch.randint(0, 512, (4, 64))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1:, 40:] = 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask)
+    ctx, _ = planner.make_ctx(c, "cuda", "auto")
+    assert ctx.act_bytes == (2 if frozen_bf16 else 4)
+    predicted = planner.layer_activation_bytes(ctx, ids.numel(), masked=padded)
+    measured = sum(saved.values())
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
