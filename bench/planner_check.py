@@ -124,11 +124,19 @@ def own_measurements():
     g = torch.Generator().manual_seed(0)
     scale = 16 if args.tiny else 1  # tiny: shorter sequences, same code
 
+    def padded_batch(rows, seq):
+        """Full rows but the last one 10% padded: several rows come padded in practice,
+        and the planner plans for the mask that padding brings (k/v repeated for sdpa)."""
+        ids = torch.randint(3, vocab, (rows, seq), generator=g)
+        mask = torch.ones_like(ids)
+        mask[-1, seq - seq // 10:] = 0
+        return {"input_ids": ids.to(DEV), "attention_mask": mask.to(DEV),
+                "labels": ids.masked_fill(mask == 0, -100).to(DEV)}
+
     # -- SFT at two sizes
     for rows, seq in ((4, 512 // scale), (16, 2048 // scale)):
         def sft(rows=rows, seq=seq):
-            ids = torch.randint(3, vocab, (rows, seq), generator=g).to(DEV)
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            batch = padded_batch(rows, seq)
             model.train()
             opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, DEV)
             C.reset_peak()
@@ -155,10 +163,8 @@ def own_measurements():
             keys=("weights", "lora", "rollout_kv_cache", "rollout_prefill"), note="plain decode loop")
 
     def update():
-        ids = torch.randint(3, vocab, (mb, prompt + new), generator=g).to(DEV)
-        labels = ids.clone()
-        labels[:, :prompt] = -100  # loss on completion tokens only, as F-GRPO's log-probs
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+        batch = padded_batch(mb, prompt + new)
+        batch["labels"][:, :prompt] = -100  # loss on completion tokens only, as F-GRPO's log-probs
         model.train()
         opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, DEV)
         C.reset_peak()
