@@ -70,6 +70,28 @@ EMBEDDED_CONFIG = {
     "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
 }
 
+# Shapes of common hub models (their published config.json values), so that a preset
+# naming one can be planned before the model is downloaded; "-Instruct" shares them.
+_QWEN = dict(model_type="qwen2", head_dim=128)
+KNOWN_CONFIGS = {
+    "Qwen/Qwen2.5-0.5B": dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                              tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B": dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                              num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                              tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B": dict(_QWEN, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                            num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B": dict(_QWEN, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-14B": dict(_QWEN, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                             num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B": dict(_QWEN, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                             num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-72B": dict(_QWEN, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+
 
 # --------------------------------------------------------------------------- model shape
 
@@ -172,6 +194,9 @@ def read_model_config(name: str) -> dict:
     hit = _hub_cached_config(name)
     if hit is not None:
         return json.loads(hit.read_text())
+    known = KNOWN_CONFIGS.get(name.removesuffix("-Instruct"))
+    if known is not None:
+        return dict(known)
     raise ModelError(f"model '{name}' is not in the local Hugging Face cache and the hub is not "
                      "contacted to plan: download it first, or give a local folder with its config.json")
 

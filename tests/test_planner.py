@@ -182,3 +182,9 @@ def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, mon
     predicted = planner.layer_activation_bytes(ctx, ids.numel(), masked=padded)
     measured = sum(saved.values())
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_preset_hub_model_is_planned_offline(q7b):
+    """The 7B presets name a hub id: its shape comes from the table when it is not cached."""
+    p = plan("Qwen/Qwen2.5-7B-Instruct", "sft.batch_size=8", "data.max_seq_len=1024")
+    assert p["total"] == plan(q7b, "sft.batch_size=8", "data.max_seq_len=1024")["total"]
