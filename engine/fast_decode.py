@@ -1,31 +1,47 @@
 """The fast rollout loop: a static KV cache and one decode step replayed as a CUDA graph.
 
-Why it is faster than `model.generate` for rollouts (batch 64, a few hundred tokens):
-- Launch overhead: one decode step of a 7B model with unmerged LoRA is ~1,500 small
+Selection (rollouts.generate): fast=None uses this loop whenever the model is on CUDA and
+of a known layout (below); bf16_weights=None adds the packed bf16 copy when the base is
+NF4 and the GPU's free memory holds it; compile_step (default `COMPILE`, off) adds
+torch.compile. Measured on one H200, random-init Qwen2.5-7B NF4 + LoRA r16, batch 64,
+128-token prompts, 256 new tokens (bench/results/rollouts-2026-11-30-h200.md): default
+generate 675 tokens/s, static-cache generate 1,255; this loop on the NF4 layers 2,338,
+with the packed bf16 copy 4,047, compiled 4,953.
+
+Why it is faster than `model.generate` for rollouts:
+- Launch overhead: one decode step of a 7B model with unmerged LoRA is ~2,500 small
   kernels; launched from Python that is tens of ms per step, far above the ~1.3 ms (NF4)
   to ~3.5 ms (bf16) the GPU needs to read the weights once. The step is captured once per
-  (batch, cache length) as a CUDA graph and replayed: the CPU cost per step becomes one
-  graph launch plus a handful of sampling kernels, queued ahead of the GPU.
+  (batch, cache length) and generate call as a CUDA graph and replayed: the CPU cost per
+  step becomes one graph launch plus a handful of sampling kernels, queued ahead of the GPU.
+  What remains is GPU time of those many small kernels (norms, casts, rotary, thin LoRA
+  GEMMs): the reason for packing and compiling below, and why we are at ~11 ms per step,
+  not 4.
 - No growing cache: K/V live in buffers of the final length allocated once (memory:
-  layers x 2 x B x kv_heads x L x head_dim x 2 bytes; 3.8 GB for Qwen2.5-7B at B=64,
-  L=384), written in place at one index per step.
-  Attention reads the whole buffer with a validity mask: wasted reads of not-yet-written
-  slots are small next to the weights (0.3 ms at the end of a 7B rollout of 384 tokens).
+  layers x 2 x B x kv_heads x L x head_dim x itemsize, see `kv_bytes`; 3.3 GB for the 7B
+  above, whose K/V are fp32 because prepare_model_for_kbit_training keeps the residual
+  stream in fp32), written in place at one index per step. Attention reads the whole
+  buffer with a validity mask: the wasted reads of unwritten slots are small next to the
+  weights.
 - Optional bf16 copy of NF4 base weights (`bf16_weights`): an NF4 matmul at batch 64
-  dequantises every weight every step (read 4-bit, write and read bf16), so NF4 decode is
-  slower than bf16 decode. For the rollout phase only, each Linear4bit's weight is
-  dequantised once into a bf16 tensor and the layer's forward is swapped to a plain
-  matmul; the LoRA modules around it are untouched, so adapters stay unmerged and read
-  their live trainable weights. Costs 2 bytes per base weight (15 GB for 7B) for the
-  duration of one `generate` call; `None` = on when the GPU's free memory holds the copy,
-  the static cache and a margin (see `bf16_copy_fits`).
+  dequantises every weight every step (read 4-bit, write and read bf16): measured 27 ms
+  per step against 16 ms with the copy. For one generate call only, each Linear4bit's
+  weight is dequantised once (exactly the bf16 values bitsandbytes computes with) and
+  packed (see "packed weights"); LoRA stays unmerged, in its own dtype. Costs 2 bytes per
+  base weight (15 GB for 7B) during the call; `None` = on when the GPU's free memory holds
+  the copy, the static cache and a margin (see `bf16_copy_fits`).
+- torch.compile of the packed step (`compile_step`): fuses the elementwise work; 13 ms
+  instead of 16 ms per step, but the first call per (batch, cache length) compiles for
+  ~35 s, so it is opt-in (worth it for long runs with fixed shapes).
 
 Rows keep their order for the whole decode (finished rows are fed pad and masked), so
-per-row adapters stay aligned. Prefill uses the model's own forward (a DynamicCache whose
-K/V are copied into the static buffers). Supported: decoder layouts of the Llama family
-(llama, mistral, qwen2, qwen3: embed/layers/norm/rotary_emb, q/k/v/o projections,
-optional q/k norms); other models fall back to the plain loop. On the CPU the same step
-runs eagerly (no graph), which is how the tests check it against `model.generate`.
+per-row adapters stay aligned; graphs live for one generate call, so adapter weights
+written between calls (ESSA) are always seen. Prefill uses the model's own forward (a
+DynamicCache whose K/V are copied into the static buffers). Supported: decoder layouts of
+the Llama family (llama, mistral, qwen2, qwen3: embed/layers/norm/rotary_emb, q/k/v/o
+projections, optional q/k norms); other models fall back to the plain loop. On the CPU the
+same step runs eagerly (no graph), which is how the tests check it against
+`model.generate`.
 """
 
 from __future__ import annotations
