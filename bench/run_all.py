@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,13 +66,17 @@ def run_call(call: int, budget: float, tiny: bool, out: Path, skip: set) -> dict
         if tiny:
             argv += TINY_ARGS.get(name, ["--tiny"])
         if limit_flag:
-            argv += [limit_flag, str(int(wall - 25))]  # inner limit: room for imports and the JSON
+            argv += [limit_flag, str(max(10, int(wall - 25)))]  # inner limit: room for imports and the JSON
         print(f"\n######## [{time.perf_counter() - t0:5.0f}s] {name}: cap {wall:.0f}s: {' '.join(argv[1:])}",
               flush=True)
         t = time.perf_counter()
+        # own process group: a bench's own children (Unsloth's phases) go down with it
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True)
         try:
-            rc = subprocess.run(argv, env=env, cwd=ROOT, timeout=wall).returncode
+            rc = proc.wait(timeout=wall)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
         status[name] = {"rc": rc, "wall_s": round(time.perf_counter() - t, 1), "cap_s": round(wall)}
         print(f"######## {name}: {status[name]}", flush=True)
