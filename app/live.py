@@ -36,7 +36,7 @@ def plot_frames(events: list[dict], method: Method) -> list[pd.DataFrame]:
     return [plot_frame(events, p) for p in method.plots]
 
 
-def plot_figure(frame: pd.DataFrame, plot: Plot, x_title: str = "step"):
+def plot_figure(frame: pd.DataFrame, plot: Plot):
     """A small matplotlib figure: one line with markers per series (a lone eval point
     still shows). Figure objects, not pyplot: handlers run in several threads."""
     from matplotlib.figure import Figure
@@ -48,7 +48,7 @@ def plot_figure(frame: pd.DataFrame, plot: Plot, x_title: str = "step"):
         if len(part):
             ax.plot(part["step"], part["value"], marker="o", markersize=3.5, linewidth=1.6, label=s.label)
     ax.set_title(plot.title, fontsize=11)
-    ax.set_xlabel(x_title)
+    ax.set_xlabel(plot.x_title)
     ax.set_ylabel(plot.y_title)
     ax.grid(alpha=0.3)
     if len(frame):
@@ -101,6 +101,8 @@ def progress(events: list[dict]) -> dict:
 
 def progress_html(events: list[dict], status: str) -> str:
     p = progress(events)
+    if status == "crashed":
+        p["phase"] = "the worker ended without a final event (see worker.log in the run folder); Resume continues"
     total = p["total"] or 0
     frac = min(1.0, p["step"] / total) if total else 0.0
     values = " · ".join(f"{k} {v:.4g}" for k, v in p["values"].items())

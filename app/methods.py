@@ -19,6 +19,7 @@ class Plot:
     title: str
     y_title: str
     series: tuple[Series, ...]
+    x_title: str = "step"
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,9 @@ METHODS = (
         "essa", "ESSA", "CMA-ES over the singular values of a warm-start LoRA (inference-only memory).",
         plots=(
             Plot("Fitness per generation", "fitness", (Series("step", "best", "best"), Series("step", "mean", "mean"),
-                                                       Series("eval", "reward", "held-out reward"))),
-            Plot("Warm-start SFT loss", "loss", (Series("warm_start:step", "loss", "warm-start loss"),)),
+                                                       Series("eval", "reward", "held-out reward")), "generation"),
+            Plot("Warm-start SFT loss", "loss", (Series("warm_start:step", "loss", "warm-start loss"),),
+                 "warm-start step"),
         ),
         samples=False, headline=("best", "mean"),
     ),

@@ -13,11 +13,11 @@ only, so it runs here.
 from __future__ import annotations
 
 import shutil
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import gradio as gr
-import pandas as pd
 import psutil
 
 from edgetune.engine import api
@@ -281,8 +281,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             method = BY_KEY.get(cfg.get("method"), METHODS[0])
             if changed:
                 frames = live.plot_frames(events, method)
-                x_title = "generation" if method.key == "essa" else "step"
-                plot_updates = [gr.Plot(value=live.plot_figure(frames[i], method.plots[i], x_title), visible=True)
+                plot_updates = [gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
                                 if i < len(frames) else gr.Plot(visible=False) for i in range(MAX_PLOTS)]
                 log_update = live.log_lines(events)
                 samples_update = live.samples_markdown(events) if method.samples else ""
@@ -311,7 +310,9 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             filled = [gr.skip()] * (1 + len(field_list) + len(METHODS))
             if run is not None:
                 try:
-                    filled = fill_from(form.S.from_dict(run.config()))
+                    cfg = form.S.from_dict(run.config())
+                    cfg.run.name = ""  # a new Start from these settings gets a fresh name
+                    filled = fill_from(cfg)
                 except EdgetuneError:
                     pass
             return [path] + draw(path, {}) + [runs_outputs(path)[1]] + filled
@@ -376,8 +377,9 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 return f"### ✗ {e}", gr.skip(), gr.skip()
             result = api.check_data(cfg)
             rows = panels.preview_frame(result)
+            has_lengths = bool(((result.get("report") or {}).get("histogram") or {}).get("counts"))
             return (panels.data_report_markdown(result), gr.Dataframe(value=rows, visible=len(rows) > 0),
-                    panels.histogram_figure(result))
+                    gr.Plot(value=panels.histogram_figure(result), visible=has_lengths))
 
         check_inputs = [method_radio] + field_list
         check_outputs = [data_md, preview, hist]
@@ -504,11 +506,20 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             run = run_of(path)
             if run is None or not (out or "").strip():
                 return _message("Open a run and give a folder.", "error")
-            try:
-                dest = api.export(run.path, Path(out).expanduser(), merged=bool(with_merged))
-            except EdgetuneError as e:
-                return _message(str(e), "error")
-            return _message(f"Exported to `{dest}`" + (" (with `merged/`)" if with_merged else ""), "ok")
+            dest = Path(out).expanduser()
+            if not with_merged:
+                try:
+                    api.export(run.path, dest)
+                except EdgetuneError as e:
+                    return _message(str(e), "error")
+                return _message(f"Exported to `{dest}`", "ok")
+            # Merging loads the base with torch: the CLI does it in its own process.
+            done = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "export", str(run.path), "--out",
+                                   str(dest), "--merged"], capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["export failed"])[-1]
+                return _message(last.removeprefix("error: "), "error")
+            return _message(f"Exported to `{dest}` (the merged bf16 model is in `{dest / 'merged'}`)", "ok")
 
         zip_btn.click(do_zip, attached, [download, export_msg])
         folder_btn.click(do_folder, [attached, out_dir, merged], export_msg)

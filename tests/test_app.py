@@ -175,6 +175,9 @@ def test_essa_events_become_fitness_per_generation_and_warm_start_loss():
                                           {"step": 1, "value": 0.4, "series": "mean"}]
     assert warm["value"].tolist() == [3.0]
     assert "generation 1 / 8" in live.progress_html(events, "running")
+    assert "worker.log" in live.progress_html(events, "crashed")
+    fig = live.plot_figure(fitness, BY_KEY["essa"].plots[0])
+    assert fig.axes[0].get_xlabel() == "generation" and len(fig.axes[0].lines) == 2
     assert "candidate" not in live.log_lines(events)
     assert "warm-start step 1/12: loss 3" in live.log_lines(events)
 

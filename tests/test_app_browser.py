@@ -127,6 +127,7 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         # -- start: the progress bar and the memory panel move
         _tab(page, "4 · Train")
         page.click("#start-btn")
+        page.mouse.move(5, 5)  # no hover colour on the buttons in the screenshots
         page.wait_for_selector("#train-message:has-text('Started run')")
         _wait(lambda: page.locator("#memory-panel .et-memory").get_attribute("data-time") not in (None, "0"),
               240, "a first memory reading")
@@ -159,10 +160,17 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
 
         # -- stop: the worker finishes its step and saves the adapter
         page.click("#stop-btn")
+        page.mouse.move(5, 5)
         _wait(lambda: _progress(page)["status"] == "stopped", 420, "the run to stop")
         stopped_at = _progress(page)["step"]
         assert 2 <= stopped_at < STEPS
         page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
+
+        # -- the Runs tab lists it with its status and final metrics
+        _tab(page, "5 · Runs")
+        page.click("#refresh-runs-btn")
+        _wait(lambda: "stopped" in page.locator("#runs-table").inner_text(), 30, "the stopped run in the table")
+        assert "sft" in page.locator("#runs-table").inner_text() and "loss" in page.locator("#runs-table").inner_text()
 
         # -- export: download the zip and load it with PEFT on the embedded base
         _tab(page, "7 · Export")
