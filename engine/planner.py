@@ -515,6 +515,10 @@ def _finish(plan: dict, ctx: Ctx) -> dict:
 def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, list]:
     opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
     ctx, notes = make_ctx(cfg, device, opt)
+    if cfg.method != "sft" and ctx.quant != "none" and device.startswith("cuda"):
+        linear = sum(i * o * cp for i, o, cp in ctx.arch.projections().values()) * ctx.arch.layers
+        notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
+                     "engine/fast_decode.py) for speed, only when free memory holds it: not counted")
     if cfg.method == "sft":
         plan = _plan_sft(cfg, ctx)
     elif cfg.method == "fgrpo":
