@@ -7,13 +7,15 @@ time and quantised to NF4 right away, so neither the bf16 model nor any file of 
 exists whole. LoRA r=8 on q, k, v, o with random non-zero factors stands in for a warm
 start (throughput does not depend on what the weights say).
 
-Measured, all with the same decode loop (engine/rollouts.py, plain loop), greedy, every
-row generating exactly --new-tokens (EOS is an id the model cannot emit):
+Measured with the same decode loop (engine/rollouts.py, plain loop) in every mode, greedy,
+every row generating exactly --new-tokens (EOS is an id the model cannot emit):
   sequential  candidates one after another (P rows each); timed on a few candidates,
               seconds per generation = population x seconds per candidate
   batched     K candidates x P rows in one generate call, per-row adapters
   plain       the same K x P rows through the same model with its one adapter (what any
               batched inference of this model costs), and with the adapter switched off
+  fast loop   sequential candidates and plain inference through the rollouts' static /
+              CUDA-graph loop, when it supports the model (what they get by default)
 Reported: candidates/min, s/generation, peak GPU memory per mode, generated tokens/s of
 batched vs plain (target >= 0.8x), and that batched and sequential fitness agree.
 
@@ -269,6 +271,45 @@ def main(argv=None) -> dict:
                    "gen_tokens_per_s": round(gen_tokens(len(plain_prompts) * chunks) / dt, 1),
                    "peak_gib": peak_gib(device)}
         print(name, R[name], flush=True)
+    # -- the rollouts' fast loop (static KV cache, CUDA graph, packed bf16 weights): what a
+    # user's sequential ESSA and plain inference get by default on CUDA. Batched ESSA cannot
+    # use it (its per-row adapters patch the LoRA forwards the fast loop reads once).
+    from edgetune.engine import fast_decode
+
+    ok, why = fast_decode.supported(model, torch.device(device), require_cuda=False)
+    R["fast_loop"] = {"supported": ok, "why_not": why}
+    if ok:
+        try:
+            fast_eval = Evaluator(model, tok, space, id_reward, s, fast=True)
+            fast_eval.population(xs[:1], rows[:2])  # warm-up / graph capture
+            peak_reset(device)
+            sync(device)
+            t = time.time()
+            fit_fast = fast_eval.population(xs[:n_seq], rows)
+            sync(device)
+            per = (time.time() - t) / n_seq
+            R["fast_loop"]["fitness_max_abs_diff_vs_plain_loop"] = float(np.max(np.abs(np.array(fit_fast) - fit_seq)))
+            R["fast_loop"]["sequential"] = {"s_per_candidate": round(per, 3), "candidates_per_min": round(60 / per, 1),
+                                            "s_per_generation": round(per * a.population, 2),
+                                            "gen_tokens_per_s": round(gen_tokens(a.prompts) / per, 1),
+                                            "peak_gib": peak_gib(device)}
+            space.restore()
+            with torch.inference_mode():
+                generate(model, tok, plain_prompts[:2], max_new_tokens=a.new_tokens, greedy=True, fast=True)
+                peak_reset(device)
+                sync(device)
+                t = time.time()
+                for _ in range(chunks):
+                    generate(model, tok, plain_prompts, max_new_tokens=a.new_tokens, greedy=True, fast=True)
+                sync(device)
+            dt = time.time() - t
+            R["fast_loop"]["plain_lora"] = {"rows": len(plain_prompts), "s": round(dt, 2),
+                                            "gen_tokens_per_s": round(gen_tokens(len(plain_prompts) * chunks) / dt, 1),
+                                            "peak_gib": peak_gib(device)}
+        except Exception as e:  # noqa: BLE001 - report it, keep the rest of the numbers
+            R["fast_loop"]["error"] = f"{type(e).__name__}: {e}"[:500]
+        print("fast loop", R["fast_loop"], flush=True)
+
     R["batched_vs_plain_lora"] = round(R["batched"]["gen_tokens_per_s"] / R["plain_lora"]["gen_tokens_per_s"], 3)
     R["batched_vs_plain_base"] = round(R["batched"]["gen_tokens_per_s"] / R["plain_base"]["gen_tokens_per_s"], 3)
     R["batched_vs_sequential_candidates_per_min"] = round(
@@ -299,6 +340,17 @@ def table(R: dict) -> str:
     for name in ("plain_lora", "plain_base"):
         m = R[name]
         lines.append(f"| {name.replace('_', ' ')} ({m['rows']} rows) | | | {m['gen_tokens_per_s']} | {m['peak_gib']} |")
+    fl = R.get("fast_loop", {})
+    for name in ("sequential", "plain_lora"):
+        if name in fl:
+            m = fl[name]
+            lines.append(f"| {name.replace('_', ' ')} via rollouts' fast loop | {m.get('candidates_per_min', '')} | "
+                         f"{m.get('s_per_generation', '')} | {m['gen_tokens_per_s']} | {m['peak_gib']} |")
+    if "plain_lora" in fl:
+        lines.append(f"\nbatched (plain loop) / plain inference via the fast loop, tokens/s: "
+                     f"{R['batched']['gen_tokens_per_s'] / fl['plain_lora']['gen_tokens_per_s']:.3f}")
+    elif fl:
+        lines.append(f"\nfast loop: {fl.get('error') or fl.get('why_not')}")
     lines += ["",
               f"batched / plain inference tokens/s: {R['batched_vs_plain_lora']} (one LoRA), "
               f"{R['batched_vs_plain_base']} (no LoRA); target >= 0.8",
