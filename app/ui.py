@@ -12,6 +12,7 @@ only, so it runs here.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -266,14 +267,12 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                        [gr.skip()] * 3
             events = list(run.events())
             status = run.status()
-            mem = None
-            if run.dir.memory_path.is_file():
-                try:
-                    import json
-
-                    mem = json.loads(run.dir.memory_path.read_text())
-                except (OSError, ValueError):
-                    mem = last.get("mem")
+            try:
+                mem = json.loads(run.dir.memory_path.read_text())
+            except FileNotFoundError:
+                mem = None
+            except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
+                mem = last.get("mem")
             memory_panel = live.memory_html(mem, host_total, run.alive())
             key = {"path": path, "n": len(events), "status": status}
             changed = {k: last.get(k) for k in key} != key
@@ -288,8 +287,8 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             else:
                 plot_updates = [gr.skip()] * MAX_PLOTS
                 log_update = samples_update = gr.skip()
-            # The runs table follows the shown run's status changes (start, stop, finish).
-            # and so do the Try-it and Export notes (an adapter appears when it stops).
+            # The runs table and the Try-it / Export notes follow the run's status (start, stop,
+            # finish: an adapter appears when it stops).
             new_status = status != last.get("status") or path != last.get("path")
             follow = [runs_outputs(path)[0], describe_chat(path), describe_export(path)] if new_status \
                 else [gr.skip()] * 3
@@ -299,10 +298,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
 
         live_outputs = [progress] + plots + [memory, logs, samples, banner, seen, runs_table, chat_info, export_info]
 
-        def tick(path, last):
-            return draw(path, last)
-
-        timer.tick(tick, [attached, seen], live_outputs, show_progress="hidden")
+        timer.tick(draw, [attached, seen], live_outputs, show_progress="hidden")
 
         def on_load():
             path = _default_run(runs_dir)
