@@ -45,6 +45,11 @@ CALLS = {
     2: [("planner_check", "planner_check.py", [], 90, "--time-limit"),
         ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 130, None),
         ("big72b", "big72b.py", ["--max-build-s", "180"], 420, "--time-limit")],
+    # What one device call holds when only one is left: the quick start on CUDA (issue 2),
+    # ESSA's sequential vs batched population (issue 5), and the SFT step (issues 3 and 7).
+    3: [("quickstart_gpu", "quickstart_gpu.py", ["--steps", "20"], 90, None),
+        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 130, None),
+        ("sft_speed", "sft_speed.py", [], 420, "--time-limit")],
 }
 TINY_ARGS = {"sebp": ["--dry-run"]}  # sebp.py's CPU mode has its own name
 
@@ -147,7 +152,7 @@ def report(dirs) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--call", type=int, choices=(1, 2))
+    ap.add_argument("--call", type=int, choices=(1, 2, 3))
     ap.add_argument("--report", nargs="*", metavar="DIR", help="folders holding the fetched JSON of the calls")
     ap.add_argument("--budget", type=float, default=570.0, help="seconds for this call (the device allows 600)")
     ap.add_argument("--skip", default="", help="comma list of benches to leave out (e.g. sebp,rollouts)")

@@ -56,10 +56,10 @@ LOSS_CHUNK_ROWS = 2048  # engine/lm_loss.sparse_ce_loss's default
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
 ALLOCATOR_FIXED = 256 * 1024**2
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
-# engine/model.add_lora runs PEFT's prepare_model_for_kbit_training on a quantised base,
-# which casts every unquantised parameter (embeddings, norms, biases, lm_head) to fp32; the
-# residual stream then runs in fp32. Set False if the engine keeps them in compute dtype.
-UPCAST_FROZEN = True
+# PEFT's prepare_model_for_kbit_training would cast every unquantised parameter
+# (embeddings, norms, biases, lm_head) to fp32 and make the residual stream fp32;
+# engine/model.add_lora does not call it, so frozen parameters stay in compute dtype.
+UPCAST_FROZEN = False
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
