@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--src", default=str(ROOT / ".ref" / "smollm2"))
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--steps", type=int, default=0, help="override sft.steps (0 = the preset's)")
+    ap.add_argument("--only", choices=("sebp_on", "sebp_off"), help="run just one of the two")
     a = ap.parse_args()
     if a.tiny and not a.steps:
         a.steps = 6
@@ -78,9 +79,13 @@ def main() -> None:
     steps = [f"sft.steps={a.steps}", f"sft.eval_every={max(1, a.steps // 4)}"] if a.steps else []
     res = {"date": time.strftime("%Y-%m-%d"), "tiny": a.tiny, "steps_override": a.steps}
     for key, sebp in (("sebp_on", "true"), ("sebp_off", "false")):
+        if a.only and key != a.only:
+            continue
         res[key] = train(model_dir, work / "runs", key, steps + [f"sft.sebp={sebp}"])
         # Written after each run: a time limit must not lose the first.
         (out_dir / "quickstart_gpu.json").write_text(json.dumps(res, indent=2))
+    if a.only:
+        return
     on, off = res["sebp_on"]["losses"], res["sebp_off"]["losses"]
     res["max_loss_diff_on_vs_off"] = max((abs(x - y) for x, y in zip(on, off)), default=None)
     (out_dir / "quickstart_gpu.json").write_text(json.dumps(res, indent=2))

@@ -235,6 +235,7 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool = True):
     # a 32K-token 72B step no longer fits 80 GB). RMSNorm already computes in fp32 inside.
     for p in model.parameters():
         p.requires_grad_(False)
+    _keep_cpu_4bit_differentiable(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
