@@ -129,9 +129,12 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
 
 
 def evaluate_adapter(cfg: Config, adapter_path: str | None) -> dict:
-    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder ("" = the base alone)."""
+    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
+    ("" = the base alone, for a before/after comparison in the same precision)."""
     cfg = copy.deepcopy(cfg)
     if adapter_path:
+        if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
+            adapter_path = str(Path(adapter_path) / "adapter")
         if not (Path(adapter_path) / "adapter_config.json").is_file():
             raise ConfigError(f"not an adapter folder (no adapter_config.json): {adapter_path}")
         cfg.lora = replace(cfg.lora, init_from=str(adapter_path))
