@@ -138,15 +138,20 @@ class FGRPOSettings:
     temperature: float = 0.9
     top_p: float = 1.0
     # -- reward
-    reward: Any = "last_number"  # name, or {name: weight, ...}
+    # math | exact | normalized | last_number | answer_format | length_penalty[:chars] |
+    # rg:<task> | file (the function in reward_file), or {name: weight, ...} summed
+    reward: Any = "last_number"
     reward_file: str = ""  # local .py file with `def reward(completion, answer, row) -> float`
-    success_threshold: Any = None  # None = reward equals the group's best possible (max)
+    # What counts as success (p̂ of the focal weight, pass@k): None = every correctness
+    # part of the reward at its best (1 for a 0/1 reward; length_penalty ignored);
+    # a number = the weighted reward reaches it. See engine/rewards.py.
+    success_threshold: Any = None
     # -- loss
     loss_type: str = "dapo"  # grpo | dapo | dr_grpo | cispo
     gamma: float = 1.0  # focal exponent; 0 = plain GRPO
     scale_rewards: str = "group"  # group | batch | none
     epsilon: float = 0.2
-    epsilon_high: float = 0.28
+    epsilon_high: float = 0.28  # cispo: an absolute cap on the ratio instead (e.g. 5.0)
     beta: float = 0.0  # KL to the base model (adapter off)
     num_iterations: int = 1
     # -- optimisation
