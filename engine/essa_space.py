@@ -8,7 +8,7 @@ every factor, offsets to its k = floor(alpha · r) largest singular values:
 
 We build the right-hand form. It is the same matrix, but x = 0 returns the warm-start
 weight bit for bit (no SVD round trip), and the work is a rank-k update: for a 7B model
-at rank 8 that is ~1,800 numbers in and ~20 M multiply-adds out, negligible next to one
+at rank 8 that is ~1,800 numbers in and ~40 M multiply-adds out, negligible next to one
 generated token.
 
 Memory: U[:, :k] and Vᵀ[:k] are kept per factor (the same size as the adapter itself),
