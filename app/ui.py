@@ -208,7 +208,8 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 with gr.Row():
                     prompt = gr.Textbox(label="Prompt (sent to both)", placeholder="What is 3 plus 4?",
                                         elem_id="chat-prompt", scale=4)
-                    max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens", scale=1)
+                    max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens", scale=1,
+                                        elem_id="chat-max-new")
                 with gr.Row():
                     send_btn = gr.Button("Send to both", variant="primary", elem_id="chat-send")
                     clear_btn = gr.Button("Clear", elem_id="chat-clear")

@@ -1,6 +1,7 @@
 """The app in a real Chromium (Playwright): preset -> start -> live progress and memory ->
-reload re-attaches with the history -> stop -> download the adapter zip and load it with
-PEFT; and a malformed data file shows its row number.
+reload re-attaches with the history -> a second start is refused -> stop -> the runs table
+-> download the adapter zip (loaded with PEFT at the end) -> base vs adapter chat; and a
+malformed data file shows its row number.
 
 Trains the embedded SmolLM2-135M on the CPU for a few steps (a couple of minutes).
 Screenshots of each stage go to artifacts/screenshots/.
@@ -182,6 +183,21 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         dl.value.save_as(zip_path)
         page.screenshot(path=str(SHOTS / "05-export.png"), full_page=True)
 
+        # -- try it: the same prompt to the base and to base + adapter (one chat worker process)
+        _tab(page, "6 · Try it")
+        page.wait_for_selector("#chat-info:has-text('with its adapter')")
+        tokens = page.locator("#chat-max-new input[type=number]")
+        tokens.fill("16")
+        tokens.press("Enter")
+        page.locator("#chat-prompt textarea").fill("What is 3 plus 4?")
+        page.click("#chat-send")
+        page.mouse.move(5, 5)
+        for side in ("#chat-base", "#chat-tuned"):
+            bot = page.locator(f'{side} [data-testid="bot"]')
+            _wait(lambda bot=bot: bot.count() >= 1, 300, f"a reply in {side}")
+            assert bot.first.inner_text().strip()
+        page.screenshot(path=str(SHOTS / "06-try-it.png"), full_page=True)
+
         # -- a malformed data file: the report names the row, no traceback
         bad = tmp_path / "broken.jsonl"
         bad.write_text('{"prompt": "1+1?", "completion": "2"}\n{"prompt": "2+2?", "completion": "4"}\n'
@@ -191,7 +207,7 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.wait_for_selector("#data-report:has-text('row 3')", timeout=180_000)
         report = page.locator("#data-report").inner_text()
         assert "broken.jsonl" in report and "Traceback" not in report
-        page.screenshot(path=str(SHOTS / "06-data-bad-file.png"), full_page=True)
+        page.screenshot(path=str(SHOTS / "07-data-bad-file.png"), full_page=True)
         browser.close()
 
     with zipfile.ZipFile(zip_path) as z:
