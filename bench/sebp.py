@@ -22,6 +22,7 @@ import time
 import torch
 from torch import nn
 
+from edgetune.engine.lm_loss import causal_lm_loss
 from edgetune.kernels import sebp
 
 SHAPES = [
@@ -197,7 +198,7 @@ def check_tiny_model():
         sebp.set_active_rows(handle, mask)
         model.zero_grad(set_to_none=True)
         if sparse_head:
-            loss = sebp.causal_lm_loss(model, ids, attn.long(), labels)
+            loss, _ = causal_lm_loss(model, {"input_ids": ids, "attention_mask": attn.long(), "labels": labels})
         else:
             loss = model(input_ids=ids, attention_mask=attn.long(), labels=labels).loss
         loss.backward()

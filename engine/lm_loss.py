@@ -14,8 +14,6 @@ the remaining tokens) up to float rounding; a test checks this.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def backbone_and_head(model):
@@ -32,34 +30,20 @@ def supports_sparse_head(model) -> bool:
     return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
-def _chunk_ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h, weight).float()
-    return F.cross_entropy(logits, y, reduction="sum")
-
-
 def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_rows: int = 2048,
                    num_items: int | None = None) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross-entropy over positions whose label is not -100.
+    """Mean next-token cross-entropy over positions whose label is not -100, through
+    kernels/sebp.py's `sparse_lm_head_loss` in checkpointed chunks.
 
     hidden: [B, T, H] final hidden states; labels: [B, T] (unshifted, HF convention).
     Returns (loss, number of target tokens)."""
-    h = hidden[:, :-1, :]
-    y = labels[:, 1:]
-    keep = y != -100
-    h = h[keep]
-    y = y[keep]
-    n = int(y.numel())
+    from edgetune.kernels.sebp import sparse_lm_head_loss
+
+    n = int((labels[:, 1:] != -100).sum())
     if n == 0:
         return hidden.sum() * 0.0, 0
-    weight = lm_head.weight
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, n, chunk_rows):
-        hs, ys = h[s : s + chunk_rows], y[s : s + chunk_rows]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_ce_sum, hs, weight, ys, use_reentrant=False)
-        else:
-            total = total + _chunk_ce_sum(hs, weight, ys)
-    return total / (num_items or n), n
+    return sparse_lm_head_loss(hidden, lm_head.weight, labels, num_items_in_batch=num_items,
+                               chunk_rows=chunk_rows), n
 
 
 def causal_lm_loss(model, batch: dict, sparse_head: bool = True) -> tuple[torch.Tensor, int]:

@@ -29,8 +29,10 @@ Use (the engine):
                                    # LoRA product on PEFT's dense path)
     for each micro-batch:
         set_active_rows(handle, attention_mask.bool())    # [batch, seq], on the model's device
-        loss = causal_lm_loss(model, input_ids, attention_mask, labels, num_items_in_batch)
-        loss.backward()            # (model(..., labels=...).loss works too, dense lm_head)
+        hidden = decoder(input_ids, attention_mask).last_hidden_state
+        loss = sparse_lm_head_loss(hidden, lm_head.weight, labels, chunk_rows=2048)
+        loss.backward()            # (model(..., labels=...).loss works too, dense lm_head;
+                                   #  the engine wraps this in engine/lm_loss.causal_lm_loss)
     set_active_rows(handle, None)  # e.g. before generation / eval: dense everywhere
     unpatch(model)                 # restores the original forwards exactly
 
@@ -367,40 +369,44 @@ def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
 # --------------------------------------------------------------------------- lm_head
 
 
+def _ce_sum(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, softcap) -> torch.Tensor:
+    logits = F.linear(h, weight).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, y, reduction="sum")
+
+
 def sparse_lm_head_loss(hidden_states, lm_head_weight, labels, num_items_in_batch=None,
-                        ignore_index: int = -100, shift_labels=None, logit_softcapping=None):
+                        ignore_index: int = -100, shift_labels=None, logit_softcapping=None,
+                        chunk_rows: int | None = None):
     """transformers' ForCausalLMLoss, with logits computed only where the shifted label
     is not ignore_index: mean (or sum / num_items_in_batch) cross-entropy over those rows.
 
     Rows without a target get no logits at all (and exactly zero gradient): with masked
     prompts this skips most of the largest matmul of a small model. The logits of the
     kept rows are computed in the weight's dtype and upcast to fp32, as transformers does.
+    With `chunk_rows`, the kept rows are projected `chunk_rows` at a time and each chunk's
+    logits are recomputed in the backward instead of stored (checkpointing): peak logits
+    memory chunk_rows x vocab instead of rows x vocab, for a second lm_head matmul.
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     targets = shift_labels.reshape(-1).to(hidden.device)
     keep = (targets != ignore_index).nonzero().squeeze(1)
-    logits = F.linear(hidden.index_select(0, keep), lm_head_weight).float()
-    if logit_softcapping is not None:
-        logits = torch.tanh(logits / logit_softcapping) * logit_softcapping
-    loss = F.cross_entropy(logits, targets.index_select(0, keep), reduction="sum")
+    h, y = hidden.index_select(0, keep), targets.index_select(0, keep)
+    if not chunk_rows or keep.numel() <= chunk_rows:
+        loss = _ce_sum(h, lm_head_weight, y, logit_softcapping)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, keep.numel(), chunk_rows):
+            args = (h[s : s + chunk_rows], lm_head_weight, y[s : s + chunk_rows], logit_softcapping)
+            loss = loss + (checkpoint(_ce_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
+                           else _ce_sum(*args))
     if num_items_in_batch is None:
         return loss / keep.numel()  # 0/0 = nan with no target, like transformers' mean
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
-
-
-def causal_lm_loss(model, input_ids, attention_mask, labels, num_items_in_batch=None, **kwargs):
-    """The causal-LM loss of `model` (a transformers model or a PEFT wrapper of one)
-    through its decoder and `sparse_lm_head_loss`: same value as model(..., labels=labels).loss."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = inner.get_decoder()
-    head = inner.get_output_embeddings()
-    if _is_4bit(head):
-        raise ValueError("sparse_lm_head_loss needs a dense lm_head weight (this one is 4-bit)")
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    cap = getattr(inner.config, "final_logit_softcapping", None)
-    return sparse_lm_head_loss(out.last_hidden_state, head.weight, labels, num_items_in_batch,
-                               logit_softcapping=cap)

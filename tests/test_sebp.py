@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from edgetune.engine.lm_loss import causal_lm_loss  # noqa: E402
 from edgetune.kernels import sebp  # noqa: E402
 
 torch.set_num_threads(1)
@@ -254,7 +255,7 @@ def step(model, batch, use_sebp, lm_head_sparse=False):
         sebp.set_active_rows(model, None)
     model.zero_grad(set_to_none=True)
     if lm_head_sparse:
-        loss = sebp.causal_lm_loss(model, ids, attn, labels)
+        loss, _ = causal_lm_loss(model, {"input_ids": ids, "attention_mask": attn, "labels": labels})
     else:
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     loss.backward()
