@@ -30,7 +30,7 @@ case "${1:-}" in
         || echo "warning: could not install Chromium; the browser test will fail" >&2
     fi
     set +e
-    "$VENV/bin/pytest" -q "${@:2}"
+    "$VENV/bin/pytest" -q --durations=25 "${@:2}"
     rc=$?
     set -e
     if [ "$rc" = 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
