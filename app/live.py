@@ -40,6 +40,7 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
     """A small matplotlib figure: one line with markers per series (a lone eval point
     still shows). Figure objects, not pyplot: handlers run in several threads."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 3.0), dpi=100, layout="constrained")
     ax = fig.add_subplot()
@@ -49,6 +50,7 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
             ax.plot(part["step"], part["value"], marker="o", markersize=3.5, linewidth=1.6, label=s.label)
     ax.set_title(plot.title, fontsize=11)
     ax.set_xlabel(plot.x_title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and generations are whole numbers
     ax.set_ylabel(plot.y_title)
     ax.grid(alpha=0.3)
     if len(frame):

@@ -78,7 +78,10 @@ def test_preset_values_are_widget_friendly(tmp_path):
     by_key = dict(zip([s.key for s in specs], form.values_from_config(form.preset_config("essa-quickstart", "r"),
                                                                           specs)))
     assert by_key["lora.target_modules"] == "[q_proj, k_proj, v_proj, o_proj]"
-    assert by_key["essa.population"] == 8 and by_key["sft.sebp"] == ""
+    from edgetune.engine.settings import resolve
+
+    assert by_key["essa.population"] == resolve(preset="essa-quickstart").essa.population
+    assert isinstance(by_key["essa.population"], int) and by_key["sft.sebp"] == ""
     assert by_key["model.name"] == "embedded:smollm2-135m"
 
 
