@@ -67,6 +67,14 @@ def watch(run, start: int = 0, quiet: bool = False) -> int:
             elif t == "eval" and not quiet:
                 tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in ev.items() if k not in ("i", "time", "type")))
+            elif t == "warm_start" and not quiet and ev.get("event") in ("step", "eval", "finished"):
+                inner = ev.get("event")
+                if inner == "step":
+                    tqdm.write(f"warm start (SFT) step {ev.get('step')}/{ev.get('total')}: loss {ev.get('loss', 0):.4g}")
+                elif inner == "eval":
+                    tqdm.write(f"warm start (SFT) eval loss {ev.get('eval_loss', 0):.4g}")
+                else:
+                    tqdm.write("warm start (SFT) finished")
             elif t in ("warning",) and not quiet:
                 tqdm.write(f"warning: {ev['message']}")
             elif t == "sample" and not quiet:
