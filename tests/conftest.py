@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads TRITON_INTERPRET when a kernel is first decorated; any test module may import
+# triton first (through torch or bitsandbytes), so the CPU suite sets it before all of them.
+# EDGETUNE_TEST_GPU=1 runs the kernels compiled on a GPU instead.
+if os.environ.get("EDGETUNE_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
