@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from edgetune.engine import essa
-from edgetune.engine.events import EventWriter, read_events
 from edgetune.engine.loop import RunContext
-from edgetune.engine.runfolder import RunDir
 from edgetune.engine.settings import resolve
+from inline_run import run_inline
 
 # A reward that depends on every character of the completion, so that equal fitness
 # means equal text (random tiny models rarely write the right number).
@@ -58,28 +57,8 @@ def config(tiny, tmp_path, **essa_overrides):
     return resolve(overrides=overrides)
 
 
-class StopAfter:
-    """An emit that asks the run to stop once generation `n` has been reported."""
-
-    def __init__(self, writer, ctx_holder, n):
-        self.writer, self.ctx_holder, self.n = writer, ctx_holder, n
-
-    def __call__(self, type, **fields):
-        ev = self.writer(type, **fields)
-        if self.n and type == "step" and fields["step"] == self.n:
-            self.ctx_holder[0].stop_flag[0] = True
-        return ev
-
-
 def run_essa(cfg, path, stop_after=0, resume=False):
-    run = RunDir(path)
-    path.mkdir(parents=True, exist_ok=True)
-    holder = []
-    ckpt = run.last_checkpoint()[1] if resume else None
-    ctx = RunContext(cfg=cfg, run=run, emit=StopAfter(EventWriter(run.events_path), holder, stop_after), resume=ckpt)
-    holder.append(ctx)
-    metrics = essa.train(ctx)
-    return run, metrics, read_events(run.events_path)
+    return run_inline(essa.train, cfg, path, stop_after=stop_after, resume=resume)
 
 
 def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from edgetune.engine import fgrpo
-from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.loop import RunContext
-from edgetune.engine.runfolder import RunDir
 from edgetune.engine.settings import resolve
+from inline_run import run_inline
 
 # Depends on every character, so rewards differ within groups even for a random model.
 REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, completion)) % 7) / 6\n"
@@ -42,26 +40,8 @@ def config(tiny_model_dir, rl_files, tmp_path, **fgrpo_overrides):
     })
 
 
-class StopAfter:
-    def __init__(self, writer, holder, n):
-        self.writer, self.holder, self.n = writer, holder, n
-
-    def __call__(self, type, **fields):
-        ev = self.writer(type, **fields)
-        if self.n and type == "step" and fields["step"] == self.n:
-            self.holder[0].stop_flag[0] = True
-        return ev
-
-
 def run_fgrpo(cfg, path, stop_after=0, resume=False):
-    run = RunDir(path)
-    path.mkdir(parents=True, exist_ok=True)
-    holder = []
-    ckpt = run.last_checkpoint()[1] if resume else None
-    ctx = RunContext(cfg=cfg, run=run, emit=StopAfter(EventWriter(run.events_path), holder, stop_after), resume=ckpt)
-    holder.append(ctx)
-    metrics = fgrpo.train(ctx)
-    return run, metrics, read_events(run.events_path)
+    return run_inline(fgrpo.train, cfg, path, stop_after=stop_after, resume=resume)
 
 
 def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp_path):

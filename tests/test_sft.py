@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from edgetune.engine import settings
-from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.loop import RunContext
+from edgetune.engine.events import read_events
 from edgetune.engine.runfolder import RunDir
+from inline_run import run_inline
 
 
 def _cfg(model_dir, tmp_path, **over):
@@ -28,24 +28,10 @@ def _cfg(model_dir, tmp_path, **over):
     return settings.from_dict(base)
 
 
-def _run(cfg, path, resume=None, stop_after_checkpoint=False):
+def _run(cfg, path, stop_after=0, resume=False):
     from edgetune.engine import sft
 
-    run = RunDir(path)
-    run.path.mkdir(parents=True, exist_ok=True)
-    (run.config_path).write_text(cfg.to_yaml())
-    writer = EventWriter(run.events_path)
-    ctx = RunContext(cfg=cfg, run=run, emit=writer, resume=resume)
-    if stop_after_checkpoint:
-        def emit(type, **fields):
-            ev = writer.emit(type, **fields)
-            if type == "checkpoint":
-                ctx.stop_flag[0] = True
-            return ev
-        ctx.emit = emit
-    sft.train(ctx)
-    writer.close()
-    return read_events(run.events_path)
+    return run_inline(sft.train, cfg, path, stop_after=stop_after, resume=resume)[2]
 
 
 def _losses(events):
@@ -57,11 +43,10 @@ def test_resume_continues_with_identical_losses(tiny_model_dir, tmp_path):
     full = _losses(_run(cfg, tmp_path / "full"))
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
 
-    first = _run(cfg, tmp_path / "cut", stop_after_checkpoint=True)
+    first = _run(cfg, tmp_path / "cut", stop_after=3)
     assert first[-1]["type"] == "stopped" and first[-1]["step"] == 3
-    ckpt = RunDir(tmp_path / "cut").last_checkpoint()
-    assert ckpt[0] == 3
-    second = _run(cfg, tmp_path / "cut", resume=ckpt[1])
+    assert RunDir(tmp_path / "cut").last_checkpoint()[0] == 3
+    second = _run(cfg, tmp_path / "cut", resume=True)
     assert second[-1]["type"] == "finished"
     resumed = _losses(second)
     assert resumed == full, (resumed, full)  # every step, bit for bit
