@@ -187,3 +187,38 @@ def compare(name: str, plan: dict, measured: int | None, key: str = "allocated_p
     if measured:
         row["error"] = round(pred / measured - 1, 3)
     return row
+
+
+class Budget:
+    """A bench's wall-clock budget and its results file. A section runs only when the
+    time it needs is left; a failing section is recorded under R["errors"]; the JSON is
+    rewritten after every section, so a time limit or a crash never loses earlier rows."""
+
+    def __init__(self, tag: str, time_limit: float, path: Path, results: dict, t0: float):
+        self.tag, self.time_limit, self.path, self.R, self.t0 = tag, time_limit, path, results, t0
+
+    def left(self) -> float:
+        return self.time_limit - (time.perf_counter() - self.t0)
+
+    def log(self, *a) -> None:
+        print(f"[{self.tag} {time.perf_counter() - self.t0:6.1f}s]", *a, flush=True)
+
+    def dump(self) -> None:
+        write_json(self.path, self.R)
+
+    def section(self, name, fn, need_s: float = 0.0):
+        if self.left() < need_s:
+            self.R["notes"].append(f"{name} skipped: {self.left():.0f}s left, needs ~{need_s:.0f}s")
+            self.log(f"SKIP {name}")
+            return None
+        self.log(f"=== {name} ===")
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+            import traceback
+
+            self.R["errors"][name] = f"{type(e).__name__}: {e}"[:1500]
+            traceback.print_exc()
+            return None
+        finally:
+            self.dump()

@@ -74,34 +74,8 @@ R: dict = {"config": {"arch": B.C7B, "seq": B.SEQ, "batch": B.BATCH, "lora": "r1
            "env": B.R["env"], "hf": {}, "ours": {}, "unsloth": {}, "planner": [], "errors": {}, "notes": []}
 
 
-def left() -> float:
-    return args.time_limit - (time.perf_counter() - T0)
-
-
-def log(*a):
-    print(f"[sft_speed {time.perf_counter() - T0:6.1f}s]", *a, flush=True)
-
-
-def dump():
-    C.write_json(OUT / "sft_speed.json", R)
-
-
-def section(name, fn, need_s=0.0):
-    if left() < need_s:
-        R["notes"].append(f"{name} skipped: {left():.0f}s left, needs ~{need_s:.0f}s")
-        log(f"SKIP {name}")
-        return None
-    log(f"=== {name} ===")
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
-        import traceback
-
-        R["errors"][name] = f"{type(e).__name__}: {e}"[:1500]
-        traceback.print_exc()
-        return None
-    finally:
-        dump()
+BUDGET = C.Budget("sft_speed", args.time_limit, OUT / "sft_speed.json", R, T0)
+left, log, dump, section = BUDGET.left, BUDGET.log, BUDGET.dump, BUDGET.section
 
 
 # --------------------------------------------------------------------------- HF baseline
