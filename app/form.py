@@ -40,18 +40,8 @@ BASIC = {
 # The app owns where runs live.
 HIDDEN = {"run.runs_dir"}
 
-# Closed sets of values, as engine/settings.py `validate` accepts them (tests/test_app.py
-# checks each one resolves, so the two cannot drift apart unnoticed).
-CHOICES = {
-    "model.quant": ("nf4", "int8", "none"),
-    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
-    "data.overlong": ("truncate", "drop"),
-    "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
-    "fgrpo.scale_rewards": ("group", "batch", "none"),
-    "essa.evaluation": ("sequential", "batched"),
-    "essa.export": ("mean", "best"),
-}
+# Closed sets of values: engine/settings.py's own table, the one `validate` checks.
+CHOICES = S.CHOICES
 
 
 @dataclass

@@ -108,17 +108,24 @@ def bf16_frozen_params(model) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
-def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0) -> tuple[float, dict]:
-    """engine/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss,
-    backward, clip, optimizer step. Returns (loss, seconds per phase)."""
+def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0, amp: bool = True,
+                chunk_rows: int = 512) -> tuple[float, dict]:
+    """engine/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under
+    the engine's autocast, backward, clip, optimizer step. `amp=False` / `chunk_rows=2048`
+    give the step as it was before those became the engine's defaults (for lever shares).
+    Returns (loss, seconds per phase)."""
+    import contextlib
+
     from edgetune.engine.lm_loss import causal_lm_loss
+    from edgetune.engine.model import autocast
 
     t = [time.perf_counter()]
     if handle is not None:
         from edgetune.kernels import sebp
 
         sebp.set_active_rows(handle, batch["attention_mask"].bool())
-    loss, _ = causal_lm_loss(model, batch)
+    with autocast(model) if amp else contextlib.nullcontext():
+        loss, _ = causal_lm_loss(model, batch, chunk_rows=chunk_rows)
     sync()
     t.append(time.perf_counter())
     loss.backward()

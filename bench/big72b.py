@@ -10,13 +10,14 @@ all 7 projections, gradient checkpointing.
 
 Rows (one process, one build):
   hf_2048          .ref/baseline.py's add_lora + train_bench on 1 x 2,048 (its section C)
-  ours_2048        engine.model.add_lora + engine/lm_loss + the engine's optimizer, as
-                   engine/sft.py steps; the engine as it is (PEFT upcasts the frozen
-                   embeddings / norms / lm_head to fp32, so the residual runs in fp32)
-  ours_2048_bf16   the same with those frozen parameters back in bf16
-  ours_32k         bf16 as above + model.offload_activations (engine/offload.py): each
+  ours_2048_before  the engine's step before this round: engine.model.add_lora +
+                   engine/lm_loss (2,048-row chunks) without autocast, paged 8-bit AdamW
+  ours_2048        the engine's step now (engine/sft.py): bf16 autocast, fused AdamW,
+                   512-row loss chunks
+  ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/liger.py), GPU only
+  ours_32k         as the row before + model.offload_activations (engine/offload.py): each
                    layer's checkpointed input waits in pinned host memory; logits only
-                   in 2,048-row chunks (engine/lm_loss). Checkpointed inputs alone would
+                   in 512-row chunks (engine/lm_loss). Checkpointed inputs alone would
                    be 80 x 32,768 x 8,192 x 2 B = 43 GB on the GPU; the target is a peak
                    under 80 GB. One step (the first includes pinned-memory allocation);
                    a second when time allows.
@@ -108,7 +109,7 @@ def main():
     if base is None:
         return
     from edgetune.engine import model as model_lib
-    from edgetune.engine import offload, planner
+    from edgetune.engine import offload
     from edgetune.engine.loop import make_optimizer
     from edgetune.engine.settings import LoraSettings
 
@@ -116,37 +117,44 @@ def main():
                               gradient_checkpointing=True)
     ours.train()
 
-    def run(name, batch, n_warm, n_meas, sets, upcast):
+    def run(name, batch, n_warm, n_meas, sets, how=None):
+        how = dict(how or {})
         C.reinit_lora(ours, seed=0)
-        opt = make_optimizer(ours.parameters(), "auto", 1e-4, 0.0, DEV)
+        opt = make_optimizer(ours.parameters(), how.pop("optimizer", "auto"), 1e-4, 0.0, DEV)
         C.reset_peak()
-        m = C.time_steps(lambda: C.engine_step(ours, opt, batch), n_warm, n_meas, log)
+        m = C.time_steps(lambda: C.engine_step(ours, opt, batch, **how), n_warm, n_meas, log)
         n = batch["input_ids"].shape[1]
         m.update(tok_per_s=n / m["total"], tokens=n, **mem())
         R["rows"][name] = m
         log(f"{name}: {m['total']:.2f}s ({m['tok_per_s']:.0f} tok/s), peak {m['peak_alloc_GiB']} GiB")
-        planner.UPCAST_FROZEN = upcast  # the bf16 rows are not the engine's default (see docstring)
-        try:
+        if not how:  # the planner models the engine's step as it is now
             R["planner"].append(C.compare(f"72B SFT {name}", C.planner_prediction(folder, "sft", sets),
                                           m["peak_alloc"]))
-        finally:
-            planner.UPCAST_FROZEN = True
         del opt
         return m
 
     sets_short = ["sft.batch_size=1", f"data.max_seq_len={SHORT}"]
-    section("ours_2048", lambda: run("ours_2048", short, 1, 2, sets_short, True), need_s=20 if args.tiny else 45)
-    C.bf16_frozen_params(ours)
-    section("ours_2048_bf16", lambda: run("ours_2048_bf16", short, 1, 2, sets_short, False),
-            need_s=20 if args.tiny else 40)
+    before = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
+    section("ours_2048_before", lambda: run("ours_2048_before", short, 1, 2, sets_short, before),
+            need_s=20 if args.tiny else 45)
+    section("ours_2048", lambda: run("ours_2048", short, 1, 2, sets_short), need_s=20 if args.tiny else 40)
+
+    def liger_row():
+        from edgetune.engine import liger
+
+        R["notes"].append(f"liger: {liger.apply(ours, 'on')}")
+        run("ours_2048_liger", short, 1, 2, sets_short)
+
+    if DEV == "cuda":
+        section("ours_2048_liger", liger_row, need_s=40)
 
     def long_step():
         offload.enable(ours)
         long = batch_of(LONG, 3)
         sets = ["sft.batch_size=1", f"data.max_seq_len={LONG}", "model.offload_activations=true"]
-        first = run("ours_32k", long, 0, 1, sets, False)
+        first = run("ours_32k", long, 0, 1, sets)
         if left() > 2 * first["total"] + 20:
-            run("ours_32k_second", long, 0, 1, sets, False)
+            run("ours_32k_second", long, 0, 1, sets)
 
     section("ours_32k", long_step, need_s=30 if args.tiny else 150)
     R["table"] = table()

@@ -14,6 +14,7 @@ triton.testing.do_bench; "extra" is the backward's peak memory minus dense's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -204,14 +205,20 @@ def check_tiny_model():
         loss.backward()
         return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    loss_ref, g_ref = step(None, False)
-    out = {"patched_layers": len(handle), "loss_dense": loss_ref}
-    for label, sparse_head in [("sebp", False), ("sebp+lm_head", True)]:
-        loss, g = step(attn, sparse_head)
-        errs = {n: rel(g[n], g_ref[n]) for n in g_ref}
-        out[label] = {"loss": loss, "loss_rel_err": abs(loss - loss_ref) / abs(loss_ref),
-                      "grad_rel_err_max": max(errs.values()),
-                      "grad_rel_err_median": sorted(errs.values())[len(errs) // 2]}
+    out = {"patched_layers": len(handle)}
+    # the engine's training forward runs under bf16 autocast on CUDA: check SEBP there too
+    for amp in (False, True):
+        ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else contextlib.nullcontext
+        with ctx():
+            loss_ref, g_ref = step(None, False)
+        out["loss_dense" + ("_autocast" if amp else "")] = loss_ref
+        for label, sparse_head in [("sebp", False), ("sebp+lm_head", True)]:
+            with ctx():
+                loss, g = step(attn, sparse_head)
+            errs = {n: rel(g[n], g_ref[n]) for n in g_ref}
+            out[label + ("_autocast" if amp else "")] = {
+                "loss": loss, "loss_rel_err": abs(loss - loss_ref) / abs(loss_ref),
+                "grad_rel_err_max": max(errs.values()), "grad_rel_err_median": sorted(errs.values())[len(errs) // 2]}
     sebp.unpatch(model)
     return out
 

@@ -13,20 +13,19 @@ projections, gradient checkpointing. Batch: 8 sequences of real lengths
 Rows, each after warm-up, median of the timed steps, peak allocated since its own reset:
   hf/padded, hf/packed_sdpa   .ref/baseline.py's add_lora + train_bench, unchanged
                               (autocast bf16, HF loss over full logits, fused AdamW)
-  ours/sparse_head            engine.model.add_lora on the same base (after the HF
-                              adapter is unloaded), engine/lm_loss (logits only at
-                              labelled rows), engine's optimizer (paged 8-bit AdamW),
-                              clip, as engine/sft.py's step; padded batch from engine.data.collate
+  ours/before                 the engine's step as it was before this round: add_lora on
+                              the same base (after the HF adapter is unloaded), SEBP,
+                              logits only at labelled rows in 2,048-row chunks, no
+                              autocast (fp32 LoRA products), paged 8-bit AdamW; padded
+  ours/autocast               bf16 autocast, fused AdamW, 512-row loss chunks; no SEBP
   ours/+sebp                  + kernels/sebp.patch: padding rows skipped in every backward
+                              (= the engine's default step on a padded batch)
   ours/+packing               + engine/packing.collate_packed: one row, no padding at all
-  ours/+bf16_params           + embeddings / norms / lm_head / biases cast back to bf16
-                              (PEFT's prepare_model_for_kbit_training makes them fp32, so
-                              the engine's residual stream is fp32; not an engine setting
-                              yet: this row measures what that costs)
-  ours/bf16_params_padded_sebp  bf16 as above, padded batch with SEBP (SEBP's effect
-                              without the fp32 residual; packing leaves SEBP nothing to skip)
-  ours/+liger                 packed + bf16 + Liger-Kernel's fused RMSNorm / SwiGLU / RoPE
-                              (liger-kernel 0.8.5 carried in .gpu-site; GPU only)
+                              (SEBP then has nothing to skip)
+  ours/+liger                 + Liger-Kernel's fused RMSNorm / SwiGLU / RoPE
+                              (engine/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
+  ours/+flex                  + flex_attention (a BlockMask from the packed position ids
+                              instead of sdpa with a dense [N, N] boolean mask)
   unsloth/padded, /packed     .ref/unsloth_bench.py's own phases in separate processes
                               (Unsloth patches transformers on import): save a random
                               bf16 7B to disk, then Unsloth's 4-bit load + LoRA + steps
@@ -105,17 +104,16 @@ class Row:
 
 
 def apply_liger(model):
-    """Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the model instance (not its loss:
-    ours already skips unlabelled logits). Its SwiGLU calls gate/up/down_proj as modules,
-    so the LoRA-over-NF4 layers (and SEBP's patch) stay in place."""
+    """engine/liger.py: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the instance."""
     if DEV != "cuda":
         raise RuntimeError("Liger's Triton kernels need a GPU")
-    try:
-        from liger_kernel.transformers.monkey_patch import apply_liger_kernel_to_qwen2
-    except ImportError as e:
-        raise RuntimeError(f"liger-kernel not importable ({e}); carry it in .gpu-site") from None
-    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=False, model=model.get_base_model())
+    from edgetune.engine import liger
+
+    R["notes"].append(f"liger: {liger.apply(model, 'on')}")
+
+
+def use_flex(model):
+    model.get_base_model().set_attn_implementation("flex_attention")
 
 
 def ours_rows(base, padded, real):
@@ -140,32 +138,34 @@ def ours_rows(base, padded, real):
     b_padded = to_dev(padded)
     b_packed = to_dev(collate_packed(rows))
     handle = None
-    levers = [("sparse_head", b_padded, False, None), ("+sebp", b_padded, True, None),
-              ("+packing", b_packed, True, None), ("+bf16_params", b_packed, True, C.bf16_frozen_params),
-              # SEBP only acts on padded rows: its effect with the bf16 residual
-              ("bf16_params_padded_sebp", b_padded, True, None),
-              ("+liger", b_packed, True, apply_liger)]
+    old = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
+    levers = [("before", b_padded, True, None, old), ("autocast", b_padded, False, None, {}),
+              ("+sebp", b_padded, True, None, {}), ("+packing", b_packed, True, None, {}),
+              ("+liger", b_packed, True, apply_liger, {}), ("+flex", b_packed, True, use_flex, {})]
     folder = C.arch_folder(B.C7B)
-    for name, batch, use_sebp, prepare in levers:
+    for name, batch, use_sebp, prepare, how in levers:
         def one():
             nonlocal handle
             if prepare is not None:
                 prepare(model)
             if use_sebp and handle is None:
                 handle = sebp.patch(model)
+            if not use_sebp and handle is not None:
+                sebp.set_active_rows(handle, None)  # dense backward everywhere for this row
             C.reinit_lora(model, seed=0)
-            opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, DEV)
+            opt = make_optimizer(model.parameters(), how.get("optimizer", "auto"), 1e-4, 0.0, DEV)
             C.reset_peak()
-            m = C.time_steps(lambda: C.engine_step(model, opt, batch, handle), N_WARM, N_MEAS, log)
+            kw = {k: v for k, v in how.items() if k != "optimizer"}
+            h = handle if use_sebp else None
+            m = C.time_steps(lambda: C.engine_step(model, opt, batch, h, **kw), N_WARM, N_MEAS, log)
             m["real_tok_per_s"] = real / m["total"]
             m["tokens_in_batch"] = int(batch["input_ids"].numel())
             R["ours"][name] = m
             log(f"ours {name}: {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB, first loss {m['first_loss']:.4f}")
             del opt
-            # the planner models the engine as it is (fp32 non-quantised params): compare
-            # the rows that are that engine
-            if name in ("sparse_head", "+packing"):
-                sets = (["sft.batch_size=8", f"data.max_seq_len={B.SEQ}"] if name == "sparse_head"
+            # the planner models the engine as it is: compare the rows that are that engine
+            if name in ("+sebp", "+packing"):
+                sets = (["sft.batch_size=8", f"data.max_seq_len={B.SEQ}"] if name == "+sebp"
                         else ["sft.batch_size=1", f"data.max_seq_len={real}", "sft.packing=true"])
                 R["planner"].append(C.compare(f"7B SFT {name}", C.planner_prediction(folder, "sft", sets),
                                               m["peak_alloc"]))

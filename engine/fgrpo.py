@@ -68,7 +68,7 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperat
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, chunk_rows: int = 1024) -> torch.Tensor:
+                        temperature: float = 1.0, chunk_rows: int = 512) -> torch.Tensor:
     """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
     logits divided by `temperature` as at sampling time. Prompts are left-padded, so
     positions come from the attention mask, as during decoding."""
@@ -179,7 +179,8 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
     if s.beta != 0:
         with torch.no_grad(), model.disable_adapter():
             for c in chunks:
-                ref[int(c[0])] = completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature)
+                with model_lib.autocast(model):
+                    ref[int(c[0])] = completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     sums = {"kl": 0.0, "clip_ratio": 0.0, "ratio": 0.0, "tokens": 0.0}
@@ -189,7 +190,8 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
             rows = _rows_of(roll, c)
             if sebp is not None:
                 sebp.set_active_rows(model, torch.cat([rows[1], rows[3]], dim=1).bool())
-            logp = completion_logprobs(model, *rows, temperature=s.temperature)
+            with model_lib.autocast(model):
+                logp = completion_logprobs(model, *rows, temperature=s.temperature)
             loss, m = policy_loss(logp, roll.logprobs[c].float(), adv[c], mask[c].float(), s.loss_type,
                                   s.epsilon, s.epsilon_high, ref_logp=ref.get(int(c[0])), beta=s.beta,
                                   max_completion_length=s.max_new_tokens, num_sequences=N,

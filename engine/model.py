@@ -42,6 +42,27 @@ def compute_dtype(ms: ModelSettings, device: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[ms.dtype]
 
 
+def autocast(model):
+    """The context for a training or scoring forward: 16-bit autocast on CUDA when the
+    model computes in bf16/fp16, else nothing.
+
+    Why: the LoRA factors stay fp32 (the optimizer updates them at full precision), and
+    without autocast PEFT casts every adapted layer's input to fp32 and runs the adapter
+    products in fp32 - a fp32 copy of each input per projection and fp32 GEMMs. Under
+    autocast those products run in bf16 on tensor cores, as in the standard QLoRA stack;
+    the loss is computed from fp32 logits either way. On the CPU (fp32 compute) it is off,
+    which keeps CPU runs bit-reproducible."""
+    import contextlib
+
+    import torch
+
+    emb = model.get_input_embeddings().weight  # frozen: in compute dtype (add_lora keeps it so)
+    dtype, device = emb.dtype, emb.device
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=dtype)
+
+
 # --------------------------------------------------------------------------- paths
 
 

@@ -15,7 +15,7 @@ What is counted, in bytes, following what the engine actually does:
   4 bytes/param there, and the residual stream that starts at the fp32 embedding then
   runs in fp32 too (activations and KV cache at 4 bytes).
 - LoRA: r·(in + out) parameters per targeted projection, fp32; their gradients (fp32);
-  optimizer state: paged 8-bit AdamW 2 bytes/param (+ block statistics), AdamW 8.
+  optimizer state: AdamW (the default) 8 bytes/param, paged 8-bit AdamW 2 (+ block statistics).
 - activations of one micro-batch (B x T tokens): with gradient checkpointing each layer
   keeps only its input ([tokens, hidden]) and one layer at a time is recomputed in the
   backward (its full activations + gradient buffers + the dequantised weight: the
@@ -23,7 +23,7 @@ What is counted, in bytes, following what the engine actually does:
   through sdpa / flash kernels: no seq² score matrix, only a boolean [B, T, T] mask when
   rows are padded or packed.
 - logits: engine/lm_loss computes them only at labelled positions in checkpointed
-  chunks of 2,048 rows; the backward of one chunk holds about three [chunk, vocab] fp32
+  chunks of 512 rows; the backward of one chunk holds about three [chunk, vocab] fp32
   buffers (logits, log-softmax, its gradient). The peak holds either this or the layer
   recompute, not both (the head's backward finishes before the last layer's recompute).
 - F-GRPO: the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
@@ -52,7 +52,7 @@ from .errors import ModelError
 from .settings import EMBEDDED_MODEL, Config
 
 GiB = 1024**3
-LOSS_CHUNK_ROWS = 2048  # engine/lm_loss.sparse_ce_loss's default
+LOSS_CHUNK_ROWS = 512  # engine/lm_loss.sparse_ce_loss's default
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
 ALLOCATOR_FIXED = 256 * 1024**2
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
@@ -244,6 +244,7 @@ class Ctx:
     checkpointing: bool
     optimizer: str
     offload: bool = False  # model.offload_activations: layer inputs in pinned host memory
+    autocast: bool = False  # engine/model.autocast: 16-bit compute on CUDA, adapter products in bf16
 
 
 def _dtype_bytes(dtype: str, device: str) -> int:
@@ -271,12 +272,13 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     p = 4 if quantised and UPCAST_FROZEN else c
     opt = optimizer
     if opt == "auto":
-        opt = "paged_adamw_8bit" if device.startswith("cuda") else "adamw"
+        opt = "adamw"  # engine/loop.make_optimizer: fused AdamW
     if arch.experts:
         notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
     ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
               cfg.model.gradient_checkpointing, opt,
-              offload=cfg.model.gradient_checkpointing and getattr(cfg.model, "offload_activations", False))
+              offload=cfg.model.gradient_checkpointing and getattr(cfg.model, "offload_activations", False),
+              autocast=device.startswith("cuda") and c == 2)
     return ctx, notes
 
 
@@ -334,18 +336,25 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     mask (padded or packed rows) transformers repeats k and v to all query heads before
     sdpa, so they are saved at q's width. With a bf16 residual, PEFT casts each adapted
     layer's input to the adapters' fp32 (one copy per projection) and each RMSNorm keeps
-    an fp32 upcast; with an fp32 residual those are the activations themselves."""
+    an fp32 upcast; under autocast (CUDA) autograd keeps those copies cast back to bf16,
+    and the rank-r intermediates are bf16 too, beside bf16 copies of the factors; with an fp32 residual those are the
+    activations themselves."""
     a, b = ctx.arch, ctx.act_bytes
     i = _mlp_width(a)
     kv = 2 * a.q_dim if masked else 2 * a.kv_dim
-    lora_mid = len(ctx.targets) * ctx.r * 4
+    copy_bytes = ctx.compute_bytes if ctx.autocast else 4
+    lora_mid = len(ctx.targets) * ctx.r * copy_bytes
     if b >= 4:
         per_tok = b * (3 * a.hidden + 2 * a.q_dim + kv + 3 * i + (i if "down_proj" in ctx.targets else 0))
     else:
         dims = a.projections()
         fp32_inputs = a.hidden + sum(dims[t][0] for t in ctx.targets)
-        per_tok = 4 * fp32_inputs + b * (3 * i + 2 * a.q_dim + kv)
-    return tokens * (per_tok + lora_mid)
+        per_tok = copy_bytes * fp32_inputs + b * (3 * i + 2 * a.q_dim + kv)
+    # autocast's bf16 copies of the layer's fp32 LoRA factors live as long as its activations
+    dims = a.projections()
+    lora_casts = sum(ctx.r * (dims[t][0] + dims[t][1]) * dims[t][2] for t in ctx.targets) * ctx.compute_bytes \
+        if ctx.autocast else 0
+    return tokens * (per_tok + lora_mid) + lora_casts
 
 
 def dequant_transient(ctx: Ctx) -> int:

@@ -46,6 +46,9 @@ class ModelSettings:
     # tokens x hidden x 2-4 bytes and one host->GPU copy per layer per step.
     offload_activations: bool = False
     attn_implementation: str = "sdpa"
+    # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a
+    # CUDA GPU for the model families Liger knows; on | off.
+    liger: str = "auto"
     # auto = cuda when present, else cpu.
     device: str = "auto"
     trust_remote_code: bool = False
@@ -111,7 +114,8 @@ class SFTSettings:
     warmup_steps: int = 5
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    # auto = paged 8-bit AdamW on CUDA (bitsandbytes), AdamW on the CPU.
+    # auto = AdamW (fused on CUDA). paged_adamw_8bit / adamw_8bit (bitsandbytes, CUDA):
+    # 2 bytes of state per LoRA parameter instead of 8, slower per step.
     optimizer: str = "auto"
     # -- evaluation
     eval_every: int = 20
@@ -367,20 +371,26 @@ def _positive(path: str, value: float) -> None:
         raise ConfigError(f"{path} must be positive, got {value}")
 
 
+# The settings that take one of a few words (validated here, offered as drop-downs by the app).
+CHOICES = {
+    "model.quant": ("nf4", "int8", "none"),
+    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
+    "model.liger": ("auto", "on", "off"),
+    "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
+    "data.overlong": ("truncate", "drop"),
+    "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
+    "fgrpo.scale_rewards": ("group", "batch", "none"),
+    "essa.evaluation": ("sequential", "batched"),
+    "essa.export": ("mean", "best"),
+}
+
+
 def validate(cfg: Config) -> None:
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
-    choices = {
-        "model.quant": (cfg.model.quant, ("nf4", "int8", "none")),
-        "model.dtype": (cfg.model.dtype, ("auto", "bf16", "fp16", "fp32")),
-        "data.format": (cfg.data.format, ("auto", "messages", "alpaca", "prompt_completion", "text", "rl")),
-        "data.overlong": (cfg.data.overlong, ("truncate", "drop")),
-        "fgrpo.loss_type": (cfg.fgrpo.loss_type, ("grpo", "dapo", "dr_grpo", "cispo")),
-        "fgrpo.scale_rewards": (cfg.fgrpo.scale_rewards, ("group", "batch", "none")),
-        "essa.evaluation": (cfg.essa.evaluation, ("sequential", "batched")),
-        "essa.export": (cfg.essa.export, ("mean", "best")),
-    }
-    for path, (value, allowed) in choices.items():
+    for path, allowed in CHOICES.items():
+        group, name = path.split(".")
+        value = getattr(getattr(cfg, group), name)
         if value not in allowed:
             raise ConfigError(f"{path}: '{value}' is not one of {', '.join(allowed)}")
     _positive("lora.r", cfg.lora.r)

@@ -40,7 +40,12 @@ Labels must be -100 on padding (and wherever no loss is wanted); a padding row w
 real label would have a non-zero gradient that SEBP drops. Layers fall back to their own
 forward/backward when no rows are set, grad is off, the input is not [batch, seq, ·] of
 the mask's shape, every row is active, or the layer is not plain single-adapter LoRA
-(DoRA, active dropout, merged, disabled, several adapters, autocast on CUDA).
+(DoRA, active dropout, merged, disabled, several adapters).
+
+Under autocast the forward is the module's own (autocast) forward; the backward takes
+bf16 dY and X and the fp32 adapter factors and accumulates in fp32, returning dX in X's
+dtype and dA/dB in the factors' fp32 - what autograd of the autocast forward returns, up
+to bf16 rounding of the rank-r intermediate.
 """
 
 from __future__ import annotations
@@ -258,7 +263,7 @@ def _base_parts(base):
 
 def _lora_parts(m):
     """(A, B, scaling) when the layer runs plain single-adapter LoRA, else None."""
-    if m.disable_adapters or m.merged or torch.is_autocast_enabled():
+    if m.disable_adapters or m.merged:
         return None
     active = [a for a in m.active_adapters if a in m.lora_A]
     if len(active) != 1:

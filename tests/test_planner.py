@@ -136,11 +136,16 @@ def test_static_part_matches_a_loaded_nf4_model(tmp_path, embedded_dir):
     assert abs(p["lora"] - lora) / lora < 0.01
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, padded):
+def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, padded, autocast):
     """One decoder layer of an NF4 + LoRA (all 7 projections) Qwen2 loaded by the engine
     (bf16 compute, frozen parameters kept in bf16, so a bf16 residual): the bytes autograd
-    saves inside it, against layer_activation_bytes; with and without a padding mask."""
+    saves inside it, against layer_activation_bytes; with and without a padding mask, with
+    and without bf16 autocast (the engine's CUDA forward; the CPU's autocast stands in)."""
+    import contextlib
+    from dataclasses import replace
+
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -170,10 +175,12 @@ def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, pad
     mask = torch.ones_like(ids)
     if padded:
         mask[1:, 40:] = 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         model(input_ids=ids, attention_mask=mask)
     ctx, _ = planner.make_ctx(c, "cuda", "auto")
-    assert ctx.act_bytes == 2
+    assert ctx.act_bytes == 2 and ctx.autocast  # on CUDA the engine runs autocast
+    ctx = replace(ctx, autocast=autocast)
     predicted = planner.layer_activation_bytes(ctx, ids.numel(), masked=padded)
     measured = sum(saved.values())
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)

@@ -319,6 +319,33 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
         assert rel(g[name], g_ref[name]) <= 1e-5, (name, rel(g[name], g_ref[name]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_model_under_bf16_autocast(tiny_dir, backend):
+    """The engine's CUDA training forward runs under bf16 autocast (engine/model.autocast);
+    SEBP must take its sparse backward there too and agree with autograd of the same
+    autocast forward to bf16 rounding. (CPU autocast stands in for CUDA's here.)"""
+    model = load_nf4_lora(tiny_dir, checkpointing=True)
+    handle = sebp.patch(model)
+    handle.backend = backend
+    batch = sft_batch(torch.Generator().manual_seed(19))
+    calls = []
+    orig = sebp._sparse_backward
+    sebp._sparse_backward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_ref, g_ref = step(model, batch, use_sebp=False)
+            n_dense = len(calls)
+            loss, g = step(model, batch, use_sebp=True, lm_head_sparse=True)
+    finally:
+        sebp._sparse_backward = orig
+    assert n_dense == 0 and len(calls) == 2 * 7  # every patched layer (2 blocks x 7) went sparse
+    assert rel(loss, loss_ref) <= 1e-2
+    for name in g_ref:
+        assert g_ref[name].abs().sum() > 0
+        assert rel(g[name], g_ref[name]) <= 3e-2, (name, rel(g[name], g_ref[name]))
+    sebp.unpatch(model)
+
+
 def test_frozen_nf4_layers_and_left_padding(tiny_dir):
     """LoRA on q/v only: the other block linears are bare 4-bit layers (dX only, through
     the dequantised weight); a left-padded batch, as generation batches are."""
