@@ -15,7 +15,9 @@ Rows (one process, one build):
   ours_2048        the engine's step now (engine/sft.py): bf16 autocast, fused AdamW,
                    512-row loss chunks
   ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/liger.py), GPU only
-  ours_32k         as the row before + model.offload_activations (engine/offload.py): each
+  ours_2048_no_ckpt  + model.gradient_checkpointing=false (no recomputation: the floor of
+                   a checkpointed step is 4 x 2 x 72.7 G x 2,048 FLOP / 790 TFLOP/s = 1.5 s)
+  ours_32k         as ours_2048_liger + model.offload_activations (engine/offload.py): each
                    layer's checkpointed input waits in pinned host memory; logits only
                    in 512-row chunks (engine/lm_loss). Checkpointed inputs alone would
                    be 80 x 32,768 x 8,192 x 2 B = 43 GB on the GPU; the target is a peak
@@ -147,6 +149,16 @@ def main():
 
     if DEV == "cuda":
         section("ours_2048_liger", liger_row, need_s=40)
+
+    def no_ckpt_row():
+        ours.get_base_model().gradient_checkpointing_disable()
+        try:
+            run("ours_2048_no_ckpt", short, 1, 2, sets_short + ["model.gradient_checkpointing=false"])
+        finally:
+            ours.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            C.reset_peak()
+
+    section("ours_2048_no_ckpt", no_ckpt_row, need_s=40)
 
     def long_step():
         offload.enable(ours)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Every GPU benchmark of issue 7 in two device calls of under 10 minutes each.
 
-    call 1 (~9.5 min): sebp.py --quick, rollouts.py, sft_speed.py (HF, ours, Unsloth)
-    call 2 (~9.5 min): planner_check.py, essa.py, big72b.py (72B build + 2k + 32k steps)
+    call 1 (~8 min): sebp.py --quick, planner_check.py (0.5B), essa.py, rollouts.py
+    call 2 (~8 min): sft_speed.py (HF, ours lever by lever, Unsloth), big72b.py (72B
+                     build, HF and ours at 2k, no-checkpointing 2k, two 32k steps)
     report:            tables for bench/RESULTS.md from both calls' JSON, on any machine
 
 Each bench runs in its own process (Unsloth patches transformers on import; a crash or a
@@ -33,18 +34,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 # (name, script, extra args, cap seconds, argument that passes an inner time limit or None)
-# Expected walls on an H200 (estimates until the first run): sebp --quick ~1 min;
-# rollouts: its own --budget; sft_speed ~5-6 min (7B build, HF and our rows ~2 min,
-# Unsloth's save overlapped with our build, then its 4-bit load + compile + steps ~2-3 min);
-# planner_check ~1.5 min (0.5B); essa with population 16 ~2 min; big72b: the 72B build
-# (1-3 min, capped) + 2k steps ~1 min + one or two 32k steps ~1-2 min each.
+# Walls measured on the H200 (2026-11-30): sebp --quick 60 s (cut at its cap after the
+# tiny-model check and one shape), planner_check 58 s, essa 65 s, rollouts ~5 min with
+# both `generate` baselines (46 s without them), sft_speed 273 s (Unsloth's save
+# overlapped with our build, its own phase ~90 s), big72b 151 s (build 1.4 s, two 32k steps).
 CALLS = {
     1: [("sebp", "sebp.py", ["--quick"], 60, None),
-        ("rollouts", "rollouts.py", [], 130, "--budget"),
-        ("sft_speed", "sft_speed.py", [], 420, "--time-limit")],
-    2: [("planner_check", "planner_check.py", [], 90, "--time-limit"),
-        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 130, None),
-        ("big72b", "big72b.py", ["--max-build-s", "180"], 420, "--time-limit")],
+        ("planner_check", "planner_check.py", [], 90, "--time-limit"),
+        ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 110, None),
+        ("rollouts", "rollouts.py", [], 340, "--budget")],
+    2: [("sft_speed", "sft_speed.py", [], 330, "--time-limit"),
+        ("big72b", "big72b.py", ["--max-build-s", "180"], 240, "--time-limit")],
     # What one device call holds when only one is left: the quick start on CUDA (issue 2),
     # ESSA's sequential vs batched population (issue 5), and the SFT step (issues 3 and 7).
     3: [("quickstart_gpu", "quickstart_gpu.py", ["--steps", "20"], 90, None),

@@ -26,6 +26,8 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
                               (engine/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
   ours/+flex                  + flex_attention (a BlockMask from the packed position ids
                               instead of sdpa with a dense [N, N] boolean mask)
+  ours/+no_ckpt               + model.gradient_checkpointing=false: no recomputation, every
+                              layer's activations kept (the speed/memory trade the planner prices)
   unsloth/padded, /packed     .ref/unsloth_bench.py's own phases in separate processes
                               (Unsloth patches transformers on import): save a random
                               bf16 7B to disk, then Unsloth's 4-bit load + LoRA + steps
@@ -116,6 +118,10 @@ def use_flex(model):
     model.get_base_model().set_attn_implementation("flex_attention")
 
 
+def no_checkpointing(model):
+    model.get_base_model().gradient_checkpointing_disable()
+
+
 def ours_rows(base, padded, real):
     from edgetune.engine import model as model_lib
     from edgetune.engine.data import collate
@@ -141,7 +147,8 @@ def ours_rows(base, padded, real):
     old = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
     levers = [("before", b_padded, True, None, old), ("autocast", b_padded, False, None, {}),
               ("+sebp", b_padded, True, None, {}), ("+packing", b_packed, True, None, {}),
-              ("+liger", b_packed, True, apply_liger, {}), ("+flex", b_packed, True, use_flex, {})]
+              ("+liger", b_packed, True, apply_liger, {}), ("+flex", b_packed, True, use_flex, {}),
+              ("+no_ckpt", b_packed, True, no_checkpointing, {})]
     folder = C.arch_folder(B.C7B)
     for name, batch, use_sebp, prepare, how in levers:
         def one():
@@ -164,9 +171,11 @@ def ours_rows(base, padded, real):
             log(f"ours {name}: {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB, first loss {m['first_loss']:.4f}")
             del opt
             # the planner models the engine as it is: compare the rows that are that engine
-            if name in ("+sebp", "+packing"):
+            if name in ("+sebp", "+packing", "+no_ckpt"):
                 sets = (["sft.batch_size=8", f"data.max_seq_len={B.SEQ}"] if name == "+sebp"
                         else ["sft.batch_size=1", f"data.max_seq_len={real}", "sft.packing=true"])
+                if name == "+no_ckpt":
+                    sets.append("model.gradient_checkpointing=false")
                 R["planner"].append(C.compare(f"7B SFT {name}", C.planner_prediction(folder, "sft", sets),
                                               m["peak_alloc"]))
         section(f"ours/{name}", one, need_s=5 if args.tiny else 25)
