@@ -4,9 +4,9 @@ The embedded model's weights (a 98 MB GGUF) do not fit the 64 MiB that travels t
 GPU machine, so this builds SmolLM2-135M's architecture with random weights from its
 config and tokenizer (copied from the local cache into `.ref/smollm2/` by the lead's
 command) and runs `edgetune train --preset sft-quickstart` against it. What it checks on
-CUDA: the whole pipeline (worker process, NF4, LoRA, paged 8-bit AdamW, events,
-checkpoints, adapter), step time and peak memory, and that SEBP on and off give the
-same loss curve.
+CUDA: the whole pipeline (worker process, NF4, LoRA, autocast, fused AdamW, events,
+checkpoints, adapter), step time and peak memory, that SEBP on and off give the same
+loss curve, and the packed run (flex_attention + Liger, the CUDA defaults for packing).
 
     python bench/quickstart_gpu.py --src .ref/smollm2 [--steps N] [--tiny]     # writes $OUT/quickstart_gpu.json
 """
@@ -59,7 +59,12 @@ def train(model_dir: Path, runs: Path, name: str, sets: list[str]) -> dict:
         "median_step_s": round(times[len(times) // 2], 4) if times else None,
         "peak_gpu_bytes": max((e["gpu"]["peak"] for e in steps), default=0),
         "adapter": (runs / name / "adapter" / "adapter_model.safetensors").is_file(),
+        "worker_log": [l for l in _read(runs / name / "worker.log").splitlines() if l.startswith("liger:")],
     }
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def main() -> None:
@@ -67,7 +72,7 @@ def main() -> None:
     ap.add_argument("--src", default=str(ROOT / ".ref" / "smollm2"))
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--steps", type=int, default=0, help="override sft.steps (0 = the preset's)")
-    ap.add_argument("--only", choices=("sebp_on", "sebp_off"), help="run just one of the two")
+    ap.add_argument("--only", choices=("sebp_on", "sebp_off", "packed"), help="run just one of them")
     a = ap.parse_args()
     if a.tiny and not a.steps:
         a.steps = 6
@@ -78,10 +83,12 @@ def main() -> None:
     build_random_model(Path(a.src), model_dir, a.tiny)
     steps = [f"sft.steps={a.steps}", f"sft.eval_every={max(1, a.steps // 4)}"] if a.steps else []
     res = {"date": time.strftime("%Y-%m-%d"), "tiny": a.tiny, "steps_override": a.steps}
-    for key, sebp in (("sebp_on", "true"), ("sebp_off", "false")):
+    # packed: the engine's defaults on CUDA for packed rows (flex_attention, Liger, autocast)
+    for key, extra in (("sebp_on", ["sft.sebp=true"]), ("sebp_off", ["sft.sebp=false"]),
+                       ("packed", ["sft.packing=true"])):
         if a.only and key != a.only:
             continue
-        res[key] = train(model_dir, work / "runs", key, steps + [f"sft.sebp={sebp}"])
+        res[key] = train(model_dir, work / "runs", key, steps + extra)
         # Written after each run: a time limit must not lose the first.
         (out_dir / "quickstart_gpu.json").write_text(json.dumps(res, indent=2))
     if a.only:
@@ -91,7 +98,7 @@ def main() -> None:
     (out_dir / "quickstart_gpu.json").write_text(json.dumps(res, indent=2))
     print("| run | rc | device | median s/step | peak GPU GiB | first loss | last loss | eval losses |")
     print("|---|---|---|---|---|---|---|---|")
-    for k in ("sebp_on", "sebp_off"):
+    for k in ("sebp_on", "sebp_off", "packed"):
         r = res[k]
         print(f"| {k} | {r['returncode']} | {r['device']} | {r['median_step_s']} | "
               f"{r['peak_gpu_bytes'] / 2**30:.3f} | {r['losses'][0] if r['losses'] else '-'} | "

@@ -202,7 +202,8 @@ def load_base(ms: ModelSettings):
     device = resolve_device(ms)
     dtype = compute_dtype(ms, device)
     tok = load_tokenizer(path)
-    kwargs = dict(dtype=dtype, attn_implementation=ms.attn_implementation, trust_remote_code=ms.trust_remote_code)
+    attn = "sdpa" if ms.attn_implementation == "auto" else ms.attn_implementation  # sft.py may switch to flex
+    kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=ms.trust_remote_code)
     q = quantization_config(ms, dtype)
     if q is not None:
         kwargs["quantization_config"] = q

@@ -45,7 +45,10 @@ class ModelSettings:
     # memory (engine/offload.py), for very long sequences; costs host RAM of layers x
     # tokens x hidden x 2-4 bytes and one host->GPU copy per layer per step.
     offload_activations: bool = False
-    attn_implementation: str = "sdpa"
+    # auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows'
+    # position ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md),
+    # sdpa otherwise; or any name transformers accepts (sdpa, eager, flex_attention, ...).
+    attn_implementation: str = "auto"
     # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a
     # CUDA GPU for the model families Liger knows; on | off.
     liger: str = "auto"

@@ -18,6 +18,8 @@ Memory/speed trade-offs, each a setting:
   the full [tokens x vocab] matrix.
 - `model.liger`: Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (less activation
   memory, fewer elementwise kernels, same math).
+- `sft.packing`: rows laid end to end, no padding (engine/packing.py); on CUDA attention
+  then runs through flex_attention with a block-diagonal mask (`model.attn_implementation`).
 - `sft.sebp`: the exact sparsity-exploiting backward (kernels/sebp.py) skips the rows of
   padding tokens in every linear layer's backward; on by default with CUDA.
 
@@ -95,6 +97,10 @@ def train(ctx: RunContext) -> dict:
     from .liger import apply as apply_liger
 
     print(f"liger: {apply_liger(model, cfg.model.liger)}", file=sys.stderr, flush=True)  # -> worker.log
+    if s.packing and device.startswith("cuda") and cfg.model.attn_implementation == "auto":
+        # packed rows: flex_attention's block mask skips the cross-row blocks that sdpa's dense
+        # boolean mask makes it compute (the first step compiles the kernel, ~10-20 s)
+        model.get_base_model().set_attn_implementation("flex_attention")
     if cfg.model.offload_activations:
         from .offload import enable as offload_activations
 
