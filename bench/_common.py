@@ -186,6 +186,26 @@ def planner_prediction(folder: str, method: str, sets: list[str]) -> dict:
     return planner.estimate(cfg, device="cuda", detect_gpu=False)
 
 
+def sft_row_settings(bench: str, row: str, cfg: dict) -> list[str] | None:
+    """The engine settings that a measured SFT row of sft_speed.py / big72b.py is, for the
+    planner (None: the row is not an engine configuration, e.g. the step before this
+    round's changes). One table for the benches at run time and for planner_check.py's
+    re-planning of their JSON, so a planner change is checked against every stored row."""
+    if bench == "sft_speed":
+        padded = ["sft.batch_size=8", f"data.max_seq_len={cfg['seq']}"]
+        packed = ["sft.batch_size=1", f"data.max_seq_len={cfg['real_tokens']}", "sft.packing=true"]
+        return {"+sebp": padded + ["model.liger=off"], "+packing": packed + ["model.liger=off"],
+                "+liger": packed, "+flex": packed,
+                "+no_ckpt": packed + ["model.gradient_checkpointing=false"]}.get(row)
+    if bench == "big72b":
+        short = ["sft.batch_size=1", f"data.max_seq_len={cfg['short']}"]
+        long = ["sft.batch_size=1", f"data.max_seq_len={cfg['long']}", "model.offload_activations=true"]
+        return {"ours_2048": short + ["model.liger=off"], "ours_2048_liger": short,
+                "ours_2048_no_ckpt": short + ["model.gradient_checkpointing=false"],
+                "ours_32k": long, "ours_32k_second": long}.get(row)
+    raise ValueError(bench)
+
+
 def compare(name: str, plan: dict, measured: int | None, key: str = "allocated_peak") -> dict:
     pred = plan[key]
     row = {"name": name, "predicted": pred, "predicted_GiB": gib(pred), "measured": measured,

@@ -119,7 +119,7 @@ def main():
                               gradient_checkpointing=True)
     ours.train()
 
-    def run(name, batch, n_warm, n_meas, sets, how=None):
+    def run(name, batch, n_warm, n_meas, how=None):
         how = dict(how or {})
         C.reinit_lora(ours, seed=0)
         opt = make_optimizer(ours.parameters(), how.pop("optimizer", "auto"), 1e-4, 0.0, DEV)
@@ -129,23 +129,23 @@ def main():
         m.update(tok_per_s=n / m["total"], tokens=n, **mem())
         R["rows"][name] = m
         log(f"{name}: {m['total']:.2f}s ({m['tok_per_s']:.0f} tok/s), peak {m['peak_alloc_GiB']} GiB")
-        if not how:  # the planner models the engine's step as it is now
+        sets = C.sft_row_settings("big72b", name, R["config"])
+        if sets is not None:  # the planner models the engine's step as it is now
             R["planner"].append(C.compare(f"72B SFT {name}", C.planner_prediction(folder, "sft", sets),
                                           m["peak_alloc"]))
         del opt
         return m
 
-    sets_short = ["sft.batch_size=1", f"data.max_seq_len={SHORT}"]
     before = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
-    section("ours_2048_before", lambda: run("ours_2048_before", short, 1, 2, sets_short, before),
+    section("ours_2048_before", lambda: run("ours_2048_before", short, 1, 2, before),
             need_s=20 if args.tiny else 45)
-    section("ours_2048", lambda: run("ours_2048", short, 1, 2, sets_short), need_s=20 if args.tiny else 40)
+    section("ours_2048", lambda: run("ours_2048", short, 1, 2), need_s=20 if args.tiny else 40)
 
     def liger_row():
         from edgetune.engine import liger
 
         R["notes"].append(f"liger: {liger.apply(ours, 'on')}")
-        run("ours_2048_liger", short, 1, 2, sets_short)
+        run("ours_2048_liger", short, 1, 2)
 
     if DEV == "cuda":
         section("ours_2048_liger", liger_row, need_s=40)
@@ -153,7 +153,7 @@ def main():
     def no_ckpt_row():
         ours.get_base_model().gradient_checkpointing_disable()
         try:
-            run("ours_2048_no_ckpt", short, 1, 2, sets_short + ["model.gradient_checkpointing=false"])
+            run("ours_2048_no_ckpt", short, 1, 2)
         finally:
             ours.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             C.reset_peak()
@@ -163,10 +163,9 @@ def main():
     def long_step():
         offload.enable(ours)
         long = batch_of(LONG, 3)
-        sets = ["sft.batch_size=1", f"data.max_seq_len={LONG}", "model.offload_activations=true"]
-        first = run("ours_32k", long, 0, 1, sets)
+        first = run("ours_32k", long, 0, 1)
         if left() > 2 * first["total"] + 20:
-            run("ours_32k_second", long, 0, 1, sets)
+            run("ours_32k_second", long, 0, 1)
 
     section("ours_32k", long_step, need_s=30 if args.tiny else 150)
     R["table"] = table()

@@ -141,7 +141,9 @@ def own_measurements():
             opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, DEV)
             C.reset_peak()
             C.time_steps(lambda: C.engine_step(model, opt, batch), 1, 1, log)
-            plan = C.planner_prediction(folder, "sft", [f"sft.batch_size={rows}", f"data.max_seq_len={seq}"])
+            # engine_step runs the engine's step without Liger (the worker's sft.train adds it)
+            plan = C.planner_prediction(folder, "sft", [f"sft.batch_size={rows}", f"data.max_seq_len={seq}",
+                                                        "model.liger=off"])
             add(f"0.5B SFT {rows} x {seq}", plan, C.peak())
             del opt
             model.zero_grad(set_to_none=True)
@@ -203,14 +205,26 @@ def collected():
         f = src / "planner_check.json"
         if args.collect_only and f.is_file() and src.resolve() != OUT.resolve():
             R["rows"] += [r for r in json.loads(f.read_text()).get("rows", []) if "source" not in r]
-        for fname in ("sft_speed.json", "big72b.json"):
+        # the SFT benches' measured rows, re-planned with the planner as it is now
+        for fname, key, size in (("sft_speed.json", "ours", "7B"), ("big72b.json", "rows", "72B")):
             f = src / fname
-            if f.is_file():
-                rows = json.loads(f.read_text()).get("planner", [])
-                for r in rows:
-                    r["source"] = fname
-                R["rows"] += rows
-                log(f"{len(rows)} rows from {f}")
+            if not f.is_file():
+                continue
+            r = json.loads(f.read_text())
+            arch = dict(r["config"]["arch"])
+            if r.get("layers"):
+                arch["num_hidden_layers"] = r["layers"]
+            folder = C.arch_folder(arch)
+            n = 0
+            for name, m in r.get(key, {}).items():
+                sets = C.sft_row_settings(fname.split(".")[0], name, r["config"])
+                if sets is None or not m.get("peak_alloc"):
+                    continue
+                row = C.compare(f"{size} SFT {name}", C.planner_prediction(folder, "sft", sets), m["peak_alloc"])
+                row["source"] = f"{src.name}/{fname}"
+                R["rows"].append(row)
+                n += 1
+            log(f"{n} rows from {f}")
         f = src / "essa.json"
         if f.is_file():
             e = json.loads(f.read_text())
@@ -218,31 +232,28 @@ def collected():
             if not arch.get("hidden_size"):
                 continue
             folder = C.arch_folder(arch)
-            planner.UPCAST_FROZEN = False  # bench/essa.py keeps embeddings and norms in bf16
-            try:
-                for mode in ("sequential", "batched"):
-                    m = e.get(mode)
-                    if not m:
-                        continue
-                    k = m.get("k", 1)
-                    sets = [f"essa.prompts_per_generation={st['prompts']}", f"essa.max_new_tokens={st['new_tokens']}",
-                            f"data.max_seq_len={st['prompt_len']}", "essa.warm_start=given", f"lora.r={st['rank']}",
-                            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", f"essa.evaluation={mode}",
-                            f"essa.candidates_per_batch={k}", f"essa.population={st['population']}"]
-                    plan = C.planner_prediction(folder, "essa", sets)
-                    measured = int(m["peak_gib"] * C.GiB) if m.get("peak_gib") else None
-                    row = C.compare(f"7B ESSA {mode} (bench/essa.py)", plan, measured)
-                    row["source"] = "essa.json"
-                    R["rows"].append(row)
-            finally:
-                planner.UPCAST_FROZEN = True
+            for mode in ("sequential", "batched"):
+                m = e.get(mode)
+                if not m:
+                    continue
+                k = m.get("k", 1)
+                sets = [f"essa.prompts_per_generation={st['prompts']}", f"essa.max_new_tokens={st['new_tokens']}",
+                        f"data.max_seq_len={st['prompt_len']}", "essa.warm_start=given", f"lora.r={st['rank']}",
+                        "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", f"essa.evaluation={mode}",
+                        f"essa.candidates_per_batch={k}", f"essa.population={st['population']}"]
+                plan = C.planner_prediction(folder, "essa", sets)
+                measured = int(m["peak_gib"] * C.GiB) if m.get("peak_gib") else None
+                row = C.compare(f"7B ESSA {mode} (bench/essa.py)", plan, measured)
+                row["source"] = "essa.json"
+                R["rows"].append(row)
 
 
 def table() -> str:
-    out = ["| configuration | shape | predicted GiB | measured GiB | error |", "|---|---|---|---|---|"]
+    out = ["| configuration | shape | predicted GiB | measured GiB | error | measured in |", "|---|---|---|---|---|---|"]
     for r in R["rows"]:
         err = f"{r['error']:+.1%}" if r.get("error") is not None else "-"
-        out.append(f"| {r['name']} | {r.get('shape', '')} | {r['predicted_GiB']} | {r['measured_GiB']} | {err} |")
+        out.append(f"| {r['name']} | {r.get('shape', '')} | {r['predicted_GiB']} | {r['measured_GiB']} | {err} | "
+                   f"{r.get('source', 'planner_check.json')} |")
     errs = [abs(r["error"]) for r in R["rows"] if r.get("error") is not None]
     if errs:
         out.append(f"\n{sum(e <= 0.15 for e in errs)} of {len(errs)} within 15%; worst {max(errs):.1%}")

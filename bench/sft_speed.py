@@ -171,11 +171,8 @@ def ours_rows(base, padded, real):
             log(f"ours {name}: {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB, first loss {m['first_loss']:.4f}")
             del opt
             # the planner models the engine as it is: compare the rows that are that engine
-            if name in ("+sebp", "+packing", "+no_ckpt"):
-                sets = (["sft.batch_size=8", f"data.max_seq_len={B.SEQ}"] if name == "+sebp"
-                        else ["sft.batch_size=1", f"data.max_seq_len={real}", "sft.packing=true"])
-                if name == "+no_ckpt":
-                    sets.append("model.gradient_checkpointing=false")
+            sets = C.sft_row_settings("sft_speed", name, {"seq": B.SEQ, "real_tokens": real})
+            if sets is not None:
                 R["planner"].append(C.compare(f"7B SFT {name}", C.planner_prediction(folder, "sft", sets),
                                               m["peak_alloc"]))
         section(f"ours/{name}", one, need_s=5 if args.tiny else 25)

@@ -60,6 +60,9 @@ ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-a
 # (embeddings, norms, biases, lm_head) to fp32 and make the residual stream fp32;
 # engine/model.add_lora does not call it, so frozen parameters stay in compute dtype.
 UPCAST_FROZEN = False
+# Model families whose RMSNorm + SwiGLU MLP Liger-Kernel 0.8.5 patches (engine/liger.py;
+# the planner cannot import liger_kernel, which imports torch). Others: planned without it.
+LIGER_SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
@@ -245,6 +248,7 @@ class Ctx:
     optimizer: str
     offload: bool = False  # model.offload_activations: layer inputs in pinned host memory
     autocast: bool = False  # engine/model.autocast: 16-bit compute on CUDA, adapter products in bf16
+    liger: bool = False  # engine/liger.py's RMSNorm / SwiGLU in the training step
 
 
 def _dtype_bytes(dtype: str, device: str) -> int:
@@ -278,7 +282,10 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
               cfg.model.gradient_checkpointing, opt,
               offload=cfg.model.gradient_checkpointing and getattr(cfg.model, "offload_activations", False),
-              autocast=device.startswith("cuda") and c == 2)
+              autocast=device.startswith("cuda") and c == 2,
+              # engine/sft.py applies Liger (model.liger auto/on) on CUDA
+              liger=cfg.method == "sft" and device.startswith("cuda") and cfg.model.liger != "off"
+              and arch.model_type in LIGER_SWIGLU_FAMILIES)
     return ctx, notes
 
 
@@ -337,7 +344,9 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     sdpa, so they are saved at q's width. With a bf16 residual, PEFT casts each adapted
     layer's input to the adapters' fp32 (one copy per projection) and each RMSNorm keeps
     an fp32 upcast; under autocast (CUDA) autograd keeps those copies cast back to bf16,
-    and the rank-r intermediates are bf16 too, beside bf16 copies of the factors; with an fp32 residual those are the
+    and the rank-r intermediates are bf16 too, beside bf16 copies of the factors; Liger's
+    kernels (CUDA SFT) keep one [tokens, intermediate] and one fp32 norm upcast fewer
+    (tests/test_liger.py measures that case); with an fp32 residual those are the
     activations themselves."""
     a, b = ctx.arch, ctx.act_bytes
     i = _mlp_width(a)
@@ -350,6 +359,10 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
         dims = a.projections()
         fp32_inputs = a.hidden + sum(dims[t][0] for t in ctx.targets)
         per_tok = copy_bytes * fp32_inputs + b * (3 * i + 2 * a.q_dim + kv)
+        if ctx.liger:
+            # Liger's SwiGLU recomputes act(gate) in its backward instead of keeping it, and its
+            # RMSNorm keeps the bf16 input and one fp32 scale per row instead of an fp32 upcast
+            per_tok -= b * i + (4 - b) * a.hidden
     # autocast's bf16 copies of the layer's fp32 LoRA factors live as long as its activations
     dims = a.projections()
     lora_casts = sum(ctx.r * (dims[t][0] + dims[t][1]) * dims[t][2] for t in ctx.targets) * ctx.compute_bytes \

@@ -275,6 +275,8 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
     if typ is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off as a boolean
+            return "on" if value else "off"
         return str(value)
     return value
 

@@ -180,7 +180,7 @@ def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, pad
         model(input_ids=ids, attention_mask=mask)
     ctx, _ = planner.make_ctx(c, "cuda", "auto")
     assert ctx.act_bytes == 2 and ctx.autocast  # on CUDA the engine runs autocast
-    ctx = replace(ctx, autocast=autocast)
+    ctx = replace(ctx, autocast=autocast, liger=False)  # measured here without Liger (tests/test_liger.py: with)
     predicted = planner.layer_activation_bytes(ctx, ids.numel(), masked=padded)
     measured = sum(saved.values())
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)

@@ -25,6 +25,9 @@ def test_overrides_are_typed_and_nested():
     assert cfg.sft.lr == 5e-4
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
     assert cfg.model.gradient_checkpointing is True
+    # a bare on/off is a YAML boolean; a word-valued setting still gets the word
+    for word in ("on", "off", "auto"):
+        assert settings.resolve(overrides=[f"model.liger={word}"]).model.liger == word
 
 
 def test_round_trip_through_yaml(tmp_path):
