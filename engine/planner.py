@@ -10,10 +10,10 @@ What is counted, in bytes, following what the engine actually does:
 - weights: linear layers of the blocks in NF4 (0.5 byte/param, + 1 byte per 64-block
   absmax with double quantisation, + an fp32 absmax per 256 blocks), int8 (1 byte/param
   + an fp32 scale per output row) or plain `dtype`. Embeddings, norms, biases and an
-  untied lm_head stay unquantised; PEFT's `prepare_model_for_kbit_training` (which
-  engine/model.add_lora runs on a quantised base) casts them to fp32, so they cost
-  4 bytes/param there, and the residual stream that starts at the fp32 embedding then
-  runs in fp32 too (activations and KV cache at 4 bytes).
+  untied lm_head stay unquantised in compute dtype (engine/model.add_lora does not run
+  PEFT's fp32 upcast; UPCAST_FROZEN models it), so the residual stream, activations and
+  KV cache are bf16 on CUDA. The training forward runs under bf16 autocast there, and SFT
+  with Liger's RMSNorm / SwiGLU (engine/liger.py), which keep less for the backward.
 - LoRA: r·(in + out) parameters per targeted projection, fp32; their gradients (fp32);
   optimizer state: AdamW (the default) 8 bytes/param, paged 8-bit AdamW 2 (+ block statistics).
 - activations of one micro-batch (B x T tokens): with gradient checkpointing each layer
@@ -492,7 +492,9 @@ def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
     if s.candidates_per_batch:
         return s.candidates_per_batch
     if gpu_free is None:
-        return s.population  # no card known: the whole population, the CPU's rule
+        # the CPU's rule is the whole population; on a card the engine takes what half its free
+        # memory holds, unknown here: plan one candidate per pass (_plan says so in a note)
+        return 1 if ctx.device.startswith("cuda") else s.population
     # engine/essa.auto_candidates_per_batch's rule: as many as fit in half the free memory.
     seq = cfg.data.max_seq_len + s.max_new_tokens
     per_row = kv_cache_bytes(ctx, 1, seq) + prefill_bytes(ctx, 1, cfg.data.max_seq_len)
@@ -547,6 +549,10 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
         plan = _plan_fgrpo(cfg, ctx)
     else:
         plan = _plan_essa(cfg, ctx, gpu_free)
+        if cfg.essa.evaluation == "batched" and not cfg.essa.candidates_per_batch and gpu_free is None \
+                and device.startswith("cuda"):
+            notes.append("candidates per batch are picked at run time from half the free GPU memory; "
+                         "planned here for one (set essa.candidates_per_batch to plan more)")
         if not cfg.essa.warm_start:
             # the warm start is a short SFT on the same model before the search
             warm = copy.deepcopy(cfg)

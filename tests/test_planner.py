@@ -190,3 +190,17 @@ def test_preset_hub_model_is_planned_offline(q7b):
     """The 7B presets name a hub id: its shape comes from the table when it is not cached."""
     p = plan("Qwen/Qwen2.5-7B-Instruct", "sft.batch_size=8", "data.max_seq_len=1024")
     assert p["total"] == plan(q7b, "sft.batch_size=8", "data.max_seq_len=1024")["total"]
+
+
+def test_batched_essa_without_a_known_card_plans_one_candidate(q7b):
+    """The engine picks K from the card's free memory at run time; with no card known the
+    planner must not assume the whole population shares a pass (48 x 128 rows of 1,536
+    tokens would be 1.5 TB), and it says what it assumed."""
+    sets = ("method=essa", "essa.evaluation=batched", "essa.population=48", "essa.prompts_per_generation=128",
+            "data.max_seq_len=1024", "essa.max_new_tokens=512", "essa.warm_start=given")
+    p = plan(q7b, *sets)
+    assert p["candidates_per_batch"] == 1
+    assert any("candidates per batch are picked at run time" in n for n in p["notes"])
+    small = sets + ("essa.prompts_per_generation=8",)
+    with_card = plan(q7b, *small, gpu_total=141 * GiB, gpu_free=135 * GiB)
+    assert 1 < with_card["candidates_per_batch"] <= 48 and with_card["total"] < 141 * GiB
