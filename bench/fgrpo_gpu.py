@@ -41,7 +41,7 @@ def main() -> dict:
     if a.tiny:
         a.prompts, a.group, a.prompt_len, a.new_tokens, a.steps = 2, 4, 8, 8, 2
 
-    from edgetune.engine.fgrpo import policy_update
+    from edgetune.engine.fgrpo import policy_update, sebp_lifted
     from edgetune.engine.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.loop import make_optimizer, make_scheduler
     from edgetune.engine.model import add_lora
@@ -73,11 +73,10 @@ def main() -> dict:
         torch.cuda.reset_peak_memory_stats()
     rows = []
     for step in range(a.steps):
-        if sebp is not None:
-            sebp.set_active_rows(model, None)
         t = time.time()
-        roll = generate(model, tok, prompts, num_generations=s.num_generations, max_new_tokens=s.max_new_tokens,
-                        temperature=s.temperature, seed=step)
+        with sebp_lifted(model, sebp):  # as engine/fgrpo.py's loop: the packed fast path needs it
+            roll = generate(model, tok, prompts, num_generations=s.num_generations,
+                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=step)
         if dev == "cuda":
             torch.cuda.synchronize()
         gen_s = time.time() - t

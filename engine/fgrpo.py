@@ -33,6 +33,7 @@ optimizer, scheduler and RNG state, so a resumed run continues as an uninterrupt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import replace
@@ -68,10 +69,11 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperat
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, chunk_rows: int = 512) -> torch.Tensor:
+                        temperature: float = 1.0, chunk_rows: int = 512, sebp=None) -> torch.Tensor:
     """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
     logits divided by `temperature` as at sampling time. Prompts are left-padded, so
-    positions come from the attention mask, as during decoding."""
+    positions come from the attention mask, as during decoding. With `sebp` (the kernels
+    module, model patched) the backward skips the padding rows of the trimmed batch."""
     B, P = prompt_ids.shape
     T = completion_ids.shape[1]
     # Trim columns that are padding in every row of this batch: less work, same values.
@@ -80,6 +82,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
     attn = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    if sebp is not None:  # the rows of the batch as trimmed here: SEBP matches them by shape
+        sebp.set_active_rows(model, attn.bool())
     _, decoder, head = backbone_and_head(model)
     hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
     p = P - first
@@ -154,6 +158,22 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None) -> dict:
 # --------------------------------------------------------------------------- one step
 
 
+@contextlib.contextmanager
+def sebp_lifted(model, sebp):
+    """Generation with SEBP's patch taken off the model, put back after. The rollouts'
+    fastest path (engine/fast_decode.py: packed qkv / gate-up over a bf16 copy) refuses
+    LoRA layers whose forward is patched; SEBP only matters for the update's backward, and
+    patching is a loop over the modules, so lifting it costs nothing."""
+    if sebp is None:
+        yield
+        return
+    sebp.unpatch(model)
+    try:
+        yield
+    finally:
+        sebp.patch(model)
+
+
 def _rows_of(roll: RolloutBatch, idx: torch.Tensor) -> tuple:
     return (roll.prompt_ids[idx], roll.prompt_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
 
@@ -188,10 +208,8 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
     for _ in range(s.num_iterations):
         for c in chunks:
             rows = _rows_of(roll, c)
-            if sebp is not None:
-                sebp.set_active_rows(model, torch.cat([rows[1], rows[3]], dim=1).bool())
             with model_lib.autocast(model):
-                logp = completion_logprobs(model, *rows, temperature=s.temperature)
+                logp = completion_logprobs(model, *rows, temperature=s.temperature, sebp=sebp)
             loss, m = policy_loss(logp, roll.logprobs[c].float(), adv[c], mask[c].float(), s.loss_type,
                                   s.epsilon, s.epsilon_high, ref_logp=ref.get(int(c[0])), beta=s.beta,
                                   max_completion_length=s.max_new_tokens, num_sequences=N,
@@ -249,9 +267,8 @@ def train(ctx: RunContext) -> dict:
         sebp.patch(model)
 
     def held_out_eval(step: int, key: str) -> None:
-        if sebp is not None:
-            sebp.set_active_rows(model, None)
-        m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed)
+        with sebp_lifted(model, sebp):
+            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed)
         for k, v in m.items():
             if k != "prompts":
                 metrics[f"{k}_{key}"] = v
@@ -268,11 +285,10 @@ def train(ctx: RunContext) -> dict:
             break
         t_step = time.time()
         rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
-        if sebp is not None:
-            sebp.set_active_rows(model, None)
-        roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
-                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                        seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
+        with sebp_lifted(model, sebp):
+            roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
+                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                            seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
         gen_s = time.time() - t_step
         row_of = [rows[i] for i in roll.prompt_index]
         sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)

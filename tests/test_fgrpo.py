@@ -103,6 +103,50 @@ def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     assert [e["step"] for e in ev_full if e["type"] == "sample"] == [2]
 
 
+def test_sebp_is_lifted_for_generation_and_back_for_the_update(tiny_model_dir, rl_files, tmp_path, monkeypatch):
+    """With SEBP on, generation runs on the unpatched model (the rollouts' packed fast path
+    refuses patched layers) and every update takes SEBP's sparse backward again; the run
+    equals the run without SEBP."""
+    from edgetune.kernels import sebp
+
+    calls = {"sparse": 0, "patched_at_generate": []}
+    orig_backward = sebp._sparse_backward
+    orig_generate = fgrpo.generate
+
+    def counting_backward(*a, **k):
+        calls["sparse"] += 1
+        return orig_backward(*a, **k)
+
+    def watching_generate(model, *a, **k):
+        calls["patched_at_generate"].append(getattr(model, "_sebp_handle", None) is not None)
+        return orig_generate(model, *a, **k)
+
+    monkeypatch.setattr(sebp, "_sparse_backward", counting_backward)
+    monkeypatch.setattr(fgrpo, "generate", watching_generate)
+    # the torch path of the same math: the Triton kernels' equality has its own tests, and the
+    # interpreter would take a minute here
+    monkeypatch.setattr(sebp, "_use_triton", lambda t, backend: False)
+    # prompts of very different lengths: the update's micro-batches have left padding to skip
+    rows = [{"prompt": "What is " + " ".join(["very"] * (3 * i)) + f" {i} plus 1?", "answer": str(i + 1)}
+            for i in range(10)]
+    (tmp_path / "varied.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def cfg_with(use):
+        cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, sebp=use)
+        cfg.data.path = str(tmp_path / "varied.jsonl")
+        return cfg
+
+    _, _, ev_off = run_fgrpo(cfg_with(False), tmp_path / "off")
+    assert calls["sparse"] == 0
+    _, _, ev_on = run_fgrpo(cfg_with(True), tmp_path / "on")
+    assert calls["sparse"] > 0
+    # every generation (two runs x two steps, and the held-out evaluations) saw no patch
+    assert len(calls["patched_at_generate"]) >= 4 and not any(calls["patched_at_generate"])
+    for a, b in zip([e for e in ev_off if e["type"] == "step"], [e for e in ev_on if e["type"] == "step"]):
+        assert a["reward_mean"] == b["reward_mean"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+
+
 def test_zero_advantage_rows_are_dropped(tiny_model_dir, rl_files, tmp_path):
     # A constant reward: every group is uniform, nothing to learn, nothing computed.
     const = rl_files / "const.py"

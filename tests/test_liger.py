@@ -208,42 +208,20 @@ def test_planner_counts_what_a_liger_layer_saves(tmp_path, embedded_dir, restore
     with Liger applied: the bytes autograd saves inside it, against the planner's
     layer_activation_bytes for the same configuration on CUDA (where the planner assumes
     Liger in SFT)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from dataclasses import replace
 
-    from edgetune.engine import model as model_lib
+    from layer_probe import saved_bytes_of_first_layer, tiny_nf4_qwen2
+
     from edgetune.engine import planner
-    from edgetune.engine.settings import resolve
 
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(tmp_path)
-    model_lib.load_tokenizer(str(embedded_dir)).save_pretrained(tmp_path)
-    c = resolve(overrides=[f"model.name={tmp_path}", "model.quant=nf4", "model.device=cpu", "model.dtype=bf16",
-                           "model.gradient_checkpointing=false", "lora.r=16"])
-    model, _, _ = model_lib.load(c)
-    model.train()
+    model, c = tiny_nf4_qwen2(tmp_path, embedded_dir)
     assert liger.apply(model, "on") == "applied: rms_norm, swiglu, rope"
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layer = model.get_base_model().model.layers[0]
-    inside, saved = [False], {}
-
-    def pack(t):
-        if inside[0] and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
-    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
     ids = torch.randint(0, 512, (4, 64))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids)
+    measured = saved_bytes_of_first_layer(model, ids, autocast=True)
     assert "_swiglu_forward_kernel" in interpreter_float_scalars  # Liger's MLP ran
     ctx, _ = planner.make_ctx(c, "cuda", "auto")
     assert ctx.liger and ctx.autocast
     predicted = planner.layer_activation_bytes(ctx, ids.numel())
-    measured = sum(saved.values())
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
     # and Liger's saving is real: the same layer without it keeps more
-    from dataclasses import replace
-
     assert planner.layer_activation_bytes(replace(ctx, liger=False), ids.numel()) > 1.1 * measured

@@ -143,46 +143,22 @@ def test_layer_activations_match_what_autograd_saves(tmp_path, embedded_dir, pad
     (bf16 compute, frozen parameters kept in bf16, so a bf16 residual): the bytes autograd
     saves inside it, against layer_activation_bytes; with and without a padding mask, with
     and without bf16 autocast (the engine's CUDA forward; the CPU's autocast stands in)."""
-    import contextlib
     from dataclasses import replace
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from layer_probe import saved_bytes_of_first_layer, tiny_nf4_qwen2
 
-    from edgetune.engine import model as model_lib
-
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(tmp_path)
-    model_lib.load_tokenizer(str(embedded_dir)).save_pretrained(tmp_path)
-    c = resolve(overrides=[f"model.name={tmp_path}", "model.quant=nf4", "model.device=cpu", "model.dtype=bf16",
-                           "model.gradient_checkpointing=false", "lora.r=16"])
-    model, _, _ = model_lib.load(c)
-    model.train()
+    model, c = tiny_nf4_qwen2(tmp_path, embedded_dir)
     assert model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layer = model.get_base_model().model.layers[0]
-    inside, saved = [False], {}
-
-    def pack(t):
-        if inside[0] and t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
-    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
     ids = torch.randint(0, 512, (4, 64))
     mask = torch.ones_like(ids)
     if padded:
         mask[1:, 40:] = 0
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
-        model(input_ids=ids, attention_mask=mask)
+    measured = saved_bytes_of_first_layer(model, ids, mask, autocast=autocast)
     ctx, _ = planner.make_ctx(c, "cuda", "auto")
     assert ctx.act_bytes == 2 and ctx.autocast  # on CUDA the engine runs autocast
     ctx = replace(ctx, autocast=autocast, liger=False)  # measured here without Liger (tests/test_liger.py: with)
     predicted = planner.layer_activation_bytes(ctx, ids.numel(), masked=padded)
-    measured = sum(saved.values())
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
