@@ -196,6 +196,10 @@ def warm_start(ctx: RunContext) -> Path | None:
     cfg.sft = replace(cfg.sft, steps=s.warm_start_steps, eval_every=0, sample_every=0)
     cfg.lora = replace(cfg.lora, init_from="")
     cfg.run = replace(cfg.run, checkpoint_every=0)
+    # Liger's RoPE replaces a module-level function for the whole process (engine/liger.py),
+    # and the search that follows in this process decodes through CUDA graphs that were not
+    # measured with it: the short warm start runs without Liger.
+    cfg.model = replace(cfg.model, liger="off")
     sub.path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(sub.config_path, cfg.to_yaml())
 
