@@ -198,8 +198,6 @@ def own_measurements():
 
 
 def collected():
-    from edgetune.engine import planner
-
     sources = [Path(p) for p in (args.sources or [args.out])]
     for src in sources:
         f = src / "planner_check.json"

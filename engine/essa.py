@@ -29,7 +29,6 @@ ordinary PEFT adapter.
 
 from __future__ import annotations
 
-import copy
 import gc
 import math
 import random
@@ -49,7 +48,7 @@ from .multilora import batched_lora
 from .rewards import build_reward
 from .rollouts import generate
 from .runfolder import RunDir, atomic_write_text
-from .settings import EMBEDDED_SFT_DATA, DataSettings, ESSASettings
+from .settings import ESSASettings, warm_start_config
 
 # --------------------------------------------------------------------------- CMA-ES
 
@@ -189,17 +188,7 @@ def warm_start(ctx: RunContext) -> Path | None:
     done = sub.path / "COMPLETE"
     if done.is_file() and (sub.adapter / "adapter_config.json").is_file():
         return sub.adapter  # a resumed ESSA run keeps its warm start
-    cfg = copy.deepcopy(ctx.cfg)
-    cfg.method = "sft"
-    cfg.data = DataSettings(path=s.warm_start_data or EMBEDDED_SFT_DATA, system_prompt=ctx.cfg.data.system_prompt,
-                            max_seq_len=ctx.cfg.data.max_seq_len)
-    cfg.sft = replace(cfg.sft, steps=s.warm_start_steps, eval_every=0, sample_every=0)
-    cfg.lora = replace(cfg.lora, init_from="")
-    cfg.run = replace(cfg.run, checkpoint_every=0)
-    # Liger's RoPE replaces a module-level function for the whole process (engine/liger.py),
-    # and the search that follows in this process decodes through CUDA graphs that were not
-    # measured with it: the short warm start runs without Liger.
-    cfg.model = replace(cfg.model, liger="off")
+    cfg = warm_start_config(ctx.cfg)
     sub.path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(sub.config_path, cfg.to_yaml())
 

@@ -45,11 +45,11 @@ import copy
 import json
 import shutil
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelError
-from .settings import EMBEDDED_MODEL, Config
+from .settings import EMBEDDED_MODEL, Config, warm_start_config
 
 GiB = 1024**3
 LOSS_CHUNK_ROWS = 512  # engine/lm_loss.sparse_ce_loss's default
@@ -555,10 +555,7 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
                          "planned here for one (set essa.candidates_per_batch to plan more)")
         if not cfg.essa.warm_start:
             # the warm start is a short SFT on the same model before the search
-            warm = copy.deepcopy(cfg)
-            warm.method = "sft"
-            warm.sft = replace(cfg.sft, steps=cfg.essa.warm_start_steps)
-            wplan, _, _ = _plan(warm, device, gpu_free)
+            wplan, _, _ = _plan(warm_start_config(cfg), device, gpu_free)
             wplan = _finish(wplan, ctx)
             plan["warm_start_total"] = wplan["total"]
             if wplan["total"] > sum(int(plan[k]) for k in ADDITIVE):

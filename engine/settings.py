@@ -230,6 +230,27 @@ class Config:
 # --------------------------------------------------------------------------- resolve
 
 
+def warm_start_config(cfg: Config) -> Config:
+    """The short SFT run an ESSA run starts from when `essa.warm_start` is unset: the same
+    model and adapter shape, trained on `essa.warm_start_data` for `warm_start_steps`.
+    One definition for the engine (engine/essa.py runs it) and the planner (which plans it)."""
+    import copy
+
+    s = cfg.essa
+    warm = copy.deepcopy(cfg)
+    warm.method = "sft"
+    warm.data = DataSettings(path=s.warm_start_data or EMBEDDED_SFT_DATA, system_prompt=cfg.data.system_prompt,
+                             max_seq_len=cfg.data.max_seq_len)
+    warm.sft = dataclasses.replace(cfg.sft, steps=s.warm_start_steps, eval_every=0, sample_every=0)
+    warm.lora = dataclasses.replace(cfg.lora, init_from="")
+    warm.run = dataclasses.replace(cfg.run, checkpoint_every=0)
+    # Liger's RoPE replaces a module-level function for the whole process (engine/liger.py),
+    # and the search that follows in this process decodes through CUDA graphs that were not
+    # measured with it: the short warm start runs without Liger.
+    warm.model = dataclasses.replace(cfg.model, liger="off")
+    return warm
+
+
 def _field_types(cls) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
