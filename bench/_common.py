@@ -108,6 +108,11 @@ def bf16_frozen_params(model) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
+# The engine's step as it was before the autocast round (s2 of 2026-11-30): its rows in
+# sft_speed.py / big72b.py measure what that round's levers are worth together.
+STEP_BEFORE = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
+
+
 def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0, amp: bool = True,
                 chunk_rows: int = 512) -> tuple[float, dict]:
     """engine/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under

@@ -136,8 +136,7 @@ def main():
         del opt
         return m
 
-    before = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
-    section("ours_2048_before", lambda: run("ours_2048_before", short, 1, 2, before),
+    section("ours_2048_before", lambda: run("ours_2048_before", short, 1, 2, C.STEP_BEFORE),
             need_s=20 if args.tiny else 45)
     section("ours_2048", lambda: run("ours_2048", short, 1, 2), need_s=20 if args.tiny else 40)
 

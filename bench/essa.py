@@ -201,30 +201,30 @@ def main(argv=None) -> dict:
     seq_eval = Evaluator(model, tok, space, id_reward, s, fast=False)  # same decode loop in every mode
     seq_eval.population(xs[:1], rows[:2])
 
+    def timed(evaluator, cands):
+        """(fitness, seconds) of one evaluator over `cands` on every row, peak memory reset first."""
+        peak_reset(device)
+        sync(device)
+        t = time.time()
+        fit = evaluator.population(cands, rows)
+        sync(device)
+        return fit, time.time() - t
+
+    def one_at_a_time(per_cand: float) -> dict:
+        return {"s_per_candidate": round(per_cand, 3), "candidates_per_min": round(60 / per_cand, 1),
+                "s_per_generation": round(per_cand * a.population, 2),
+                "gen_tokens_per_s": round(gen_tokens(a.prompts) / per_cand, 1), "peak_gib": peak_gib(device)}
+
     # -- sequential
-    peak_reset(device)
-    sync(device)
-    t = time.time()
-    fit_seq = seq_eval.population(xs[:n_seq], rows)
-    sync(device)
-    per_cand = (time.time() - t) / n_seq
-    R["sequential"] = {"candidates_timed": n_seq, "s_per_candidate": round(per_cand, 3),
-                       "candidates_per_min": round(60 / per_cand, 1),
-                       "s_per_generation": round(per_cand * a.population, 2),
-                       "gen_tokens_per_s": round(gen_tokens(a.prompts) / per_cand, 1),
-                       "peak_gib": peak_gib(device)}
+    fit_seq, dt = timed(seq_eval, xs[:n_seq])
+    R["sequential"] = {"candidates_timed": n_seq, **one_at_a_time(dt / n_seq)}
     print("sequential", R["sequential"], flush=True)
 
     # -- batched
     s_b = ESSASettings(**{**s.__dict__, "evaluation": "batched"})
     bat_eval = Evaluator(model, tok, space, id_reward, s_b, candidates_per_batch=k)
     bat_eval.population(xs[:2], rows[:2])  # warm-up of the batched path
-    peak_reset(device)
-    sync(device)
-    t = time.time()
-    fit_bat = bat_eval.population(xs, rows)
-    sync(device)
-    dt = time.time() - t
+    fit_bat, dt = timed(bat_eval, xs)
     R["batched"] = {"k": k, "rows_per_forward": k * a.prompts, "s_per_generation": round(dt, 2),
                     "candidates_per_min": round(60 * a.population / dt, 1),
                     "gen_tokens_per_s": round(gen_tokens(a.population * a.prompts) / dt, 1),
@@ -282,17 +282,9 @@ def main(argv=None) -> dict:
         try:
             fast_eval = Evaluator(model, tok, space, id_reward, s, fast=True)
             fast_eval.population(xs[:1], rows[:2])  # warm-up / graph capture
-            peak_reset(device)
-            sync(device)
-            t = time.time()
-            fit_fast = fast_eval.population(xs[:n_seq], rows)
-            sync(device)
-            per = (time.time() - t) / n_seq
+            fit_fast, dt = timed(fast_eval, xs[:n_seq])
             R["fast_loop"]["fitness_max_abs_diff_vs_plain_loop"] = float(np.max(np.abs(np.array(fit_fast) - fit_seq)))
-            R["fast_loop"]["sequential"] = {"s_per_candidate": round(per, 3), "candidates_per_min": round(60 / per, 1),
-                                            "s_per_generation": round(per * a.population, 2),
-                                            "gen_tokens_per_s": round(gen_tokens(a.prompts) / per, 1),
-                                            "peak_gib": peak_gib(device)}
+            R["fast_loop"]["sequential"] = one_at_a_time(dt / n_seq)
             space.restore()
             with torch.inference_mode():
                 generate(model, tok, plain_prompts[:2], max_new_tokens=a.new_tokens, greedy=True, fast=True)

@@ -144,8 +144,7 @@ def ours_rows(base, padded, real):
     b_padded = to_dev(padded)
     b_packed = to_dev(collate_packed(rows))
     handle = None
-    old = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
-    levers = [("before", b_padded, True, None, old), ("autocast", b_padded, False, None, {}),
+    levers = [("before", b_padded, True, None, C.STEP_BEFORE), ("autocast", b_padded, False, None, {}),
               ("+sebp", b_padded, True, None, {}), ("+packing", b_packed, True, None, {}),
               ("+liger", b_packed, True, apply_liger, {}), ("+flex", b_packed, True, use_flex, {}),
               ("+no_ckpt", b_packed, True, no_checkpointing, {})]

@@ -351,12 +351,12 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     a, b = ctx.arch, ctx.act_bytes
     i = _mlp_width(a)
     kv = 2 * a.q_dim if masked else 2 * a.kv_dim
+    dims = a.projections()
     copy_bytes = ctx.compute_bytes if ctx.autocast else 4
     lora_mid = len(ctx.targets) * ctx.r * copy_bytes
     if b >= 4:
         per_tok = b * (3 * a.hidden + 2 * a.q_dim + kv + 3 * i + (i if "down_proj" in ctx.targets else 0))
     else:
-        dims = a.projections()
         fp32_inputs = a.hidden + sum(dims[t][0] for t in ctx.targets)
         per_tok = copy_bytes * fp32_inputs + b * (3 * i + 2 * a.q_dim + kv)
         if ctx.liger:
@@ -364,7 +364,6 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
             # RMSNorm keeps the bf16 input and one fp32 scale per row instead of an fp32 upcast
             per_tok -= b * i + (4 - b) * a.hidden
     # autocast's bf16 copies of the layer's fp32 LoRA factors live as long as its activations
-    dims = a.projections()
     lora_casts = sum(ctx.r * (dims[t][0] + dims[t][1]) * dims[t][2] for t in ctx.targets) * ctx.compute_bytes \
         if ctx.autocast else 0
     return tokens * (per_tok + lora_mid) + lora_casts

@@ -37,6 +37,7 @@ import torch
 
 from . import data as data_lib
 from . import model as model_lib
+from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
                    save_checkpoint, seed_everything)
@@ -94,8 +95,6 @@ def train(ctx: RunContext) -> dict:
         raise DataError("no training rows left after validation", file=cfg.data.path)
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    from .liger import apply as apply_liger
-
     print(f"liger: {apply_liger(model, cfg.model.liger)}", file=sys.stderr, flush=True)  # -> worker.log
     if s.packing and device.startswith("cuda") and cfg.model.attn_implementation == "auto":
         # packed rows: flex_attention's block mask skips the cross-row blocks that sdpa's dense
