@@ -494,7 +494,8 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             if run is None:
                 return gr.DownloadButton(visible=False), _message("No run open.", "error")
             try:
-                out = api.export(run.path, run.path / "exports" / f"{run.name}-adapter.zip", as_zip=True)
+                out = api.export(run.path, run.path / "exports" / f"{run.name}-adapter.zip", as_zip=True,
+                                 force=True)  # replaces only the zip an earlier click made
             except EdgetuneError as e:
                 return gr.DownloadButton(visible=False), _message(str(e), "error")
             return gr.DownloadButton(value=str(out), visible=True), _message(f"Adapter zipped: `{out}`", "ok")

@@ -211,10 +211,11 @@ def open_run(path: str | os.PathLike) -> Run:
 
 
 def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
-           as_zip: bool = False) -> Path:
+           as_zip: bool = False, force: bool = False) -> Path:
+    """`out` must be new or an empty folder; `force` replaces only a previous export."""
     from .export import export as _export
 
-    return _export(run_or_adapter, out, merged=merged, as_zip=as_zip)
+    return _export(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
 
 
 def estimate(cfg: Config) -> dict:

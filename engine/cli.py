@@ -127,7 +127,7 @@ def cmd_resume(a) -> int:
 def cmd_export(a) -> int:
     from . import api
 
-    out = api.export(a.run, a.out, merged=a.merged, as_zip=a.zip)
+    out = api.export(a.run, a.out, merged=a.merged, as_zip=a.zip, force=a.force)
     print(f"exported to {out}")
     return 0
 
@@ -210,11 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--detach", action="store_true")
     r.set_defaults(fn=cmd_resume)
 
-    e = sub.add_parser("export", help="copy a run's adapter (PEFT format) elsewhere")
+    e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")
     e.add_argument("run")
     e.add_argument("--out", required=True)
     e.add_argument("--merged", action="store_true", help="also fold the adapter into a bf16 copy of the base")
     e.add_argument("--zip", action="store_true", help="write a .zip instead of a folder")
+    e.add_argument("--force", action="store_true",
+                   help="replace a previous export at --out (never anything else: a non-empty folder or a file "
+                        "that an export did not write is refused)")
     e.set_defaults(fn=cmd_export)
 
     ls = sub.add_parser("runs", help="list runs")

@@ -14,7 +14,9 @@ NF4 would change the model the adapter was trained for.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -69,28 +71,86 @@ def _adapter_of(run_or_adapter: str | Path) -> Path:
     raise RunError(f"{p}: neither a run folder nor an adapter folder")
 
 
-def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False) -> Path:
+EXPORT_MARKER = "edgetune-export.json"  # marks a folder (or zip) an export wrote, so --force may replace it
+
+
+def _is_run_folder(p: Path) -> bool:
+    return (p / "config.yaml").is_file() or (p / "events.jsonl").is_file()
+
+
+def _is_previous_export(p: Path, as_zip: bool) -> bool:
+    if p.is_symlink():
+        return False
+    if not as_zip:
+        return p.is_dir() and (p / EXPORT_MARKER).is_file() and not _is_run_folder(p)
+    if not p.is_file():
+        return False
+    try:
+        with zipfile.ZipFile(p) as z:
+            return EXPORT_MARKER in z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def check_target(out: Path, src: Path, force: bool, as_zip: bool = False) -> None:
+    """Refuse any target whose contents we would destroy: only a missing path, an empty
+    folder, or (with `force`) a previous export may be written."""
+    real = out.resolve()
+    if real == Path.cwd().resolve() or real == Path(real.anchor):
+        raise RunError(f"{out}: export into a new folder (e.g. --out {out / 'my-adapter'}), "
+                       "not the current or root folder")
+    s = src.resolve()
+    if real == s or s.is_relative_to(real) or real.is_relative_to(s):
+        raise RunError(f"{out}: overlaps the adapter it would export ({src})")
+    if out.is_dir() and _is_run_folder(out):
+        raise RunError(f"{out}: is a run folder; export somewhere else (a run is never replaced)")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return
+    if force and _is_previous_export(out, as_zip):
+        return
+    what = "a folder that is not empty" if out.is_dir() else "an existing file"
+    hint = " (--force replaces only a previous export)" if not force else \
+        " and not a previous export, so --force does not replace it"
+    raise RunError(f"{out}: {what}; give a new or empty folder{hint}")
+
+
+def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
+           force: bool = False) -> Path:
     """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`); with `merged`,
-    also write `out/merged/`: the base in bf16 with the adapter folded in."""
+    also write `out/merged/`: the base in bf16 with the adapter folded in. `out` must not
+    exist or be an empty folder; `force` allows replacing a previous export only."""
     src = _adapter_of(run_or_adapter)
-    out = Path(out)
+    out = Path(out).expanduser()
+    check_target(out, src, force, as_zip)
+    marker = json.dumps({"source": str(src.resolve()), "merged": merged}, indent=2)
     if as_zip:
-        return zip_adapter(src, out)
+        return zip_adapter(src, out, marker)
     with atomic_dir(out) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
+        (tmp / EXPORT_MARKER).write_text(marker)
         if merged:
             _merge_into(src, tmp / "merged")
     return out
 
 
-def zip_adapter(src: Path, zip_path: Path) -> Path:
+def zip_adapter(src: Path, zip_path: Path, marker: str | None = None) -> Path:
     zip_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = zip_path.with_name(f".{zip_path.name}.tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-        for f in sorted(src.rglob("*")):
-            if f.is_file():
-                z.write(f, f.relative_to(src))
-    tmp.replace(zip_path)
+    fd, tmp = tempfile.mkstemp(dir=zip_path.parent, prefix=f".{zip_path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            for f in sorted(src.rglob("*")):
+                if f.is_file():
+                    z.write(f, f.relative_to(src))
+            if marker is not None:
+                z.writestr(EXPORT_MARKER, marker)
+        tmp.replace(zip_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return zip_path
 
 

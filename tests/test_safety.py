@@ -1,0 +1,108 @@
+"""Nothing of the user's is lost or let in: exports that refuse to replace what they did
+not write, run names that stay inside the runs folder, no pickle read from disk."""
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.export import EXPORT_MARKER, export
+
+
+def edgetune(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "edgetune.engine.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout)
+
+
+def _one_error_line(p):
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A run folder with a final adapter (its files are stand-ins: export copies bytes)."""
+    run = tmp_path / "runs" / "r"
+    (run / "adapter").mkdir(parents=True)
+    (run / "config.yaml").write_text("method: sft\n")
+    (run / "events.jsonl").write_text("")
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    return run
+
+
+def _tree(p):
+    return {str(f.relative_to(p)): f.read_bytes() for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+def test_export_into_new_and_empty_folders(fake_run, tmp_path):
+    out = export(fake_run, tmp_path / "new")
+    assert (out / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert json.loads((out / EXPORT_MARKER).read_text())["source"] == str((fake_run / "adapter").resolve())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export(fake_run, empty)
+    assert (empty / "adapter_config.json").is_file()
+
+
+def test_export_refuses_a_folder_with_user_files_even_with_force(fake_run, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    for force in ([], ["--force"]):
+        p = edgetune("export", str(fake_run), "--out", str(mine), *force)
+        assert p.returncode == 2
+        assert str(mine) in _one_error_line(p)
+        assert _tree(mine) == {"thesis.tex": b"years of work"}
+        assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".")] == []  # nothing renamed away
+
+
+def test_export_refuses_a_file_and_a_run_folder(fake_run, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("keep")
+    with pytest.raises(EdgetuneError, match="an existing file"):
+        export(fake_run, f, force=True)
+    assert f.read_text() == "keep"
+    with pytest.raises(EdgetuneError, match="an existing file"):
+        export(fake_run, f, as_zip=True, force=True)  # not a zip an export wrote
+    assert f.read_text() == "keep"
+    before = _tree(fake_run)
+    other = fake_run.parent / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text("method: sft\n")
+    (other / EXPORT_MARKER).write_text("{}")  # even a run that looks exported is never replaced
+    for target in (fake_run, other, fake_run / "adapter"):
+        p = edgetune("export", str(fake_run), "--out", str(target), "--force")
+        assert p.returncode == 2, p.stderr
+        assert str(target) in _one_error_line(p)
+    assert _tree(fake_run) == before and (other / "config.yaml").is_file()
+
+
+def test_export_out_dot_is_refused(fake_run, tmp_path):
+    work = tmp_path / "empty-cwd"
+    work.mkdir()
+    p = edgetune("export", str(fake_run), "--out", ".", cwd=work)
+    assert p.returncode == 2 and "new folder" in _one_error_line(p)
+    assert list(work.iterdir()) == []
+
+
+def test_force_replaces_only_a_previous_export(fake_run, tmp_path):
+    out = export(fake_run, tmp_path / "exp")
+    (fake_run / "adapter" / "adapter_model.safetensors").write_bytes(b"newer")
+    with pytest.raises(EdgetuneError, match="not empty"):
+        export(fake_run, out)
+    p = edgetune("export", str(fake_run), "--out", str(out), "--force")
+    assert p.returncode == 0, p.stderr
+    assert (out / "adapter_model.safetensors").read_bytes() == b"newer"
+    z = export(fake_run, tmp_path / "a.zip", as_zip=True)
+    with pytest.raises(EdgetuneError):
+        export(fake_run, z, as_zip=True)
+    export(fake_run, z, as_zip=True, force=True)
+    assert EXPORT_MARKER in zipfile.ZipFile(z).namelist()
+    with pytest.raises(EdgetuneError):  # a zip export is not a folder export
+        export(fake_run, z, force=True)
