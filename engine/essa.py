@@ -41,6 +41,7 @@ import torch
 
 from . import data as data_lib
 from . import model as model_lib
+from . import phases
 from .errors import ConfigError
 from .essa_space import SVDSpace
 from .loop import Progress, RunContext, every, finish, save_checkpoint, seed_everything, set_rng_state
@@ -234,11 +235,15 @@ def train(ctx: RunContext) -> dict:
     seed_everything(seed)
     t0 = time.time()
 
+    if not s.warm_start:
+        phases.emit(ctx.emit, "warm_start")
     adapter = warm_start(ctx)
     if adapter is None:  # stopped during the warm start: nothing of ESSA to save yet
         ctx.emit("stopped", step=0, adapter=None, metrics={}, elapsed=round(time.time() - t0, 2))
         return {}
+    phases.emit(ctx.emit, "loading")
     model, tok, base_path = load_model(cfg, adapter)
+    phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, seed, tok)
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
@@ -266,13 +271,30 @@ def train(ctx: RunContext) -> dict:
     def export_x():
         return es.result.xfavorite if s.export == "mean" else best_x
 
-    def held_out_reward(x) -> float:
-        return evaluator.one(x, held_out) if held_out else float("nan")
+    def held_out_reward(x, phase: str | None = None) -> float | None:
+        """Mean held-out reward of x; with a phase, in chunks of one generation's prompts
+        with progress, and None when a stop is asked for between chunks."""
+        if not held_out:
+            return float("nan")
+        if phase is None:
+            return evaluator.one(x, held_out)
+        n = max(1, s.prompts_per_generation)
+        tick = phases.counter(ctx.emit, phase, len(held_out), "prompts", ctx.should_stop)
+        total = 0.0
+        for i in range(0, len(held_out), n):
+            part = held_out[i:i + n]
+            total += evaluator.one(x, part) * len(part)
+            if tick(i + len(part)):
+                return None
+        return total / len(held_out)
 
     if gen == 0 and held_out:
-        metrics["reward_start"] = held_out_reward(np.zeros(space.dim))
-        ctx.emit("eval", step=0, reward=metrics["reward_start"], candidate="warm_start")
+        r0 = held_out_reward(np.zeros(space.dim), "initial_eval")
+        if r0 is not None:
+            metrics["reward_start"] = r0
+            ctx.emit("eval", step=0, reward=r0, candidate="warm_start")
 
+    phases.emit(ctx.emit, "training")
     progress = Progress(s.generations, gen)
     stopped = False
     while gen < s.generations:
@@ -308,10 +330,13 @@ def train(ctx: RunContext) -> dict:
     if stopped and gen > 0 and (last is None or last[0] != gen):  # resume exactly here
         _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
     if held_out and not stopped:
-        metrics["reward"] = held_out_reward(export_x())
-        ctx.emit("eval", step=gen, reward=metrics["reward"], candidate=s.export)
+        r = held_out_reward(export_x(), "final_eval")
+        if r is not None:
+            metrics["reward"] = r
+            ctx.emit("eval", step=gen, reward=r, candidate=s.export)
     space.write(export_x())  # the adapter `finish` saves
     metrics["best_fitness"] = best_f
+    phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, gen, metrics, stopped, t0)
 
 

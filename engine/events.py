@@ -7,6 +7,9 @@ nothing else passes between the worker and its readers.
 Types and their fields (fields a method does not have are left out):
 
 - `started`   method, run, config (dict), device, resumed_from (step or null), total (steps)
+- `phase`     phase: loading, data_check, initial_eval, warm_start, training, final_eval or
+              export, at its start; a long phase repeats it with done, total and unit
+              (e.g. initial_eval 12/30 prompts); words for it in engine/phases.py
 - `step`      step, total, loss (SFT) / reward_mean, reward_std, success_rate, ... (F-GRPO)
               / best, mean, std, sigma, best_so_far (ESSA generation), lr, grad_norm,
               tokens_per_s, elapsed (s), eta (s), gpu (see below), host_rss (bytes)

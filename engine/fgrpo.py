@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import data as data_lib
 from . import model as model_lib
+from . import phases
 from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
@@ -105,17 +106,49 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
 # --------------------------------------------------------------------------- evaluation
 
 
+class _Stopped(Exception):
+    pass
+
+
+def eval_passes(s: FGRPOSettings, greedy: bool = True) -> int:
+    return int(greedy) + int(s.eval_k > 0)
+
+
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
-             seed: int = 0, greedy: bool = True) -> dict:
+             seed: int = 0, greedy: bool = True, tick=None) -> dict | None:
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
     pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
-    The sampling seed is fixed, so before/after compare on the same random numbers."""
+    The sampling seed is fixed, so before/after compare on the same random numbers.
+
+    Rows are decoded in chunks of one training rollout batch (a size the run already
+    fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
+    when it returns True: a stop asked for during a long evaluation ends it there."""
     out: dict = {"prompts": len(rows)}
     prompts = [r["prompt"] for r in rows]
+    chunk_rows = max(1, s.prompts_per_step * s.num_generations)
+
+    def chunks(per_prompt: int, offset: int) -> dict:
+        if tick is None:
+            return {}
+
+        def on_chunk(idx):
+            if tick(offset + idx[0] // per_prompt):
+                raise _Stopped
+        return {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "on_chunk": on_chunk}
+
+    try:
+        return _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick)
+    except _Stopped:
+        return None
+
+
+def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick):
+    done = 0
     if greedy:
         roll = generate(model, tok, prompts, max_new_tokens=s.max_new_tokens, greedy=True,
-                        system_prompt=system_prompt)
+                        system_prompt=system_prompt, **chunks(1, 0))
+        done = len(rows)
         sc = reward.score(roll.texts, rows, roll.truncated, threshold=s.success_threshold)
         out["success_rate"] = sum(sc.success) / len(rows)
         out["reward"] = sum(sc.rewards) / len(rows)
@@ -123,12 +156,15 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
         n = 2 * s.eval_k
         roll = generate(model, tok, prompts, num_generations=n, max_new_tokens=s.max_new_tokens,
                         temperature=s.temperature, top_p=s.top_p, seed=seed * _EVAL_STREAM + 1,
-                        system_prompt=system_prompt)
+                        system_prompt=system_prompt, **chunks(n, done))
         sc = reward.score(roll.texts, [rows[i] for i in roll.prompt_index], roll.truncated,
                           threshold=s.success_threshold)
         counts = [(n, sum(sc.success[i * n : (i + 1) * n])) for i in range(len(rows))]
         out["pass@1"] = mean_pass_at_k(counts, 1)
         out[f"pass@{s.eval_k}"] = mean_pass_at_k(counts, s.eval_k)
+        done += len(rows)
+    if tick is not None:
+        tick(done)
     return out
 
 
@@ -242,8 +278,10 @@ def train(ctx: RunContext) -> dict:
                                     "value, e.g. 5.0, not a clip width): most tokens will be capped")
 
     reward = build_reward(s.reward, s.reward_file)  # a bad reward fails before the model loads
+    phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
+    phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
@@ -266,17 +304,24 @@ def train(ctx: RunContext) -> dict:
         sebp = sebp_kernels
         sebp.patch(model)
 
-    def held_out_eval(step: int, key: str) -> None:
+    def held_out_eval(step: int, key: str, phase: str | None = None) -> None:
+        tick = None
+        if phase is not None:
+            unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
+            tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
         with sebp_lifted(model, sebp):
-            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed)
+            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick)
+        if m is None:  # stopped during the evaluation
+            return
         for k, v in m.items():
             if k != "prompts":
                 metrics[f"{k}_{key}"] = v
         ctx.emit("eval", step=step, **m)
 
     if start_step == 0 and held_out:
-        held_out_eval(0, "start")
+        held_out_eval(0, "start", "initial_eval")
 
+    phases.emit(ctx.emit, "training")
     progress = Progress(s.steps, start_step)
     step, stopped, warned = start_step, False, 0
     while step < s.steps:
@@ -330,11 +375,12 @@ def train(ctx: RunContext) -> dict:
             save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
 
     if held_out and not stopped:
-        held_out_eval(step, "end")
+        held_out_eval(step, "end", "final_eval")
     if sebp is not None:
         sebp.set_active_rows(model, None)
         sebp.unpatch(model)
     model.eval()
+    phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
 
 

@@ -37,6 +37,7 @@ import torch
 
 from . import data as data_lib
 from . import model as model_lib
+from . import phases
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
@@ -62,9 +63,16 @@ def sebp_enabled(setting, device: str) -> bool:
     return device.startswith("cuda") if setting is None else bool(setting)
 
 
+def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
+    n = -(-n_examples // batch_size)
+    return min(n, max_batches) if max_batches else n
+
+
 @torch.no_grad()
-def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0) -> float:
-    """Token-weighted mean loss over the held-out examples."""
+def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0,
+             tick=None) -> float | None:
+    """Token-weighted mean loss over the held-out examples; `tick(batches_done)` after each
+    batch, and None when it returns True (a stop was asked for between batches)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -76,6 +84,9 @@ def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_bat
             loss, n = causal_lm_loss(model, batch)
         total += loss.item() * n
         count += n
+        if tick is not None and tick(b + 1):
+            model.train(was_training)
+            return None
     model.train(was_training)
     return total / max(count, 1)
 
@@ -86,6 +97,7 @@ def train(ctx: RunContext) -> dict:
     t0 = time.time()
 
     # Validate the data (needs only the tokenizer) before spending time on the model.
+    phases.emit(ctx.emit, "data_check")
     tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
     data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
     ctx.emit("data", report=data.report.__dict__)
@@ -93,6 +105,7 @@ def train(ctx: RunContext) -> dict:
         from .errors import DataError
 
         raise DataError("no training rows left after validation", file=cfg.data.path)
+    phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
     print(f"liger: {apply_liger(model, cfg.model.liger)}", file=sys.stderr, flush=True)  # -> worker.log
@@ -122,10 +135,19 @@ def train(ctx: RunContext) -> dict:
     collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
     progress = Progress(s.steps, start_step)
     metrics: dict = {}
-    if start_step == 0 and data.eval and s.eval_every:
-        metrics["eval_loss_start"] = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
-        ctx.emit("eval", step=0, eval_loss=metrics["eval_loss_start"])
+    n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
 
+    def held_out(phase: str) -> float | None:
+        tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
+        return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
+
+    if start_step == 0 and data.eval and s.eval_every:
+        loss0 = held_out("initial_eval")
+        if loss0 is not None:  # None: stopped during the evaluation
+            metrics["eval_loss_start"] = loss0
+            ctx.emit("eval", step=0, eval_loss=loss0)
+
+    phases.emit(ctx.emit, "training")
     model.train()
     step, stopped = start_step, False
     while step < s.steps:
@@ -155,9 +177,13 @@ def train(ctx: RunContext) -> dict:
         if every(cfg.run.log_every, step) or step == s.steps:
             ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
                      grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
-        if data.eval and every(s.eval_every, step) or (data.eval and s.eval_every and step == s.steps):
-            metrics["eval_loss"] = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
-            ctx.emit("eval", step=step, eval_loss=metrics["eval_loss"])
+        final = bool(data.eval and s.eval_every and step == s.steps)
+        if data.eval and every(s.eval_every, step) or final:
+            loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,
+                                                                 s.eval_batches)
+            if loss is not None:
+                metrics["eval_loss"] = loss
+                ctx.emit("eval", step=step, eval_loss=loss)
         if every(cfg.run.checkpoint_every, step) and step < s.steps:
             save_checkpoint(ctx, step, model, optimizer, scheduler)
 
@@ -165,4 +191,5 @@ def train(ctx: RunContext) -> dict:
         sebp.set_active_rows(model, None)
         sebp.unpatch(model)
     model.eval()
+    phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

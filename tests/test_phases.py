@@ -1,0 +1,123 @@
+"""Every method announces its phases in order, with progress through the long ones, and a
+stop asked for during the initial evaluation ends the run there (between batches) with
+the adapter saved. Tiny random Llama (conftest.py), CPU."""
+
+import json
+
+import pytest
+
+from edgetune.engine import phases, settings
+from inline_run import run_inline
+
+
+def _phases(events):
+    return [e for e in events if e["type"] == "phase"]
+
+
+def _order(events):
+    out = []
+    for e in _phases(events):
+        if not out or out[-1] != e["phase"]:
+            out.append(e["phase"])
+    return out
+
+
+def _stop_during(phase: str):
+    """run_inline's emit, wrapped: ask for a stop once `phase` reports its first batch done."""
+    def install(ctx_holder):
+        inner = ctx_holder.emit
+
+        def emit(type, **fields):
+            ev = inner(type, **fields)
+            if type == "phase" and fields["phase"] == phase and fields.get("done", 0) >= 1:
+                ctx_holder.stop_flag[0] = True
+            return ev
+        ctx_holder.emit = emit
+    return install
+
+
+def _run(train, cfg, path, stop_in=None):
+    if stop_in is None:
+        return run_inline(train, cfg, path)[2]
+
+    def wrapped(ctx):
+        _stop_during(stop_in)(ctx)
+        return train(ctx)
+    return run_inline(wrapped, cfg, path)[2]
+
+
+def _sft_cfg(model_dir, tmp_path, **sft):
+    return settings.from_dict({
+        "method": "sft",
+        "model": {"name": str(model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"path": "embedded:arith-sft", "max_rows": 64, "max_seq_len": 128, "eval_fraction": 0.25},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "sft": {"lr": 1e-3, "steps": 3, "batch_size": 4, "warmup_steps": 1, "eval_every": 3, **sft},
+    })
+
+
+def test_describe_reads_like_a_status_line():
+    assert phases.describe({"phase": "initial_eval", "done": 12, "total": 30, "unit": "prompts"}) == \
+        "initial eval 12/30 prompts"
+    assert phases.describe({"phase": "loading"}) == "loading the model"
+
+
+def test_sft_phases_in_order_with_eval_progress(tiny_model_dir, tmp_path):
+    from edgetune.engine import sft
+
+    events = _run(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run")
+    assert _order(events) == ["data_check", "loading", "initial_eval", "training", "final_eval", "export"]
+    initial = [e for e in _phases(events) if e["phase"] == "initial_eval"]
+    total = initial[0]["total"]
+    assert total == 4 and initial[0]["unit"] == "batches"  # 16 held-out rows, batches of 4
+    assert [e["done"] for e in initial] == [0, 1, 2, 3, 4]
+    assert events[-1]["type"] == "finished"
+    # each phase event comes before the events of its phase
+    first_step = next(e["i"] for e in events if e["type"] == "step")
+    training = next(e["i"] for e in _phases(events) if e["phase"] == "training")
+    assert training < first_step
+
+
+def test_sft_stop_during_initial_eval_ends_between_batches(tiny_model_dir, tmp_path):
+    from edgetune.engine import sft
+
+    events = _run(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run", stop_in="initial_eval")
+    done = [e["done"] for e in _phases(events) if e["phase"] == "initial_eval"]
+    assert max(done) == 1  # stopped after the first of 4 batches
+    assert not [e for e in events if e["type"] in ("step", "eval")]
+    assert events[-1]["type"] == "stopped" and events[-1]["step"] == 0
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.fixture
+def rl_file(tmp_path):
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    path = tmp_path / "rl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_fgrpo_initial_eval_counts_prompts_and_stops_between_chunks(tiny_model_dir, rl_file, tmp_path):
+    from edgetune.engine import fgrpo
+
+    cfg = settings.resolve(overrides={
+        "method": "fgrpo",
+        "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"path": str(rl_file), "eval_fraction": 0.4},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "fgrpo": {"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 4, "steps": 2,
+                  "eval_prompts": 8, "eval_k": 0, "micro_batch_size": 4},
+    })
+    full = _run(fgrpo.train, cfg, tmp_path / "full")
+    assert _order(full) == ["loading", "data_check", "initial_eval", "training", "final_eval", "export"]
+    initial = [e for e in _phases(full) if e["phase"] == "initial_eval"]
+    assert initial[-1]["done"] == initial[-1]["total"] == 8 and initial[-1]["unit"] == "prompts"
+    assert len({e["done"] for e in initial}) >= 3  # 8 prompts in chunks of one rollout batch (4 rows)
+
+    cut = _run(fgrpo.train, cfg, tmp_path / "cut", stop_in="initial_eval")
+    done = [e["done"] for e in _phases(cut) if e["phase"] == "initial_eval"]
+    assert max(done) < 8
+    assert not [e for e in cut if e["type"] in ("step", "eval")]
+    assert cut[-1]["type"] == "stopped"
