@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a local virtual environment (first use only) and run the app or the tests.
 #   bash dev.sh ui     # the browser app on http://127.0.0.1:7860 (embedded model + data, offline)
-#   bash dev.sh test   # the whole test suite on the CPU (installs Chromium for the browser test)
+#   bash dev.sh test        # the fast test suite on the CPU (installs Chromium for the browser test)
+#   bash dev.sh test-slow   # the slow tests: real models learning on the CPU (CI runs both)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${EDGETUNE_VENV:-.venv}
@@ -23,21 +24,23 @@ case "${1:-}" in
     setup app
     exec "$VENV/bin/edgetune" ui "${@:2}"
     ;;
-  test)
+  test|test-slow)
     setup "app,test"
     if [ ! -x /usr/bin/chromium ]; then
       (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "warning: could not install Chromium; the browser test will fail" >&2
     fi
+    if [ "$1" = test ]; then marks="not slow"; else marks="slow"; fi
     set +e
-    "$VENV/bin/pytest" -q --durations=25 "${@:2}"
+    "$VENV/bin/pytest" -q -m "$marks" --durations=25 "${@:2}"
     rc=$?
     set -e
-    if [ "$rc" = 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
+    # 5: nothing selected, which would pass silently (a typo in a path, a marker gone).
+    if [ "$rc" = 5 ]; then echo "error: pytest selected no tests (-m \"$marks\" ${*:2})" >&2; exit 1; fi
     exit "$rc"
     ;;
   *)
-    echo "usage: bash dev.sh ui|test [args]" >&2
+    echo "usage: bash dev.sh ui|test|test-slow [args]" >&2
     exit 2
     ;;
 esac

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts" / "screenshots"
