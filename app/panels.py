@@ -119,3 +119,24 @@ def runs_frame(summaries: list[dict]) -> pd.DataFrame:
              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s.get("created") else ""}
             for s in summaries]
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+# --------------------------------------------------------------------------- try it
+
+
+def chat_text(content) -> str:
+    """The text of one chat message as the Chatbot hands it back: Gradio 6 gives a list of
+    parts ({"type": "text", "text": ...}), older code a plain string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text") or "")
+    if isinstance(content, (list, tuple)):
+        return "".join(chat_text(part) for part in content)
+    return "" if content is None else str(content)
+
+
+def chat_messages(history) -> list[dict]:
+    """A Chatbot's history as plain {"role", "content": str} turns for the chat worker."""
+    return [{"role": m["role"], "content": chat_text(m.get("content"))} for m in history or []
+            if m.get("role") in ("user", "assistant", "system")]

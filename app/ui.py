@@ -463,8 +463,11 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             import dataclasses
 
             user = {"role": "user", "content": text}
-            msgs_base = [{"role": m["role"], "content": m["content"]} for m in hist_base] + [user]
-            reply = chat.ask(dataclasses.asdict(model), msgs_base, adapter, int(n))
+            # Each side continues its own conversation: the adapter's earlier replies are
+            # part of what the adapter answers next.
+            hist_base, hist_tuned = panels.chat_messages(hist_base), panels.chat_messages(hist_tuned)
+            reply = chat.ask(dataclasses.asdict(model), hist_base + [user], adapter, int(n),
+                             tuned_messages=hist_tuned + [user])
             if not reply.get("ok"):
                 return hist_base, hist_tuned, gr.skip(), _message(reply.get("error", "chat failed"), "error")
             hist_base += [user, {"role": "assistant", "content": reply["base"]}]

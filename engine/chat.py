@@ -7,7 +7,10 @@ once; an answer from the base alone is generated inside `disable_adapter()`, so 
 replies come from the same weights in memory and differ only by the adapter.
 
 Request:  {"model": {ModelSettings fields}, "adapter": "runs/x/adapter" or "",
-           "messages": [{"role", "content"}, ...], "max_new_tokens": 128}
+           "messages": [{"role", "content"}, ...], "max_new_tokens": 128,
+           "tuned_messages": the adapter side's own conversation (optional; default messages)}
+Each side of a multi-turn chat sends its own history: the adapter's earlier replies are
+part of what it answers next, the base's part of what the base answers.
 Answer:   {"ok": true, "base": "...", "tuned": "..." or null}  |  {"ok": false, "error": "..."}
 """
 
@@ -79,7 +82,8 @@ class _Chat:
 
     def answer(self, req: dict) -> dict:
         self._base(req["model"])
-        msgs, n = req["messages"], int(req.get("max_new_tokens", 128))
+        msgs, n = _plain(req["messages"]), int(req.get("max_new_tokens", 128))
+        tuned_msgs = _plain(req.get("tuned_messages") or req["messages"])
         adapter = req.get("adapter") or ""
         if not adapter:
             if self.adapters:  # a PeftModel by now: switch its adapter off for the base reply
@@ -89,10 +93,23 @@ class _Chat:
         if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
             raise RunError(f"no adapter in {adapter} (the run has not saved one yet)")
         model = self._with_adapter(adapter)
-        tuned = self._generate(msgs, n)
+        tuned = self._generate(tuned_msgs, n)
         with model.disable_adapter():
             base = self._generate(msgs, n)
         return {"ok": True, "base": base, "tuned": tuned}
+
+
+def _plain(messages: list[dict]) -> list[dict]:
+    """Turns with string content (a chat template cannot render a list of parts)."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            c = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in c)
+        if not isinstance(m.get("role"), str) or not isinstance(c, str):
+            raise RunError(f"chat message {len(out) + 1}: needs a role and text content")
+        out.append({"role": m["role"], "content": c})
+    return out
 
 
 def main() -> int:
@@ -138,10 +155,11 @@ class ChatSession:
         return self.proc
 
     def ask(self, model: dict, messages: list[dict], adapter: str = "", max_new_tokens: int = 128,
-            timeout: float = 600) -> dict:
+            timeout: float = 600, tuned_messages: list[dict] | None = None) -> dict:
         with self.lock:
             proc = self._ensure()
-            req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens}
+            req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
+                   "tuned_messages": tuned_messages}
             proc.stdin.write(json.dumps(req) + "\n")
             proc.stdin.flush()
             deadline = time.time() + timeout

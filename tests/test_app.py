@@ -48,7 +48,7 @@ def test_every_setting_has_a_widget_with_help():
             assert (key in keys) != (key in form.HIDDEN), key
     by_key = {s.key: s for s in specs}
     assert by_key["sft.lr"].kind == "float" and by_key["sft.steps"].kind == "int"
-    assert by_key["model.gradient_checkpointing"].kind == "bool"
+    assert by_key["model.gradient_checkpointing"].kind == "any"  # true, false or auto
     assert by_key["lora.target_modules"].kind == "any"
     assert "NormalFloat" in by_key["model.quant"].help
     assert by_key["sft.lr"].section == "optimisation" and by_key["sft.sebp"].section == "speed"
@@ -308,3 +308,38 @@ def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_d
     assert both["tuned"] != both["base"]
     assert not missing["ok"] and "no adapter" in missing["error"]
     json.dumps(both)
+
+
+def test_chat_history_from_gradio_becomes_plain_turns():
+    """What the Chatbot hands back on the second message (content as a list of parts)
+    becomes string turns; the second and third turns used to fail on exactly this."""
+    import gradio as gr
+
+    box = gr.Chatbot()
+    history = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"},
+               {"role": "user", "content": "And 4 plus 4?"}, {"role": "assistant", "content": "8"}]
+    round_trip = box.preprocess(box.postprocess(history))
+    assert not isinstance(round_trip[0]["content"], str)  # the shape that broke the second turn
+    assert panels.chat_messages(round_trip) == history
+    assert panels.chat_messages([]) == [] and panels.chat_messages(None) == []
+
+
+def test_chat_worker_holds_a_conversation_per_side(tmp_path, tiny_model_dir):
+    """Three turns; each side continues its own conversation, and list-of-parts content
+    (as Gradio 6 sends it) is accepted by the worker too."""
+    from edgetune.engine.chat import ChatSession
+
+    ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
+    chat = ChatSession(log_path=tmp_path / "chat.log")
+    hist: list[dict] = []
+    try:
+        for text in ("What is 2 plus 3?", "And 4 plus 4?", "Thanks. 1 plus 1?"):
+            user = {"role": "user", "content": [{"type": "text", "text": text}]}
+            reply = chat.ask(ms, hist + [user], "", max_new_tokens=4, timeout=300)
+            assert reply["ok"], (reply, (tmp_path / "chat.log").read_text()[-2000:])
+            hist += [user, {"role": "assistant", "content": reply["base"]}]
+        bad = chat.ask(ms, [{"role": "user", "content": 3}], "", max_new_tokens=4, timeout=300)
+    finally:
+        chat.close()
+    assert len(hist) == 6 and all(isinstance(m["content"], (str, list)) for m in hist)
+    assert not bad["ok"] and "chat message 1" in bad["error"]
