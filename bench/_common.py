@@ -108,8 +108,8 @@ def bf16_frozen_params(model) -> None:
             p.data = p.data.to(torch.bfloat16)
 
 
-# The engine's step as it was before the autocast round (s2 of 2026-11-30): its rows in
-# sft_speed.py / big72b.py measure what that round's levers are worth together.
+# The engine's step as it was before bf16 autocast, fused AdamW and 512-row loss chunks
+# became its defaults: its rows in sft_speed.py / big72b.py measure what those are worth together.
 STEP_BEFORE = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
 
 
@@ -193,8 +193,8 @@ def planner_prediction(folder: str, method: str, sets: list[str]) -> dict:
 
 def sft_row_settings(bench: str, row: str, cfg: dict) -> list[str] | None:
     """The engine settings that a measured SFT row of sft_speed.py / big72b.py is, for the
-    planner (None: the row is not an engine configuration, e.g. the step before this
-    round's changes). One table for the benches at run time and for planner_check.py's
+    planner (None: the row is not an engine configuration, e.g. the step before autocast
+    became the default). One table for the benches at run time and for planner_check.py's
     re-planning of their JSON, so a planner change is checked against every stored row."""
     if bench == "sft_speed":
         padded = ["sft.batch_size=8", f"data.max_seq_len={cfg['seq']}"]

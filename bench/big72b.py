@@ -10,8 +10,9 @@ all 7 projections, gradient checkpointing.
 
 Rows (one process, one build):
   hf_2048          .ref/baseline.py's add_lora + train_bench on 1 x 2,048 (its section C)
-  ours_2048_before  the engine's step before this round: engine.model.add_lora +
-                   engine/lm_loss (2,048-row chunks) without autocast, paged 8-bit AdamW
+  ours_2048_before  the engine's step before autocast became its default:
+                   engine.model.add_lora + engine/lm_loss (2,048-row chunks) without
+                   autocast, paged 8-bit AdamW
   ours_2048        the engine's step now (engine/sft.py): bf16 autocast, fused AdamW,
                    512-row loss chunks
   ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/liger.py), GPU only

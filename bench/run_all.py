@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
-"""Every GPU benchmark of issue 7 in two device calls of under 10 minutes each.
+"""Every GPU benchmark in two groups of under 10 minutes each (one GPU command each).
 
-    call 1 (~8 min): sebp.py --quick, planner_check.py (0.5B), essa.py, rollouts.py
-    call 2 (~8 min): sft_speed.py (HF, ours lever by lever, Unsloth), big72b.py (72B
-                     build, HF and ours at 2k, no-checkpointing 2k, two 32k steps)
-    report:            tables for bench/RESULTS.md from both calls' JSON, on any machine
+    small (~8 min):      sebp.py --quick, planner_check.py (0.5B), essa.py, rollouts.py
+    training (~8 min):   sft_speed.py (HF, ours lever by lever, Unsloth), big72b.py (72B
+                         build, HF and ours at 2k, no-checkpointing 2k, two 32k steps)
+    essentials (~10 min): the quick start on CUDA, ESSA's population, the SFT step, when
+                         only one command fits
+    report:              tables for bench/RESULTS.md from the groups' JSON, on any machine
 
 Each bench runs in its own process (Unsloth patches transformers on import; a crash or a
 CUDA OOM in one must not take the others down) with a wall-clock cap taken from what is
-left of the call's budget; the ones that self-limit get a --time-limit / --budget inside
-their cap, so they end with their JSON written. The most expensive bench of each call runs
+left of the group's budget; the ones that self-limit get a --time-limit / --budget inside
+their cap, so they end with their JSON written. The most expensive bench of each group runs
 last and gets whatever the cheaper ones left. Everything lands in $OUT (at most 8 files
 come back: one JSON per bench plus this script's log).
 
     export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH
-    python bench/run_all.py --call 1 2>&1 | tee $OUT/run_all_call1.log   # GPU; then --call 2
+    python bench/run_all.py --group small 2>&1 | tee $OUT/run_all.log   # GPU; then --group training
     python bench/run_all.py --report DIR1 DIR2   # here: tables from the fetched files
-    python bench/run_all.py --call 1 --tiny   # CPU check of the plumbing (tiny configs)
+    python bench/run_all.py --group small --tiny   # CPU check of the plumbing (tiny configs)
 """
 
 from __future__ import annotations
@@ -38,25 +40,25 @@ ROOT = HERE.parent
 # tiny-model check and one shape), planner_check 58 s, essa 65 s, rollouts ~5 min with
 # both `generate` baselines (46 s without them), sft_speed 273 s (Unsloth's save
 # overlapped with our build, its own phase ~90 s), big72b 151 s (build 1.4 s, two 32k steps).
-CALLS = {
-    1: [("sebp", "sebp.py", ["--quick"], 60, None),
+GROUPS = {
+    "small": [("sebp", "sebp.py", ["--quick"], 60, None),
         ("planner_check", "planner_check.py", [], 90, "--time-limit"),
         ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 110, None),
         ("rollouts", "rollouts.py", [], 340, "--budget")],
-    2: [("sft_speed", "sft_speed.py", [], 330, "--time-limit"),
+    "training": [("sft_speed", "sft_speed.py", [], 330, "--time-limit"),
         ("big72b", "big72b.py", ["--max-build-s", "180"], 240, "--time-limit")],
-    # What one device call holds when only one is left: the quick start on CUDA (issue 2),
-    # ESSA's sequential vs batched population (issue 5), and the SFT step (issues 3 and 7).
-    3: [("quickstart_gpu", "quickstart_gpu.py", ["--steps", "20"], 90, None),
+    # What one GPU command holds when only one fits: the quick start on CUDA, ESSA's
+    # sequential vs batched population, and the SFT step.
+    "essentials": [("quickstart_gpu", "quickstart_gpu.py", ["--steps", "20"], 90, None),
         ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 130, None),
         ("sft_speed", "sft_speed.py", [], 420, "--time-limit")],
 }
 TINY_ARGS = {"sebp": ["--dry-run"]}  # sebp.py's CPU mode has its own name
 
 
-def run_call(call: int, budget: float, tiny: bool, out: Path, skip: set) -> dict:
+def run_group(group: str, budget: float, tiny: bool, out: Path, skip: set) -> dict:
     t0 = time.perf_counter()
-    steps = [s for s in CALLS[call] if (HERE / s[1]).is_file() and s[0] not in skip]
+    steps = [s for s in GROUPS[group] if (HERE / s[1]).is_file() and s[0] not in skip]
     status = {}
     env = dict(os.environ, OUT=str(out), PYTHONUNBUFFERED="1")
     for i, (name, script, extra, cap, limit_flag) in enumerate(steps):
@@ -86,7 +88,7 @@ def run_call(call: int, budget: float, tiny: bool, out: Path, skip: set) -> dict
         status[name] = {"rc": rc, "wall_s": round(time.perf_counter() - t, 1), "cap_s": round(wall)}
         print(f"######## {name}: {status[name]}", flush=True)
     status["total_s"] = round(time.perf_counter() - t0, 1)
-    (out / f"run_all_call{call}.json").write_text(json.dumps(status, indent=1))
+    (out / f"run_all_{group}.json").write_text(json.dumps(status, indent=1))
     return status
 
 
@@ -105,8 +107,8 @@ def load(dirs, name):
 
 
 def other_table(name: str, r: dict) -> str:
-    """The other helpers' benches print their own tables; rebuild ESSA's from its JSON,
-    show the others' JSON (their logs in run_all's output hold the printed tables)."""
+    """The other benches print their own tables; rebuild ESSA's from its JSON, show the
+    others' JSON (their logs in run_all's output hold the printed tables)."""
     if isinstance(r.get("table"), str):
         return r["table"]
     if name == "essa.json":
@@ -124,15 +126,15 @@ def report(dirs) -> str:
     out = []
     sft = load(dirs, "sft_speed.json")
     if sft:
-        out += ["## SFT step (target 1-2)", "", sft.get("table", "(no table: see errors)"), ""]
+        out += ["## SFT step", "", sft.get("table", "(no table: see errors)"), ""]
     big = load(dirs, "big72b.json")
     if big:
-        out += ["## 72B (target 3)", "", big.get("table", "(no table)"), ""]
+        out += ["## 72B", "", big.get("table", "(no table)"), ""]
     for name, title in (("rollouts.json", "Rollouts"), ("essa.json", "ESSA"), ("sebp.json", "SEBP")):
         r = load(dirs, name)
         if r:
             out += [f"## {title}", "", other_table(name, r), ""]
-    # the planner table over both calls' rows: planner_check re-plans them on this machine
+    # the planner table over every group's rows: planner_check re-plans them on this machine
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "planner-report"
     tmp.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, str(HERE / "planner_check.py"), "--collect-only", "--out", str(tmp)]
@@ -141,32 +143,30 @@ def report(dirs) -> str:
     subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     pc = load([tmp], "planner_check.json")
     if pc:
-        out += ["## Memory planner vs measured peak (target 5)", "", pc.get("table", ""), ""]
+        out += ["## Memory planner vs measured peak", "", pc.get("table", ""), ""]
     for d in dirs:
-        for c in (1, 2):
-            st = load([d], f"run_all_call{c}.json")
-            if st:
-                out.append(f"call {c} ({d}): {json.dumps(st)}")
+        for f in sorted(Path(d).glob("run_all*.json")):
+            out.append(f"{f.stem} ({d}): {f.read_text().strip()}")
     return "\n".join(out)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--call", type=int, choices=(1, 2, 3))
-    ap.add_argument("--report", nargs="*", metavar="DIR", help="folders holding the fetched JSON of the calls")
-    ap.add_argument("--budget", type=float, default=570.0, help="seconds for this call (the device allows 600)")
+    ap.add_argument("--group", choices=sorted(GROUPS))
+    ap.add_argument("--report", nargs="*", metavar="DIR", help="folders holding the fetched JSON of the groups")
+    ap.add_argument("--budget", type=float, default=570.0, help="seconds for this group (one GPU command may take 600)")
     ap.add_argument("--skip", default="", help="comma list of benches to leave out (e.g. sebp,rollouts)")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    if a.call:
-        run_call(a.call, a.budget, a.tiny, out, set(filter(None, a.skip.split(","))))
+    if a.group:
+        run_group(a.group, a.budget, a.tiny, out, set(filter(None, a.skip.split(","))))
         print("\n" + report([out]), flush=True)
     elif a.report is not None:
         print(report(a.report or [out]))
     else:
-        ap.error("--call 1|2 or --report DIR ...")
+        ap.error("--group NAME or --report DIR ...")
 
 
 if __name__ == "__main__":

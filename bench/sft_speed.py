@@ -13,8 +13,8 @@ projections, gradient checkpointing. Batch: 8 sequences of real lengths
 Rows, each after warm-up, median of the timed steps, peak allocated since its own reset:
   hf/padded, hf/packed_sdpa   .ref/baseline.py's add_lora + train_bench, unchanged
                               (autocast bf16, HF loss over full logits, fused AdamW)
-  ours/before                 the engine's step as it was before this round: add_lora on
-                              the same base (after the HF adapter is unloaded), SEBP,
+  ours/before                 the engine's step before autocast became its default:
+                              add_lora on the same base (after the HF adapter is unloaded), SEBP,
                               logits only at labelled rows in 2,048-row chunks, no
                               autocast (fp32 LoRA products), paged 8-bit AdamW; padded
   ours/autocast               bf16 autocast, fused AdamW, 512-row loss chunks; no SEBP

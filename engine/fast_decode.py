@@ -4,9 +4,9 @@ Selection (rollouts.generate): fast=None uses this loop whenever the model is on
 of a known layout (below); bf16_weights=None adds the packed bf16 copy when the base is
 NF4 and the GPU's free memory holds it; compile_step (default `COMPILE`, off) adds
 torch.compile. Measured on one H200, random-init Qwen2.5-7B NF4 + LoRA r16, batch 64,
-128-token prompts, 256 new tokens (bench/results/rollouts-2026-11-30-h200.md): default
-generate 675 tokens/s, static-cache generate 1,255; this loop on the NF4 layers 2,338,
-with the packed bf16 copy 4,047, compiled 4,953.
+128-token prompts, 256 new tokens (bench/results/2026-11-30-h200/rollouts/rollouts.md):
+default generate 675 tokens/s, static-cache generate 1,255; this loop on the NF4 layers
+2,338, with the packed bf16 copy 4,047, compiled 4,953.
 
 Why it is faster than `model.generate` for rollouts:
 - Launch overhead: one decode step of a 7B model with unmerged LoRA is ~2,500 small

@@ -112,7 +112,7 @@ class Reward:
         return f"Reward({self.name})"
 
 
-# --------------------------------------------------------------------------- text helpers
+# --------------------------------------------------------------------------- text parsing
 
 _NUMBER = re.compile(r"(?<![\d.])-?\d+(?:,\d{3})*(?:\.\d+)?")
 _ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)

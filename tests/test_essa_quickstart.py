@@ -1,7 +1,7 @@
 """The essa-quickstart preset learns: on the embedded SmolLM2-135M (NF4), after its SFT
 warm start, CMA-ES over the adapter's singular values raises the greedy held-out reward
 ("What is A plus B?", 30 held-out pairs). About 7 minutes on 2 shared CPU cores, so
-slow; the recorded runs are in bench/results/essa-quickstart-cpu.md."""
+slow; the recorded runs are in bench/results/2026-11-30-cpu/essa-quickstart.md."""
 
 import pytest
 
