@@ -19,8 +19,9 @@ Population evaluation, `essa.evaluation`:
   batch is compute-bound. Costs: K adapters' factors (~20 MB each at 7B, rank 8) and the
   KV cache of K·P rows. With greedy decoding both modes give the same fitness.
 
-A checkpoint holds the pickled CMA-ES object, the best candidate so far and the RNG
-states (cma samples from numpy's global generator), so a resumed run continues exactly.
+A checkpoint holds the CMA-ES search as a replayable log (engine/essa_state.py; no
+pickle), the best candidate so far and the RNG states (cma samples from numpy's global
+generator), so a resumed run continues exactly.
 The mini-batch of generation g is a pure function of (seed, g) for the same reason.
 The exported adapter is the CMA-ES mean (`essa.export: mean`, less noise-selected than a
 single best evaluation) or the best candidate seen, with its offsets written into an
@@ -44,7 +45,9 @@ from . import model as model_lib
 from . import phases
 from .errors import ConfigError
 from .essa_space import SVDSpace
-from .loop import Progress, RunContext, every, finish, save_checkpoint, seed_everything, set_rng_state
+from .essa_state import SearchLog
+from .loop import (Progress, RunContext, every, finish, pick_checkpoint, read_state, save_checkpoint,
+                   seed_everything, set_rng_state)
 from .multilora import batched_lora
 from .rewards import build_reward
 from .rollouts import generate
@@ -201,7 +204,7 @@ def warm_start(ctx: RunContext) -> Path | None:
 
     from . import sft
 
-    last = sub.last_checkpoint()
+    last = pick_checkpoint(sub, lambda m: ctx.emit("warning", message=m))
     sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=last[1] if last else None,
                          stop_flag=ctx.stop_flag))
     gc.collect()
@@ -223,10 +226,6 @@ def load_model(cfg, adapter: Path):
 
 
 # --------------------------------------------------------------------------- the run
-
-
-def _state_path(ckpt: Path) -> Path:
-    return Path(ckpt) / "training_state.pt"
 
 
 def train(ctx: RunContext) -> dict:
@@ -259,12 +258,13 @@ def train(ctx: RunContext) -> dict:
     evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, k)
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
-    es = make_es(space.dim, s, seed)
+    es, log = make_es(space.dim, s, seed), SearchLog()
     gen, best_x, best_f = 0, np.zeros(space.dim), -math.inf
     metrics: dict = {"search_dim": space.dim}
     if ctx.resume is not None:
-        state = torch.load(_state_path(ctx.resume), weights_only=False)
-        es, gen, best_x, best_f = state["es"], state["step"], state["best_x"], state["best_fitness"]
+        state = read_state(ctx.resume)
+        es, log = SearchLog.replay(es, state["search"], str(ctx.resume))
+        gen, best_x, best_f = state["step"], state["best_x"].numpy(), float(state["best_fitness"])
         metrics.update(state.get("metrics", {}))
         set_rng_state(state["rng"])
 
@@ -302,7 +302,7 @@ def train(ctx: RunContext) -> dict:
             stopped = True
             break
         t_gen = time.time()
-        xs = es.ask()
+        xs = log.ask(es)
         rows = minibatch(data.train, s.prompts_per_generation, seed, gen)
         sample_seed = None if s.greedy else seed * 7919 + gen  # common random numbers for all candidates
 
@@ -310,7 +310,7 @@ def train(ctx: RunContext) -> dict:
             ctx.emit("candidate", generation=g + 1, index=i, fitness=f, seconds=round(secs, 3))
 
         fits = evaluator.population(xs, rows, sample_seed, on_candidate)
-        es.tell(xs, [-f for f in fits])
+        log.tell(es, xs, [-f for f in fits])
         i_best = int(np.argmax(fits))
         if fits[i_best] > best_f:
             best_f, best_x = float(fits[i_best]), np.array(xs[i_best])
@@ -324,11 +324,11 @@ def train(ctx: RunContext) -> dict:
             metrics["reward"] = held_out_reward(export_x())
             ctx.emit("eval", step=gen, reward=metrics["reward"], candidate=s.export)
         if every(cfg.run.checkpoint_every, gen) and gen < s.generations:
-            _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
+            _checkpoint(ctx, gen, model, space, export_x(), log, best_x, best_f, metrics)
 
     last = ctx.run.last_checkpoint()
     if stopped and gen > 0 and (last is None or last[0] != gen):  # resume exactly here
-        _checkpoint(ctx, gen, model, space, export_x(), es, best_x, best_f, metrics)
+        _checkpoint(ctx, gen, model, space, export_x(), log, best_x, best_f, metrics)
     if held_out and not stopped:
         r = held_out_reward(export_x(), "final_eval")
         if r is not None:
@@ -340,8 +340,9 @@ def train(ctx: RunContext) -> dict:
     return finish(ctx, model, tok, base_path, gen, metrics, stopped, t0)
 
 
-def _checkpoint(ctx, gen, model, space, x, es, best_x, best_f, metrics) -> Path:
+def _checkpoint(ctx, gen, model, space, x, log, best_x, best_f, metrics) -> Path:
     """The exported candidate as the checkpoint's adapter (handy to try), and the search
     state to resume from; the warm start itself stays in its own folder."""
     space.write(x)
-    return save_checkpoint(ctx, gen, model, es=es, best_x=best_x, best_fitness=best_f, metrics=dict(metrics))
+    return save_checkpoint(ctx, gen, model, search=log.state(), best_x=torch.from_numpy(np.asarray(best_x)),
+                           best_fitness=best_f, metrics=dict(metrics))

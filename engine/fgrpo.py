@@ -50,7 +50,7 @@ from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   save_checkpoint, seed_everything)
+                   save_checkpoint, save_stop_checkpoint, seed_everything)
 from .passk import mean_pass_at_k
 from .rewards import Reward, build_reward
 from .rollouts import RolloutBatch, generate
@@ -373,7 +373,7 @@ def train(ctx: RunContext) -> dict:
             held_out_eval(step, "last")
         if every(cfg.run.checkpoint_every, step) and step < s.steps:
             save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
-
+    save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
     if held_out and not stopped:
         held_out_eval(step, "end", "final_eval")
     if sebp is not None:
