@@ -1,4 +1,4 @@
-"""ESSA: CMA-ES over the singular values of a warm-start LoRA adapter (METHODS.md §1).
+"""ESSA: CMA-ES over the singular values of a warm-start LoRA adapter (docs/methods.md).
 
     warm start (an adapter folder, or a short SFT run first)
     space = SVDSpace(adapter)                     # frozen U, V; search the top singular values

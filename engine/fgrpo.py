@@ -1,4 +1,4 @@
-"""F-GRPO: group-relative RL with verifiable rewards and focal group weights (METHODS.md §2).
+"""F-GRPO: group-relative RL with verifiable rewards and focal group weights (docs/methods.md).
 
     each step:
         rows   = prompts_per_step prompts (a pure function of seed and step)
