@@ -131,7 +131,7 @@ def resolve_model_path(name: str) -> str:
 
 def _fix_special_tokens(tok) -> None:
     """Chat models whose template ends turns with <|im_end|> must stop there, and need a
-    pad token (GGUF conversions get both wrong: see shared/DATA-NOTES.md)."""
+    pad token (GGUF conversions of such models get both wrong)."""
     template = getattr(tok, "chat_template", None) or ""
     if "<|im_end|>" in template and tok.convert_tokens_to_ids("<|im_end|>") is not None:
         tok.eos_token = "<|im_end|>"
