@@ -247,8 +247,26 @@ def lora_config(ls: LoraSettings):
     )
 
 
-def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool = True):
-    """Wrap the base in a trainable PEFT LoRA model (fresh, or from `ls.init_from`)."""
+def checkpoint_first_layers(model, n: int | None) -> int:
+    """Gradient checkpointing on the first `n` decoder layers only (None = all, 0 = none);
+    the others keep their activations. Returns how many are checkpointed."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if n == 0:
+        model.gradient_checkpointing_disable()
+        return 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    for i, m in enumerate(layers):
+        m.gradient_checkpointing = n is None or i < n
+    return sum(m.gradient_checkpointing for m in layers)
+
+
+def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True):
+    """Wrap the base in a trainable PEFT LoRA model (fresh, or from `ls.init_from`).
+    `gradient_checkpointing`: True / False, or how many of the first decoder layers to
+    checkpoint (engine/planner.checkpoint_split's count for `auto`)."""
     from peft import PeftModel, get_peft_model
 
     # Not PEFT's prepare_model_for_kbit_training: it upcasts the frozen embeddings, norms
@@ -258,9 +276,8 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool = True):
     for p in model.parameters():
         p.requires_grad_(False)
     _keep_cpu_4bit_differentiable(model)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    if gradient_checkpointing is not False and gradient_checkpointing != 0:
+        checkpoint_first_layers(model, None if gradient_checkpointing is True else int(gradient_checkpointing))
     if ls.init_from:
         p = Path(ls.init_from)
         if not (p / "adapter_config.json").is_file():
@@ -272,8 +289,29 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool = True):
         raise ModelError(f"lora.target_modules: {str(e).splitlines()[0]}") from None
 
 
+def checkpointing_for(cfg) -> bool | int:
+    """What add_lora gets for `model.gradient_checkpointing`: the setting itself, or for
+    `auto` the planner's layer count for this run's budget (decided before the weights
+    load, so the free memory read is the card's)."""
+    gc = cfg.model.gradient_checkpointing
+    if gc != "auto":
+        return bool(gc)
+    import sys
+
+    from .planner import checkpoint_split
+
+    try:
+        split = checkpoint_split(cfg, device=resolve_device(cfg.model))
+    except ModelError as e:  # a shape the planner cannot read: the safe choice
+        print(f"gradient checkpointing auto: cannot plan ({e}); all layers checkpointed", file=sys.stderr)
+        return True
+    print(split["note"], file=sys.stderr, flush=True)  # -> worker.log
+    return split["checkpointed"]
+
+
 def load(cfg):
     """(peft_model, tokenizer, base_path) for a Config: the base plus a trainable adapter."""
+    ckpt = checkpointing_for(cfg)
     model, tok, path = load_base(cfg.model)
-    model = add_lora(model, cfg.lora, cfg.model.gradient_checkpointing)
+    model = add_lora(model, cfg.lora, ckpt)
     return model, tok, path

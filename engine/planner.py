@@ -246,6 +246,7 @@ class Ctx:
     r: int
     checkpointing: bool
     optimizer: str
+    ckpt_layers: int | None = None  # checkpointed decoder layers (the first ones); None = all when checkpointing
     offload: bool = False  # model.offload_activations: layer inputs in pinned host memory
     autocast: bool = False  # engine/model.autocast: 16-bit compute on CUDA, adapter products in bf16
     liger: bool = False  # engine/liger.py's RMSNorm / SwiGLU in the training step
@@ -280,8 +281,8 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     if arch.experts:
         notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
     ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
-              cfg.model.gradient_checkpointing, opt,
-              offload=cfg.model.gradient_checkpointing and getattr(cfg.model, "offload_activations", False),
+              bool(cfg.model.gradient_checkpointing), opt,
+              offload=bool(cfg.model.gradient_checkpointing) and getattr(cfg.model, "offload_activations", False),
               autocast=device.startswith("cuda") and c == 2,
               # engine/sft.py applies Liger (model.liger auto/on) on CUDA
               liger=cfg.method == "sft" and device.startswith("cuda") and cfg.model.liger != "off"
@@ -383,8 +384,14 @@ def recompute_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     a = ctx.arch
     grads = tokens * 2 * _mlp_width(a) * ctx.act_bytes
     cast = tokens * _mlp_width(a) * ctx.compute_bytes if ctx.act_bytes != ctx.compute_bytes else 0
-    layer = layer_activation_bytes(ctx, tokens, masked) if ctx.checkpointing else 0
+    layer = layer_activation_bytes(ctx, tokens, masked) if n_checkpointed(ctx) else 0
     return layer + grads + cast + dequant_transient(ctx)
+
+
+def n_checkpointed(ctx: Ctx) -> int:
+    if not ctx.checkpointing:
+        return 0
+    return ctx.arch.layers if ctx.ckpt_layers is None else max(0, min(ctx.ckpt_layers, ctx.arch.layers))
 
 
 def head_bytes(ctx: Ctx, labelled: int) -> int:
@@ -407,15 +414,16 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int, masked:
     masked = rows > 1 if masked is None else masked
     tokens = rows * seq
     host = 0
-    if ctx.offload:
+    k = n_checkpointed(ctx)
+    # layers that are not checkpointed keep everything; checkpointed ones keep their input
+    saved = (a.layers - k) * layer_activation_bytes(ctx, tokens, masked) if k < a.layers else 0
+    if ctx.offload and k:
         # engine/offload.py: the inputs wait in host memory; about two are on the GPU at
         # a time (the one being copied out, the one being computed on)
-        host = a.layers * tokens * a.hidden * ctx.act_bytes
-        saved = 2 * tokens * a.hidden * ctx.act_bytes
-    elif ctx.checkpointing:
-        saved = a.layers * tokens * a.hidden * ctx.act_bytes
+        host = k * tokens * a.hidden * ctx.act_bytes
+        saved += 2 * tokens * a.hidden * ctx.act_bytes
     else:
-        saved = a.layers * layer_activation_bytes(ctx, tokens, masked)
+        saved += k * tokens * a.hidden * ctx.act_bytes
     # final norm (2 x [tokens, hidden]), the gathered labelled rows, the hidden states' gradient
     saved += (3 * tokens + labelled) * a.hidden * ctx.act_bytes
     saved += mask_bytes(rows, seq, masked)
@@ -538,6 +546,14 @@ def _finish(plan: dict, ctx: Ctx) -> dict:
 def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, list]:
     opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
     ctx, notes = make_ctx(cfg, device, opt)
+    if cfg.model.gradient_checkpointing == "auto":
+        split = _split(cfg, ctx, gpu_free)
+        ctx.ckpt_layers = split["checkpointed"]
+        notes.append(split["note"])
+    return _plan_ctx(cfg, ctx, device, gpu_free, notes)
+
+
+def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: list) -> tuple[dict, Ctx, list]:
     if cfg.method != "sft" and ctx.quant != "none" and device.startswith("cuda"):
         linear = sum(i * o * cp for i, o, cp in ctx.arch.projections().values()) * ctx.arch.layers
         notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
@@ -562,6 +578,74 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
                 plan = {**wplan, "candidates_per_batch": plan["candidates_per_batch"],
                         "warm_start_total": wplan["total"], "phase": "warm-start SFT"}
     return _finish(plan, ctx), ctx, notes
+
+
+# --------------------------------------------------------------------------- checkpointing split
+
+# gradient_checkpointing: auto with no model.memory_budget_gib plans to the card's free
+# memory minus this share of it (at least BUDGET_MARGIN_MIN): room for the planner's error
+# (within 15%, mostly over) and for other processes that start on the card during the run.
+BUDGET_MARGIN_SHARE = 0.10
+BUDGET_MARGIN_MIN = 1 * GiB
+
+
+def budget_bytes(cfg: Config, gpu_free: int | None) -> int | None:
+    """The memory a run may plan to: model.memory_budget_gib, else free memory minus the margin."""
+    if cfg.model.memory_budget_gib:
+        return int(cfg.model.memory_budget_gib * GiB)
+    if gpu_free is None:
+        return None
+    return int(gpu_free - max(BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE * gpu_free))
+
+
+def _split(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
+    """Fewest checkpointed decoder layers whose planned total fits the budget. The first
+    layers are the ones checkpointed: their recompute comes last in the backward, when
+    the later layers' kept activations are already freed."""
+    n = ctx.arch.layers
+    budget = budget_bytes(cfg, gpu_free)
+    chosen, total = n, None
+    if budget is not None:
+        for k in range(1 if ctx.offload else 0, n + 1):  # offloading needs a checkpointed layer
+            c = copy.copy(ctx)
+            c.checkpointing, c.ckpt_layers = True, k
+            c.offload = ctx.offload and k > 0
+            t = _plan_ctx(cfg, c, ctx.device, gpu_free, [])[0]["total"]
+            if t <= budget:
+                chosen, total = k, t
+                break
+    if budget is None:
+        note = f"gradient checkpointing auto: no GPU memory known, all {n} layers checkpointed"
+    elif total is None:
+        note = (f"gradient checkpointing auto: even all {n} layers checkpointed exceed the "
+                f"{_gib(budget)} budget; all are checkpointed")
+    else:
+        src = "model.memory_budget_gib" if cfg.model.memory_budget_gib else "free GPU memory minus a margin"
+        which = f"{chosen} of {n} decoder layers checkpointed (the first {chosen})" if chosen else \
+            f"none of the {n} decoder layers checkpointed"
+        note = (f"gradient checkpointing auto: {which}, {n - chosen} keep their activations: "
+                f"{_gib(total)} planned of the {_gib(budget)} budget ({src})")
+    return {"layers": n, "checkpointed": chosen, "budget": budget, "planned_total": total, "note": note}
+
+
+def checkpoint_split(cfg: Config, device: str | None = None, gpu_free: int | None = None) -> dict:
+    """How many decoder layers (the first ones) a run checkpoints: all or none for
+    gradient_checkpointing true / false; for auto, the fewest that fit the budget
+    (model.memory_budget_gib, or the card's free memory minus a margin, read here when
+    `gpu_free` is None). Keys: layers, checkpointed, budget, planned_total, note."""
+    gc = cfg.model.gradient_checkpointing
+    if gc != "auto":
+        n = arch_from_config(read_model_config(cfg.model.name)).layers
+        return {"layers": n, "checkpointed": n if gc else 0, "budget": None, "planned_total": None,
+                "note": f"gradient checkpointing {'on' if gc else 'off'}"}
+    if device is None:
+        device = "cuda" if cfg.model.device == "auto" else cfg.model.device
+    if gpu_free is None and not cfg.model.memory_budget_gib and device.startswith("cuda"):
+        got = gpu_memory() or gpu_memory_torch()
+        gpu_free = got[0] if got else None
+    opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
+    ctx, _ = make_ctx(cfg, device, opt)
+    return _split(cfg, ctx, gpu_free)
 
 
 # --------------------------------------------------------------------------- verdict
@@ -652,7 +736,8 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
         model={"name": cfg.model.name, "type": a.model_type, "layers": a.layers, "hidden": a.hidden,
                "intermediate": a.intermediate, "vocab": a.vocab, "quant": ctx.quant,
                "lora_params": lora_params(ctx), "optimizer": ctx.optimizer,
-               "activation_bytes": ctx.act_bytes, "gradient_checkpointing": ctx.checkpointing},
+               "activation_bytes": ctx.act_bytes, "gradient_checkpointing": ctx.checkpointing,
+               "checkpointed_layers": n_checkpointed(ctx)},
     )
     return plan
 

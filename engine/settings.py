@@ -39,8 +39,14 @@ class ModelSettings:
     # Compute dtype. auto = bf16 on CUDA, fp32 on the CPU (bf16 on the CPU is slow and
     # hides small adapter changes below its resolution).
     dtype: str = "auto"
-    # Trades ~30% more compute for not storing activations of every layer.
-    gradient_checkpointing: bool = True
+    # Trades ~30% more compute for not storing activations of every layer. true | false |
+    # auto = checkpoint only as many decoder layers as the memory budget needs (the planner,
+    # engine/planner.checkpoint_split, picks the count before the run; the rest keep their
+    # activations and skip the recompute).
+    gradient_checkpointing: Any = True
+    # GiB the run may use on the GPU (gradient_checkpointing: auto plans to it);
+    # 0 = the card's free memory minus a margin.
+    memory_budget_gib: float = 0.0
     # With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU
     # memory (engine/offload.py), for very long sequences; costs host RAM of layers x
     # tokens x hidden x 2-4 bytes and one host->GPU copy per layer per step.
@@ -414,6 +420,11 @@ CHOICES = {
 def validate(cfg: Config) -> None:
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
+    if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
+        raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
+                          f"got {cfg.model.gradient_checkpointing!r}")
+    if cfg.model.memory_budget_gib < 0:
+        raise ConfigError(f"model.memory_budget_gib must be >= 0 (0 = free GPU memory), got {cfg.model.memory_budget_gib}")
     for path, allowed in CHOICES.items():
         group, name = path.split(".")
         value = getattr(getattr(cfg, group), name)
