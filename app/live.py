@@ -12,6 +12,8 @@ import time
 
 import pandas as pd
 
+from edgetune.engine import phases
+
 from .methods import BY_KEY, Method, Plot
 
 GiB = 2**30
@@ -85,33 +87,70 @@ def progress(events: list[dict]) -> dict:
            "unit": "generation" if method and method.key == "essa" else "step"}
     if last_step and method:
         out["values"] = {k: last_step[k] for k in method.headline if isinstance(last_step.get(k), (int, float))}
+    out["phase_done"] = out["phase_total"] = None
     if not events:
-        out["phase"] = "waiting for the worker"
+        out["phase"] = "starting the worker"
     elif events[-1]["type"] in ("finished", "stopped", "error"):
         last = events[-1]
-        out["phase"] = "adapter saved" if last["type"] != "error" else last.get("message", "")
-    elif events[-1]["type"] == "warm_start":
-        ws = [e for e in events if e["type"] == "warm_start" and e.get("event") == "step"]
-        out["phase"] = (f"warm-start SFT step {ws[-1]['step']}/{ws[-1].get('total')}" if ws
-                        else "warm-start SFT: loading")
-    elif last_step is None:
-        out["phase"] = "loading the model and data" if started else "starting the worker"
+        out["phase"] = ("adapter saved" if last.get("adapter") else "stopped before an adapter existed") \
+            if last["type"] != "error" else last.get("message", "")
     else:
-        out["phase"] = "training"
+        _phase_of(events, started, out)
     return out
+
+
+def _phase_of(events: list[dict], started: dict | None, out: dict) -> None:
+    """The current phase line from this attempt's `phase` events (ESSA's warm start
+    forwards its SFT's own phases and steps as `warm_start` events)."""
+    since = started["i"] if started else -1
+    mine = [e for e in events if e["i"] > since and e["type"] == "phase"]
+    if not mine:  # a run from before phase events, or a worker still importing
+        has_step = any(e["type"] == "step" and e["i"] > since for e in events)
+        out["phase"] = "training" if has_step else "starting" if started else "starting the worker"
+        return
+    cur = mine[-1]
+    if cur["phase"] == "warm_start":
+        inner = [e for e in events if e["i"] > cur["i"] and e["type"] == "warm_start"]
+        inner_phase = next((e for e in reversed(inner) if e.get("event") == "phase"), None)
+        text = phases.LABELS["warm_start"]
+        if inner_phase is not None and inner_phase["phase"] == "training":
+            ws = [e for e in inner if e.get("event") == "step" and e["i"] > inner_phase["i"]]
+            text += f" · step {ws[-1]['step']}/{ws[-1].get('total')}" if ws else " · training"
+            if ws and ws[-1].get("total"):
+                out["phase_done"], out["phase_total"] = ws[-1]["step"], ws[-1]["total"]
+        elif inner_phase is not None:
+            text += " · " + phases.describe(inner_phase)
+            if inner_phase.get("total"):
+                out["phase_done"], out["phase_total"] = inner_phase.get("done", 0), inner_phase["total"]
+        out["phase"] = text
+        return
+    out["phase"] = phases.describe(cur)
+    if cur["phase"] != "training" and cur.get("total"):
+        out["phase_done"], out["phase_total"] = cur.get("done", 0), cur["total"]
+    if cur["phase"] == "training" and out["step"] == 0:
+        out["phase"] = "training · first step"
+
 
 
 def progress_html(events: list[dict], status: str) -> str:
     p = progress(events)
     if status == "crashed":
         p["phase"] = "the worker ended without a final event (see worker.log in the run folder); Resume continues"
+    if status == "none":
+        p["phase"] = "no run yet: pick a preset on the Method tab, then Start here"
     total = p["total"] or 0
     frac = min(1.0, p["step"] / total) if total else 0.0
+    phase_key = ""
+    if p.get("phase_total") and status in ("running", "starting"):
+        # a long phase before (or after) the steps: its own progress on the bar
+        frac = min(1.0, p["phase_done"] / p["phase_total"])
+        phase_key = "phase"
     values = " · ".join(f"{k} {v:.4g}" for k, v in p["values"].items())
     text = (f"{p['unit']} {p['step']} / {total or '?'} · {duration(p['elapsed'])} elapsed · "
             f"ETA {duration(p['eta']) if status in ('running', 'starting') else '–'}")
     return (
-        f'<div class="et-progress" data-step="{p["step"]}" data-total="{total}" data-status="{status}">'
+        f'<div class="et-progress" data-step="{p["step"]}" data-total="{total}" data-status="{status}" '
+        f'data-phase="{html.escape(p["phase"])}" data-bar="{phase_key or "steps"}">'
         f'<div class="et-progress-head"><b>{html.escape(status)}</b> · {html.escape(p["phase"])}'
         f'<span class="et-progress-values">{html.escape(values)}</span></div>'
         f'<div class="et-bar"><div class="et-bar-fill et-{status}" style="width:{frac * 100:.1f}%"></div></div>'
@@ -134,6 +173,8 @@ def _fmt_event(ev: dict) -> str:
     if kind == "started":
         resumed = f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") else ""
         return f"{t} started {ev.get('method')} on {ev.get('device')}{resumed}"
+    if kind == "phase":
+        return f"{t} phase: {phases.describe(ev)}"
     if kind in ("warning", "error"):
         return f"{t} {kind}: {ev.get('message')}"
     if kind in ("finished", "stopped"):
@@ -149,8 +190,21 @@ def _fmt_event(ev: dict) -> str:
     return f"{head}: " + ", ".join(parts)
 
 
+def _is_phase(ev: dict) -> bool:
+    return ev["type"] == "phase" or (ev["type"] == "warm_start" and ev.get("event") == "phase")
+
+
 def log_lines(events: list[dict], n: int = 40) -> str:
-    shown = [e for e in events if e["type"] != "candidate"]  # ESSA writes one per candidate
+    """The newest `n` events, oldest first (the box scrolls to its end). A phase's progress
+    events collapse into its latest one; ESSA's per-candidate events are left out."""
+    shown = []
+    for e in events:
+        if e["type"] == "candidate":
+            continue
+        if _is_phase(e) and shown and _is_phase(shown[-1]) and shown[-1].get("phase") == e.get("phase"):
+            shown[-1] = e
+        else:
+            shown.append(e)
     return "\n".join(_fmt_event(e) for e in shown[-n:])
 
 

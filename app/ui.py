@@ -16,12 +16,13 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gradio as gr
 import psutil
 
-from edgetune.engine import api
+from edgetune.engine import api, phases
 from edgetune.engine.errors import EdgetuneError
 
 from . import form, live, panels
@@ -58,6 +59,17 @@ def _default_run(runs_dir: Path) -> str:
     return str(runs[0].path) if runs else ""
 
 
+def _reaper(workers: list, lock: threading.Lock, every: float = 2.0) -> None:
+    """Collect the exit status of the workers this app started, so a finished worker
+    does not stay behind as a defunct process until the app exits."""
+    import time
+
+    while True:
+        time.sleep(every)
+        with lock:
+            workers[:] = [r for r in workers if r.process is not None and r.process.poll() is None]
+
+
 def _message(text: str, kind: str = "info") -> str:
     mark = {"info": "", "ok": "✓ ", "error": "✗ "}[kind]
     return f"{mark}{text}"
@@ -71,6 +83,14 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
     chat = api.chat_session(log_path=runs_dir / ".chat-worker.log")
     host_total = psutil.virtual_memory().total
     fields: dict[str, gr.components.Component] = {}
+    workers: list = []  # runs this app started: reaped when they end
+    workers_lock = threading.Lock()
+    threading.Thread(target=_reaper, args=(workers, workers_lock), name="edgetune-reaper", daemon=True).start()
+
+    def adopt(run):
+        with workers_lock:
+            workers.append(run)
+        return run
 
     def widget(spec: form.FieldSpec, value):
         common = dict(label=spec.name, info=spec.help[:180] or None, elem_id=spec.elem_id,
@@ -107,6 +127,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
     with gr.Blocks(title="edgetune") as demo:
         attached = gr.State("")  # the run folder this page shows
         seen = gr.State({})  # what the page last drew, to skip redrawing unchanged plots
+        msg_at = gr.State({})  # the run and status at which the Train tab's message was made
 
         with gr.Row():
             gr.Markdown("## edgetune · LoRA fine-tuning on one GPU")
@@ -259,13 +280,13 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
 
         # -------------------------------------------------------------- live view
 
-        def draw(path: str, last: dict):
+        def draw(path: str, last: dict, msg: dict):
             """Everything of the Train tab for one run; plots only when events changed."""
             run = run_of(path)
             if run is None:
                 return [live.progress_html([], "none")] + [gr.skip()] * MAX_PLOTS + \
                        [live.memory_html(None, host_total, False), gr.skip(), gr.skip(), banner_text(path), last] + \
-                       [gr.skip()] * 3
+                       [gr.skip()] * 5
             events = list(run.events())
             status = run.status()
             try:
@@ -288,18 +309,24 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             else:
                 plot_updates = [gr.skip()] * MAX_PLOTS
                 log_update = samples_update = gr.skip()
-            # The runs table and the Try-it / Export notes follow the run's status (start, stop,
-            # finish: an adapter appears when it stops).
+            # The runs table follows every event (its step column moves with the run); the
+            # Try-it / Export notes follow the run's status (an adapter appears when it stops).
             new_status = status != last.get("status") or path != last.get("path")
-            follow = [runs_outputs(path)[0], describe_chat(path), describe_export(path)] if new_status \
-                else [gr.skip()] * 3
+            follow = [runs_outputs(path)[0] if changed else gr.skip()]
+            follow += [describe_chat(path), describe_export(path)] if new_status else [gr.skip()] * 2
+            # A message belongs to the action that made it: it goes when the page shows another
+            # run or that run's state moves on (starting -> running is still the same state).
+            moved_on = bool(msg) and (msg.get("path") != path or (
+                msg.get("status") != status and (msg.get("status"), status) != ("starting", "running")))
             return [live.progress_html(events, status)] + plot_updates + \
                    [memory_panel, log_update, samples_update, f"Showing run **{run.name}** · {status}",
-                    {**key, "mem": mem}] + follow
+                    {**key, "mem": mem}] + follow + (["", {}] if moved_on else [gr.skip()] * 2)
 
-        live_outputs = [progress] + plots + [memory, logs, samples, banner, seen, runs_table, chat_info, export_info]
+        live_inputs = [attached, seen, msg_at]
+        live_outputs = [progress] + plots + [memory, logs, samples, banner, seen, runs_table, chat_info, export_info,
+                                             train_msg, msg_at]
 
-        timer.tick(draw, [attached, seen], live_outputs, show_progress="hidden")
+        timer.tick(draw, live_inputs, live_outputs, show_progress="hidden")
 
         def on_load():
             path = _default_run(runs_dir)
@@ -312,7 +339,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                     filled = fill_from(cfg)
                 except EdgetuneError:
                     pass
-            return [path] + draw(path, {}) + [runs_outputs(path)[1]] + filled
+            return [path] + draw(path, {}, {}) + [runs_outputs(path)[1]] + filled
 
         form_outputs = [method_radio] + field_list + [method_cols[m.key] for m in METHODS]
         demo.load(on_load, None, [attached] + live_outputs + [run_dd] + form_outputs)
@@ -394,35 +421,44 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
 
         # -------------------------------------------------------------- train
 
-        def do_start(method_label, *values):
+        def said(path: str):
+            """Where a message was made: draw() clears it when that run's state moves on."""
+            run = run_of(path)
+            return {"path": path, "status": run.status() if run else "none"}
+
+        def do_start(method_label, path, *values):
             try:
                 cfg = current_config(method_label, *values)
-                run = api.start(cfg)
+                run = adopt(api.start(cfg))
             except EdgetuneError as e:
-                return _message(str(e), "error"), gr.skip()
-            return _message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"), str(run.path)
+                return _message(str(e), "error"), gr.skip(), said(path)
+            return (_message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"), str(run.path),
+                    {"path": str(run.path), "status": "starting"})
 
         def do_stop(path):
             run = run_of(path)
             if run is None or run.status() not in ("running", "starting"):
-                return _message("No run is training.", "error")
+                return _message("No run is training.", "error"), said(path)
             run.stop()
-            return _message(f"Stopping **{run.name}** after the current step; the adapter will be saved.")
+            return _message(f"Stopping **{run.name}** after the current step; the adapter will be saved."), \
+                said(path)
 
         def do_resume(path):
             run = run_of(path)
             if run is None:
-                return _message("Open a run first (Runs tab).", "error"), gr.skip()
+                return _message("Open a run first (Runs tab).", "error"), gr.skip(), said(path)
+            last = run.dir.last_checkpoint()
             try:
-                run = api.resume(run.path)
+                run = adopt(api.resume(run.path))
             except EdgetuneError as e:
-                return _message(str(e), "error"), gr.skip()
-            return _message(f"Resumed **{run.name}** from its last checkpoint.", "ok"), str(run.path)
+                return _message(str(e), "error"), gr.skip(), said(path)
+            return (_message(phases.resume_words(f"**{run.name}**", last), "ok"), str(run.path),
+                    {"path": str(run.path), "status": "starting"})
 
-        start_btn.click(do_start, [method_radio] + field_list, [train_msg, attached]) \
-            .then(draw, [attached, seen], live_outputs).then(runs_outputs, attached, [runs_table, run_dd])
-        stop_btn.click(do_stop, attached, train_msg)
-        resume_btn.click(do_resume, attached, [train_msg, attached]).then(draw, [attached, seen], live_outputs)
+        start_btn.click(do_start, [method_radio, attached] + field_list, [train_msg, attached, msg_at]) \
+            .then(draw, live_inputs, live_outputs).then(runs_outputs, attached, [runs_table, run_dd])
+        stop_btn.click(do_stop, attached, [train_msg, msg_at])
+        resume_btn.click(do_resume, attached, [train_msg, attached, msg_at]).then(draw, live_inputs, live_outputs)
 
         # -------------------------------------------------------------- runs
 
@@ -430,11 +466,11 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
 
         def do_open(name):
             if not name:
-                return gr.skip(), _message("Pick a run.", "error"), gr.skip()
+                return gr.skip(), _message("Pick a run.", "error"), gr.skip(), gr.skip()
             path = str(runs_dir / name)
-            return path, _message(f"Opened **{name}**.", "ok"), gr.Tabs(selected="train")
+            return path, _message(f"Opened **{name}**.", "ok"), gr.Tabs(selected="train"), said(path)
 
-        open_btn.click(do_open, run_dd, [attached, train_msg, tabs]).then(draw, [attached, seen], live_outputs)
+        open_btn.click(do_open, run_dd, [attached, train_msg, tabs, msg_at]).then(draw, live_inputs, live_outputs)
 
         # -------------------------------------------------------------- try it
 

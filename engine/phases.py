@@ -45,3 +45,11 @@ def counter(emit_fn, phase: str, total: int, unit: str, should_stop=lambda: Fals
         return should_stop()
 
     return tick
+
+
+def resume_words(name: str, last_checkpoint) -> str:
+    """What a resume will really do, from the run's last checkpoint ((step, path) or None)."""
+    if last_checkpoint:
+        return f"Resumed {name} from its step-{last_checkpoint[0]} checkpoint."
+    return (f"Resumed {name}: it has no checkpoint, so training starts again from step 0 "
+            "(an ESSA run keeps a finished warm start).")

@@ -145,9 +145,10 @@ def test_sft_events_become_loss_plot_progress_and_logs():
 
 
 def test_progress_before_the_first_step_and_at_the_end():
-    assert live.progress([])["phase"] == "waiting for the worker"
+    assert live.progress([])["phase"] == "starting the worker"
+    assert "no run yet" in live.progress_html([], "none")
     early = live.progress(SFT_EVENTS[:2])
-    assert (early["step"], early["total"], early["phase"]) == (0, 10, "loading the model and data")
+    assert (early["step"], early["total"]) == (0, 10)
     done = SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={"loss": 2.0}, elapsed=5)]
     assert live.progress(done)["phase"] == "adapter saved"
     failed = SFT_EVENTS + [_ev(6, "error", message="data.path: file not found", kind="input")]
@@ -343,3 +344,40 @@ def test_chat_worker_holds_a_conversation_per_side(tmp_path, tiny_model_dir):
         chat.close()
     assert len(hist) == 6 and all(isinstance(m["content"], (str, list)) for m in hist)
     assert not bad["ok"] and "chat message 1" in bad["error"]
+
+
+def test_each_phase_has_its_own_status_line_and_progress():
+    """The page's line follows the worker's `phase` events; a long phase fills the bar
+    with its own progress (it used to say "loading the model and data" throughout)."""
+    start = [_ev(0, "started", method="sft", run="r", config={"sft": {"steps": 10}}, device="cpu")]
+    seen = {}
+    script = [("data_check", {}), ("loading", {}), ("initial_eval", dict(done=0, total=30, unit="prompts")),
+              ("initial_eval", dict(done=12, total=30, unit="prompts")), ("training", {})]
+    events = list(start)
+    for name, extra in script:
+        events.append(_ev(len(events), "phase", phase=name, **extra))
+        seen[(name, extra.get("done"))] = (live.progress(events)["phase"], live.progress_html(events, "running"))
+    assert seen[("data_check", None)][0] == "checking the data"
+    assert seen[("loading", None)][0] == "loading the model"
+    line, html = seen[("initial_eval", 12)]
+    assert line == "initial eval 12/30 prompts" and "width:40.0%" in html and 'data-bar="phase"' in html
+    assert seen[("training", None)][0] == "training · first step"
+    events.append(_ev(len(events), "step", step=3, total=10, loss=2.0, elapsed=3.0, eta=7.0))
+    assert live.progress(events)["phase"] == "training" and "width:30.0%" in live.progress_html(events, "running")
+    events.append(_ev(len(events), "phase", phase="final_eval", done=1, total=4, unit="batches"))
+    assert live.progress(events)["phase"] == "final eval 1/4 batches"
+    # The log shows each phase once, at its latest progress.
+    logs = live.log_lines(events)
+    assert logs.count("initial eval") == 1 and "phase: initial eval 12/30 prompts" in logs
+
+
+def test_essa_warm_start_shows_its_own_phases():
+    events = [_ev(0, "started", method="essa", run="r", config={"essa": {"generations": 8}}, device="cpu"),
+              _ev(1, "phase", phase="warm_start"),
+              _ev(2, "warm_start", event="phase", phase="initial_eval", done=2, total=4, unit="batches")]
+    assert live.progress(events)["phase"] == "warm start (SFT) · initial eval 2/4 batches"
+    events += [_ev(3, "warm_start", event="phase", phase="training"),
+               _ev(4, "warm_start", event="step", step=3, total=6, loss=1.0)]
+    assert live.progress(events)["phase"] == "warm start (SFT) · step 3/6"
+    events += [_ev(5, "phase", phase="initial_eval", done=16, total=30, unit="prompts")]
+    assert live.progress(events)["phase"] == "initial eval 16/30 prompts"
