@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import RunError
-from .events import TERMINAL, follow, read_events
-from .runfolder import RunDir, atomic_write_text, pid_alive
+from .events import TERMINAL, follow, read_events, scan_events
+from .runfolder import RunDir, atomic_write_text, check_run_name, lock_runs_folder, pid_alive
 from .settings import Config, resolve  # noqa: F401  (re-exported for callers)
 
 ACTIVE = ("starting", "running")
@@ -112,7 +112,7 @@ class Run:
         return yaml.safe_load(self.dir.config_path.read_text())
 
     def summary(self) -> dict:
-        events = read_events(self.dir.events_path)
+        events, damaged = scan_events(self.dir.events_path)
         cfg = self.config() if self.dir.config_path.is_file() else {}
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
@@ -122,6 +122,7 @@ class Run:
             "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
             "metrics": (end or {}).get("metrics", {}), "message": (end or {}).get("message"),
             "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
+            "damaged_event_lines": damaged,
         }
 
 
@@ -145,14 +146,16 @@ def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
     return next((r for r in list_runs(runs_dir) if r.status() in ACTIVE), None)
 
 
-def _spawn(run: RunDir, resume: bool) -> subprocess.Popen:
+def _spawn(run: RunDir, resume: bool, lock_fd: int) -> subprocess.Popen:
     log = open(run.log_path, "a")
     cmd = [sys.executable, "-m", "edgetune.engine.worker", str(run.path)] + (["--resume"] if resume else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
+    # The worker inherits the runs folder's lock and holds it until it exits.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env=env, cwd=os.getcwd())
+                            start_new_session=True, env=env, cwd=os.getcwd(), pass_fds=(lock_fd,))
+    log.close()
     atomic_write_text(run.pid_path, str(proc.pid))
     return proc
 
@@ -173,35 +176,57 @@ def preflight(cfg: Config) -> None:
             raise DataError(f"data.{key}: file not found", file=value)
 
 
+def _locked(runs_dir: Path) -> int:
+    """The runs folder's lock (one active run per runs folder), or a one-line refusal."""
+    fd = lock_runs_folder(runs_dir)
+    if fd is None:
+        busy = active_run(runs_dir)
+        who = f"run '{busy.name}' is still training" if busy else "another run is starting"
+        raise RunError(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
+    return fd
+
+
 def start(cfg: Config, name: str | None = None) -> Run:
     """Create `runs/<name>/` with the resolved config and start its worker."""
     preflight(cfg)
     runs_dir = Path(cfg.run.runs_dir)
-    busy = active_run(runs_dir)
-    if busy is not None:
-        raise RunError(f"run '{busy.name}' is still training (one run at a time per GPU): stop it first")
-    base = name or cfg.run.name or f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run = RunDir(runs_dir / _unique_name(runs_dir, base))
-    run.path.mkdir(parents=True)
-    cfg.run.name = run.name
-    atomic_write_text(run.config_path, cfg.to_yaml())
-    return Run(run.path, _spawn(run, resume=False))
+    base = check_run_name(name or cfg.run.name or f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    fd = _locked(runs_dir)
+    try:
+        busy = active_run(runs_dir)  # a worker of a version that did not hold the lock
+        if busy is not None:
+            raise RunError(f"run '{busy.name}' is still training in {runs_dir} (one run at a time per runs "
+                           "folder): stop it first")
+        run = RunDir(runs_dir / _unique_name(runs_dir, base))
+        try:
+            run.path.mkdir(parents=True)
+            cfg.run.name = run.name
+            atomic_write_text(run.config_path, cfg.to_yaml())
+        except OSError as e:
+            raise RunError(f"{run.path}: cannot create the run folder ({e.strerror})") from None
+        return Run(run.path, _spawn(run, resume=False, lock_fd=fd))
+    finally:
+        os.close(fd)
 
 
 def resume(path: str | os.PathLike) -> Run:
-    """Continue a stopped, failed or crashed run from its last checkpoint (or from the
-    start when it has none); new events are appended to the same events.jsonl."""
+    """Continue a stopped, failed or crashed run from its last intact checkpoint (or from
+    the start when it has none); new events are appended to the same events.jsonl."""
     r = Run(path)
     r.dir.require()
-    status = r.status()
-    if status in ACTIVE:
-        raise RunError(f"run '{r.name}' is still {status}")
-    if status == "finished":
-        raise RunError(f"run '{r.name}' already finished; start a new run to train further")
-    busy = active_run(r.path.parent)
-    if busy is not None:
-        raise RunError(f"run '{busy.name}' is still training (one run at a time per GPU): stop it first")
-    return Run(r.path, _spawn(r.dir, resume=True))
+    fd = _locked(r.path.parent)
+    try:
+        status = r.status()
+        if status in ACTIVE:
+            raise RunError(f"run '{r.name}' is still {status}")
+        if status == "finished":
+            raise RunError(f"run '{r.name}' already finished; start a new run to train further")
+        busy = active_run(r.path.parent)
+        if busy is not None:
+            raise RunError(f"run '{busy.name}' is still training (one run at a time per runs folder): stop it first")
+        return Run(r.path, _spawn(r.dir, resume=True, lock_fd=fd))
+    finally:
+        os.close(fd)
 
 
 def open_run(path: str | os.PathLike) -> Run:

@@ -29,3 +29,7 @@ class DataError(EdgetuneError):
 
 class RunError(EdgetuneError):
     pass
+
+
+class CheckpointError(RunError):
+    """A checkpoint that is missing, truncated, or holds more than tensors and numbers."""

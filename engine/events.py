@@ -48,12 +48,19 @@ class EventWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.count = len(read_events(self.path))
-        self._f = open(self.path, "a", encoding="utf-8")
+        events = read_events(self.path)
+        self.count = events[-1]["i"] + 1 if events else 0
+        self._f = open(self.path, "a+b")
+        # A writer killed mid-line left no newline: start on a fresh line so that line
+        # stays one damaged line instead of swallowing our first event.
+        if self._f.seek(0, os.SEEK_END) > 0:
+            self._f.seek(-1, os.SEEK_END)
+            if self._f.read(1) != b"\n":
+                self._f.write(b"\n")
 
     def emit(self, type: str, **fields) -> dict:
         event = {"i": self.count, "time": round(time.time(), 3), "type": type, **fields}
-        self._f.write(json.dumps(event, default=_jsonable) + "\n")
+        self._f.write((json.dumps(event, default=_jsonable) + "\n").encode("utf-8"))
         self._f.flush()
         os.fsync(self._f.fileno())
         self.count += 1
@@ -73,23 +80,34 @@ def _jsonable(x):
     return str(x)
 
 
-def read_events(path: str | os.PathLike, start: int = 0) -> list[dict]:
-    """All complete events from index `start` on (a half-written last line is skipped)."""
+def scan_events(path: str | os.PathLike, start: int = 0) -> tuple[list[dict], int]:
+    """(events with index `i` >= `start`, number of damaged lines skipped). A last line
+    without its newline is being written (or was cut by a crash) and is left for later;
+    a complete line that is not an event (a crash mid-write, then more events after it)
+    is skipped and counted, so it never hides what follows."""
     path = Path(path)
     if not path.exists():
-        return []
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if n < start:
-                continue
-            if not line.endswith("\n"):
+        return [], 0
+    out, damaged = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
                 break
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return out
+                ev = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                ev = None
+            if not isinstance(ev, dict) or not isinstance(ev.get("i"), int) or "type" not in ev:
+                damaged += raw.strip() != b""
+                continue
+            if ev["i"] >= start:
+                out.append(ev)
+    return out, damaged
+
+
+def read_events(path: str | os.PathLike, start: int = 0) -> list[dict]:
+    """All complete events with index `i` >= `start` (damaged lines are skipped)."""
+    return scan_events(path, start)[0]
 
 
 def follow(path: str | os.PathLike, start: int = 0, alive=lambda: True, poll: float = 0.2,

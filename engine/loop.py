@@ -4,6 +4,8 @@ optimizer and schedule, checkpoints that resume exactly, and the final adapter.
 A checkpoint holds the adapter weights (PEFT safetensors) and `training_state.pt`
 (optimizer, scheduler, RNG states, step, and whatever the method adds). Restoring all of
 them is what makes a resumed run produce the same loss values as an uninterrupted one.
+The state holds only tensors, numbers and containers and is read with
+`torch.load(weights_only=True)`: a checkpoint copied from elsewhere cannot run code.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import memory
+from .errors import CheckpointError
 from .events import EventWriter
 from .runfolder import RunDir, atomic_dir
 from .settings import Config
@@ -108,11 +111,14 @@ def make_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: fl
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain numbers, so it loads without pickle."""
+    py = random.getstate()
+    state = {"python": [py[0], torch.tensor(py[1], dtype=torch.int64), py[2]], "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -121,14 +127,19 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
+    py = state["python"]
+    random.setstate((py[0], tuple(int(v) for v in py[1].tolist()), py[2]))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+STATE_FILE = "training_state.pt"
 
 
 def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler=None, **extra) -> Path:
@@ -140,10 +151,68 @@ def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler
             state["optimizer"] = optimizer.state_dict()
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
-        torch.save(state, tmp / "training_state.pt")
+        torch.save(state, tmp / STATE_FILE)
     ctx.run.prune_checkpoints(ctx.cfg.run.keep_checkpoints)
     ctx.emit("checkpoint", step=step, path=str(path))
     return path
+
+
+def save_stop_checkpoint(ctx: RunContext, stopped: bool, start_step: int, step: int, model, optimizer=None,
+                         scheduler=None, **extra) -> None:
+    """A graceful stop keeps every finished step: checkpoint the step it stopped at
+    (unless that step already has one), so resume continues from exactly there."""
+    last = ctx.run.last_checkpoint()
+    if stopped and step > start_step and (last is None or last[0] != step):
+        save_checkpoint(ctx, step, model, optimizer, scheduler, **extra)
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's training state. Tensors, numbers and containers only
+    (`weights_only`): a file that needs anything else is refused, never unpickled."""
+    f = Path(path) / STATE_FILE
+    try:
+        return torch.load(f, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing") from None
+    except Exception as e:  # truncated, damaged, or not made of plain tensors and numbers
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CheckpointError(f"{f}: unreadable or unsafe ({first})") from None
+
+
+def check_checkpoint(path: Path) -> None:
+    """Raise CheckpointError unless the adapter weights and the training state read whole."""
+    from safetensors.torch import load_file
+
+    read_state(path)
+    f = Path(path) / "adapter_model.safetensors"
+    try:
+        load_file(str(f))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing") from None
+    except Exception as e:
+        raise CheckpointError(f"{f}: unreadable ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") \
+            from None
+
+
+def pick_checkpoint(run: RunDir, warn: Callable[[str], None]) -> tuple[int, Path] | None:
+    """The newest intact checkpoint; each damaged one newer than it is named in a warning.
+    None when the run has no checkpoint; an error when it has some and none is intact
+    (training again from step 0 would silently throw the run away)."""
+    cps = run.list_checkpoints()
+    problems = []
+    for step, path in reversed(cps):
+        try:
+            check_checkpoint(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            warn(f"checkpoint {path} is damaged, skipped: {e}")
+            continue
+        if problems:
+            warn(f"resuming from the previous intact checkpoint, step {step}")
+        return step, path
+    if problems:
+        raise CheckpointError(f"no intact checkpoint in {run.checkpoints}: {problems[0]}")
+    return None
 
 
 def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
@@ -153,7 +222,7 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
 
     weights = load_file(str(Path(path) / "adapter_model.safetensors"))
     set_peft_model_state_dict(model, weights)
-    state = torch.load(Path(path) / "training_state.pt", weights_only=False)
+    state = read_state(path)
     if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "scheduler" in state:

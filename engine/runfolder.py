@@ -17,13 +17,15 @@ folders (checkpoints, adapter) are built under a temporary name and renamed whol
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from .errors import RunError
+from .errors import ConfigError, RunError
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -146,6 +148,69 @@ class RunDir:
         if not self.config_path.is_file():
             raise RunError(f"not a run folder (no config.yaml): {self.path}")
         return self
+
+
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old-\d+)$")  # names atomic_write_text / atomic_dir give their temporaries
+
+
+def clean_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Remove what a killed write left behind (our own temporary names only, anywhere
+    in the run folder); returns what was removed."""
+    removed = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in list(dirnames) + filenames:
+            if _TEMPORARY.match(name):
+                p = Path(dirpath) / name
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                    dirnames.remove(name)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def check_run_name(name: str) -> str:
+    """A run name is one path component of our own choosing: nothing is ever written
+    outside the runs folder."""
+    bad = (not isinstance(name, str) or not name.strip() or name in (".", "..") or name.startswith(".")
+           or "/" in name or "\\" in name or "\0" in name or name != name.strip() or len(name.encode()) > 200
+           or any(ord(c) < 32 for c in name))
+    if bad:
+        raise ConfigError(f"run.name {name!r}: give a plain folder name (letters, digits, - _ .; no '/', "
+                          "no '..', not starting with '.')")
+    return name
+
+
+LOCK_FILE = ".edgetune.lock"
+
+
+def lock_runs_folder(runs_dir: str | os.PathLike) -> int | None:
+    """Take the runs folder's lock without waiting: the fd holding it, or None when
+    another process holds it. A worker inherits the fd, so the lock lives exactly as long
+    as the run's process (the kernel drops it when that dies, even by SIGKILL)."""
+    import fcntl
+
+    d = Path(runs_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"{d}: cannot use as the runs folder ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC, also when a library (torch's or safetensors' writer) wrapped it in its own error."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    text = str(e)
+    return "No space left on device" in text or "StorageFull" in text or "os error 28" in text
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -41,7 +41,7 @@ from . import phases
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   save_checkpoint, seed_everything)
+                   save_checkpoint, save_stop_checkpoint, seed_everything)
 from .packing import collate_packed
 
 
@@ -186,7 +186,7 @@ def train(ctx: RunContext) -> dict:
                 ctx.emit("eval", step=step, eval_loss=loss)
         if every(cfg.run.checkpoint_every, step) and step < s.steps:
             save_checkpoint(ctx, step, model, optimizer, scheduler)
-
+    save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
     if sebp is not None:
         sebp.set_active_rows(model, None)
         sebp.unpatch(model)

@@ -22,7 +22,7 @@ import yaml
 
 from .errors import EdgetuneError
 from .events import EventWriter
-from .runfolder import RunDir, atomic_write_text
+from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
 from .settings import from_dict
 
 METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
@@ -54,17 +54,18 @@ def method_module(method: str):
 
 def run(run_dir: str, resume: bool = False) -> int:
     run = RunDir(run_dir).require()
+    clean_temporaries(run.path)  # what a write killed mid-way left (this process is the run's only writer)
     emit = EventWriter(run.events_path)
     atomic_write_text(run.pid_path, str(os.getpid()))
-    from .loop import RunContext
+    from .loop import RunContext, pick_checkpoint
 
     ctx = None
     beat = start_heartbeat(run)
     try:
         cfg = from_dict(yaml.safe_load(run.config_path.read_text()))
-        ckpt = None
+        ckpt = last = None
         if resume:
-            last = run.last_checkpoint()
+            last = pick_checkpoint(run, lambda m: emit("warning", message=m))
             ckpt = last[1] if last else None
         run.clear_stop()
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt)
@@ -83,6 +84,11 @@ def run(run_dir: str, resume: bool = False) -> int:
         return 130
     except BaseException as e:  # a bug: keep the traceback in worker.log, one line in events
         traceback.print_exc()
+        if disk_full(e):  # the user's condition, not ours
+            where = getattr(e, "filename", None) or run.path
+            emit("error", message=f"no space left on {where}: free some space, then edgetune resume {run.path}",
+                 kind="input")
+            return 2
         first = str(e).splitlines()[0] if str(e) else ""
         emit("error", message=f"internal error: {type(e).__name__}: {first} (traceback in {run.log_path})",
              kind="bug")

@@ -1,0 +1,175 @@
+"""Faults a long run meets, each injected on the CPU with the tiny model: a graceful stop
+between checkpoints, a damaged event log, a truncated or planted checkpoint, leftovers
+of a killed write, a SIGKILL mid-step and mid-checkpoint."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from edgetune.engine import api, settings
+from edgetune.engine.errors import CheckpointError
+from edgetune.engine.events import EventWriter, read_events, scan_events
+from edgetune.engine.loop import pick_checkpoint
+from edgetune.engine.runfolder import RunDir
+from inline_run import run_inline
+
+
+def _cfg(model_dir, tmp_path, **over):
+    base = {
+        "method": "sft",
+        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"path": "embedded:arith-sft", "max_rows": 64, "max_seq_len": 128},
+        "run": {"runs_dir": str(tmp_path), "seed": 3, "checkpoint_every": 50},
+        "sft": {"lr": 1e-3, "steps": 6, "batch_size": 4, "grad_accum": 2, "warmup_steps": 1, "eval_every": 0},
+    }
+    for k, v in over.items():
+        base[k].update(v)
+    return settings.from_dict(base)
+
+
+def _losses(events):
+    return {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+
+
+def _sft(cfg, path, **kw):
+    from edgetune.engine import sft
+
+    return run_inline(sft.train, cfg, path, **kw)[2]
+
+
+@pytest.fixture(scope="module")
+def full_losses(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    losses = _losses(_sft(_cfg(tiny_model_dir, tmp), tmp / "full"))
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(set(losses.values())) == 6
+    return losses
+
+
+def test_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, tmp_path, full_losses):
+    cfg = _cfg(tiny_model_dir, tmp_path)  # periodic checkpoints every 50 steps: none before the stop
+    first = _sft(cfg, tmp_path / "cut", stop_after=2)
+    assert first[-1]["type"] == "stopped" and first[-1]["step"] == 2
+    assert RunDir(tmp_path / "cut").last_checkpoint()[0] == 2
+    second = [e for e in _sft(cfg, tmp_path / "cut", resume=True) if e["i"] > first[-1]["i"]]
+    assert second[-1]["type"] == "finished"
+    assert sorted(_losses(second)) == [3, 4, 5, 6]  # continued from exactly the stopped-at step
+    assert {**_losses(first), **_losses(second)} == full_losses  # bit for bit
+
+
+def _write_config(cfg, run_path):
+    (run_path / "config.yaml").write_text(cfg.to_yaml())
+
+
+def _resume_in_worker(run_path, timeout=300):
+    run = api.resume(run_path)
+    assert run.wait(timeout) in ("finished", "stopped", "failed"), run.status()
+    return run
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp_path, full_losses):
+    cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2, "keep_checkpoints": 3})
+    path = tmp_path / "r"
+    _sft(cfg, path, stop_after=4)
+    _write_config(cfg, path)
+    assert [s for s, _ in RunDir(path).list_checkpoints()] == [2, 4]
+    state = path / "checkpoints" / "step-4" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a crash mid-write of an old version
+    warnings = []
+    assert pick_checkpoint(RunDir(path), warnings.append)[0] == 2
+    assert str(state) in warnings[0] and "step 2" in warnings[1]
+
+    run = _resume_in_worker(path)
+    assert run.status() == "finished", (path / "worker.log").read_text()[-3000:]
+    events = read_events(path / "events.jsonl")
+    started = [e for e in events if e["type"] == "started"][-1]
+    assert started["resumed_from"] == 2
+    after = [e for e in events if e["i"] > started["i"]]
+    msgs = [e["message"] for e in after if e["type"] == "warning"] + \
+           [e["message"] for e in events if e["type"] == "warning" and e["i"] < started["i"]]
+    assert any(str(state) in m for m in msgs), msgs
+    assert _losses(after) == {k: v for k, v in full_losses.items() if k > 2}
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_is_refused_and_never_run(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2, "keep_checkpoints": 3})
+    path = tmp_path / "r"
+    _sft(cfg, path, stop_after=2)
+    _write_config(cfg, path)
+    copied = tmp_path / "copied"
+    shutil.copytree(path, copied)
+    marker = tmp_path / "PWNED"
+    state = copied / "checkpoints" / "step-2" / "training_state.pt"
+    good = torch.load(state, weights_only=True)
+    torch.save({**good, "extra": _Payload(marker)}, state)
+    with pytest.raises(CheckpointError, match="training_state.pt: unreadable or unsafe"):
+        pick_checkpoint(RunDir(copied), lambda m: None)
+    assert not marker.exists()
+
+    run = _resume_in_worker(copied)  # the CLI and the app resume through the same worker
+    events = read_events(copied / "events.jsonl")
+    assert run.status() == "failed" and events[-1]["type"] == "error" and events[-1]["kind"] == "input"
+    assert str(state) in events[-1]["message"] and "no intact checkpoint" in events[-1]["message"]
+    assert not marker.exists()
+    p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "resume", str(copied)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and str(state) in p.stderr
+    assert not marker.exists()
+
+
+def test_damaged_event_lines_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "events.jsonl"
+    w = EventWriter(path)
+    w.emit("started", method="sft")
+    w.emit("step", step=1)
+    w.close()
+    with open(path, "a") as f:
+        f.write('{"i": 2, "time": 1, "type": "st')  # killed mid-write
+    assert [e["i"] for e in read_events(path)] == [0, 1]  # an unfinished last line waits
+    w = EventWriter(path)  # the resumed worker
+    assert w.emit("started", method="sft")["i"] == 2
+    w.emit("step", step=2)
+    w.emit("finished", step=2, adapter="a", metrics={})
+    w.close()
+    with open(path, "a") as f:
+        f.write("\x00\x00garbage\n")
+    events, damaged = scan_events(path)
+    assert [e["i"] for e in events] == [0, 1, 2, 3, 4] and damaged == 2
+    assert [e["i"] for e in read_events(path, 3)] == [3, 4]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("method: sft\n")
+    shutil.copy(path, run / "events.jsonl")
+    s = api.Run(run).summary()
+    assert s["status"] == "finished" and s["step"] == 2 and s["damaged_event_lines"] == 2
+
+
+def test_leftovers_of_a_killed_write_are_removed_on_start(tiny_model_dir, tmp_path):
+    from edgetune.engine.runfolder import clean_temporaries
+
+    run = tmp_path / "r"
+    (run / "checkpoints" / ".step-3.abc.tmp").mkdir(parents=True)
+    (run / "checkpoints" / ".step-3.abc.tmp" / "adapter_model.safetensors").write_bytes(b"half")
+    (run / ".adapter.x1.tmp").mkdir()
+    (run / ".memory.json.y2.tmp").write_text("{")
+    (run / "checkpoints" / ".step-2.old-123").mkdir()
+    (run / "notes.tmp").write_text("the user's")  # not one of our names
+    (run / "checkpoints" / "step-2").mkdir()
+    removed = clean_temporaries(run)
+    assert len(removed) == 4
+    assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "notes.tmp", "step-2"]
