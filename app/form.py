@@ -178,11 +178,8 @@ def preset_config(name: str, runs_dir: str) -> S.Config:
 
 
 def preset_title(path: Path) -> str:
-    """The first comment line of a preset file, shown as its description."""
-    for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+    """A preset's description: the first sentence of its leading comment."""
+    return S.preset_description(path)
 
 
 def save_preset(name: str, cfg: S.Config, folder: Path | None = None) -> Path:

@@ -26,12 +26,15 @@ from .settings import Config
 
 
 def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
+    from .model import base_model_id
+
+    base_id, note = base_model_id(cfg.model.name, base_path)
     method = {"sft": "SFT (supervised fine-tuning)", "fgrpo": "F-GRPO (focal group-relative RL)",
               "essa": "ESSA (evolution strategies over LoRA singular values)"}[cfg.method]
     lines = [
-        "---", "library_name: peft", f"base_model: {cfg.model.name}", "tags: [edgetune, lora]", "---", "",
+        "---", "library_name: peft", f"base_model: {base_id}", "tags: [edgetune, lora]", "---", "",
         f"# LoRA adapter trained with edgetune ({cfg.method})", "",
-        f"- **Base model:** `{cfg.model.name}` (loaded from `{base_path}`, quantisation `{cfg.model.quant}`)",
+        f"- **Base model:** `{base_id}` ({note}; trained with the base in `{cfg.model.quant}`)",
         f"- **Method:** {method}",
         f"- **LoRA:** r={cfg.lora.r}, alpha={cfg.lora.alpha}, dropout={cfg.lora.dropout}, "
         f"targets={cfg.lora.target_modules}",
@@ -39,24 +42,41 @@ def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
         f"- **Seed:** {cfg.run.seed}", "", "## Final metrics", "",
     ]
     lines += [f"- {k}: {v:.6g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in metrics.items()] or ["- (none)"]
-    lines += ["", "## Load it", "", "```python",
+    lines += ["", "## Load it", "", "Run this in this folder (or set `adapter` to its path):", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "from peft import PeftModel",
-              f"base = AutoModelForCausalLM.from_pretrained({base_path!r})",
-              "model = PeftModel.from_pretrained(base, 'path/to/this/folder')",
-              "tokenizer = AutoTokenizer.from_pretrained('path/to/this/folder')", "```", "",
+              "",
+              "adapter = '.'",
+              f"base = AutoModelForCausalLM.from_pretrained({base_id!r})",
+              "model = PeftModel.from_pretrained(base, adapter)",
+              "tokenizer = AutoTokenizer.from_pretrained(adapter)",
+              "messages = [{'role': 'user', 'content': 'Hello!'}]",
+              "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors='pt',",
+              "                                    return_dict=True)",
+              "out = model.generate(**ids, max_new_tokens=32)",
+              "print(tokenizer.decode(out[0, ids['input_ids'].shape[1]:], skip_special_tokens=True))", "```", "",
               "Settings of the run (all of them):", "", "```yaml", cfg.to_yaml().rstrip(), "```", ""]
     return "\n".join(lines)
 
 
 def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict) -> Path:
     """Save adapter + tokenizer + model card into `out`, all or nothing."""
+    from .model import base_model_id
+
+    base_id, _ = base_model_id(cfg.model.name, base_path)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
+        # PEFT records the folder the base was loaded from (for a GGUF or the embedded
+        # model, a cache folder of this machine): name the base as any machine finds it.
+        config_path = tmp / "adapter_config.json"
+        adapter_cfg = json.loads(config_path.read_text())
+        adapter_cfg["base_model_name_or_path"] = base_id
+        config_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True))
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(cfg, base_path, metrics))
-        (tmp / "edgetune.json").write_text(json.dumps({"base_path": base_path, "method": cfg.method,
-                                                         "metrics": metrics}, indent=2))
+        # base_path: where this machine loaded the base from (a merge here reloads it).
+        (tmp / "edgetune.json").write_text(json.dumps({"base_model": base_id, "base_path": base_path,
+                                                         "method": cfg.method, "metrics": metrics}, indent=2))
     return out
 
 
@@ -160,7 +180,9 @@ def _merge_into(adapter: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     info = json.loads((adapter / "edgetune.json").read_text()) if (adapter / "edgetune.json").is_file() else {}
-    base_path = info.get("base_path") or json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base_path = info.get("base_path")
+    if not base_path or not Path(base_path).exists():  # exported from another machine: the hub id
+        base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(out)

@@ -168,9 +168,10 @@ def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy,
     return out
 
 
-def evaluate_adapter(cfg: Config, adapter_path: str | None) -> dict:
+def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
     """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
-    ("" = the base alone, for a before/after comparison in the same precision)."""
+    ("" = the base alone, for a before/after comparison in the same precision).
+    `progress(prompts_done, total)` as the evaluation advances."""
     cfg = copy.deepcopy(cfg)
     if adapter_path:
         if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
@@ -187,7 +188,9 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None) -> dict:
         raise DataError("no held-out rows to evaluate on (set data.eval_fraction or data.eval_path)",
                         file=cfg.data.path)
     reward = build_reward(cfg.fgrpo.reward, cfg.fgrpo.reward_file)
-    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed)
+    total = len(rows) * eval_passes(cfg.fgrpo)
+    tick = (lambda done: progress(done, total)) if progress is not None else None
+    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed, tick=tick)
     return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
 
 

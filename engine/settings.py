@@ -350,6 +350,21 @@ def list_presets() -> dict[str, Path]:
     return {p.stem: p for p in sorted(preset_dir().glob("*.yaml"))}
 
 
+def preset_description(path: str | os.PathLike) -> str:
+    """A preset's first sentence, from the comment it starts with (which may wrap over
+    several lines): what `edgetune presets` and the page show."""
+    import re
+
+    words = []
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#   ") or not line.strip("# "):
+            break  # the end of the leading comment, or its command lines
+        words.append(line.lstrip("#").strip())
+    text = " ".join(words)
+    end = re.search(r"(?<!e\.g)(?<!i\.e)[.!?](?=\s+[A-Z]|$)", text)
+    return text[: end.end()] if end else text
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
