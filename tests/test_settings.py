@@ -61,3 +61,83 @@ def test_unknown_preset_and_missing_file():
         settings.resolve(preset="sft-quickstrat")
     with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
         settings.resolve(config="nope.yaml")
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+def _bad_number(rng: settings.Range) -> float:
+    """A value just outside the range."""
+    if rng.low is not None:
+        return rng.low if rng.low_open else rng.low - 1
+    return rng.high + 1
+
+
+@pytest.mark.parametrize("key", sorted(settings.CHOICES))
+def test_each_enumerated_setting_rejects_a_bad_word_in_one_line(key):
+    group, name = key.split(".")
+    with pytest.raises(ConfigError) as e:
+        settings.resolve(overrides={group: {name: "not-a-choice"}})
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: 'not-a-choice' is not one of ") and "\n" not in msg
+    assert all(word in msg for word in settings.CHOICES[key])
+
+
+@pytest.mark.parametrize("key", sorted(settings.RANGES))
+def test_each_numeric_setting_rejects_a_value_outside_its_range(key):
+    group, name = key.split(".")
+    rng = settings.RANGES[key]
+    bad = _bad_number(rng)
+    typ = settings._field_types(type(getattr(settings.Config(), group)))[name]
+    with pytest.raises(ConfigError) as e:
+        settings.resolve(overrides={group: {name: typ(bad)}})
+    msg = str(e.value)
+    assert msg.startswith(f"{key} must be ") and "\n" not in msg, msg
+    # the bound itself, or the next value inside, is accepted
+    good = rng.low if rng.low is not None and not rng.low_open else (rng.low or 0) + (1 if typ is int else 0.5)
+    assert getattr(getattr(settings.resolve(overrides={group: {name: typ(good)}}), group), name) == typ(good)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("sft.optimizer=adamw8bit", "sft.optimizer: 'adamw8bit' is not one of auto, adamw, adamw_8bit, "
+                                "paged_adamw_8bit (did you mean 'adamw_8bit'?)"),
+    ("sft.sebp=maybe", "sft.sebp: 'maybe' is not one of auto, on, off"),
+    ("fgrpo.reward=lastnumber", "fgrpo.reward: unknown reward 'lastnumber' (did you mean 'last_number'?)"),
+    ("essa.reward={exact: 1, mth: 1}", "essa.reward: unknown reward 'mth' (did you mean 'math'?)"),
+    ("model.device=cuda0", "model.device: 'cuda0' is not one of auto, cpu, cuda, cuda:0 (did you mean 'cuda:0'?)"),
+    ("fgrpo.top_p=1.5", "fgrpo.top_p must be in (0, 1], got 1.5 (nearest allowed: 1)"),
+    ("fgrpo.num_generations=1", "fgrpo.num_generations must be >= 2, got 1 (nearest allowed: 2)"),
+    ("lora.dropout=1", "lora.dropout must be in [0, 1), got 1.0"),
+])
+def test_bad_values_name_the_key_and_the_nearest_choice(override, needle):
+    with pytest.raises(ConfigError) as e:
+        settings.resolve(preset="sft-quickstart", overrides=[override])
+    assert str(e.value) == needle
+
+
+def test_every_setting_is_declared_with_help_and_checked():
+    for group in ("model", "lora", "data", "run", "sft", "fgrpo", "essa"):
+        cls = type(getattr(settings.Config(), group))
+        for f in settings.dataclasses.fields(cls):
+            key = f"{group}.{f.name}"
+            assert f.metadata.get("help"), f"{key} has no help text"
+            typ = settings._field_types(cls)[f.name]
+            if typ in (int, float) and key != "essa.temperature":  # positive only when sampling
+                assert key in settings.RANGES, f"{key} has no range"
+    for key in [*settings.CHOICES, *settings.RANGES]:
+        group, name = key.split(".")
+        assert hasattr(getattr(settings.Config(), group), name), key
+
+
+def test_sebp_reads_old_spellings_as_words():
+    for value, word in ((None, "auto"), (True, "on"), (False, "off"), ("on", "on")):
+        cfg = settings.resolve(overrides={"sft": {"sebp": value}, "fgrpo": {"sebp": value}})
+        assert cfg.sft.sebp == cfg.fgrpo.sebp == word
+
+
+def test_reward_names_are_the_ones_rewards_implements():
+    from edgetune.engine import rewards
+
+    assert sorted(rewards.KNOWN) == sorted(settings.REWARD_NAMES)
+    for name in ("math", "length_penalty:200", "rg:basic_arithmetic", "file"):
+        settings.resolve(overrides={"fgrpo": {"reward": name}})
