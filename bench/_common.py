@@ -201,6 +201,8 @@ def sft_row_settings(bench: str, row: str, cfg: dict) -> list[str] | None:
         packed = ["sft.batch_size=1", f"data.max_seq_len={cfg['real_tokens']}", "sft.packing=true"]
         return {"+sebp": padded + ["model.liger=off"], "+packing": packed + ["model.liger=off"],
                 "+liger": packed, "+flex": packed,
+                "+ckpt_auto_12": packed + ["model.gradient_checkpointing=auto", "model.memory_budget_gib=12"],
+                "+ckpt_auto_24": packed + ["model.gradient_checkpointing=auto", "model.memory_budget_gib=24"],
                 "+no_ckpt": packed + ["model.gradient_checkpointing=false"]}.get(row)
     if bench == "big72b":
         short = ["sft.batch_size=1", f"data.max_seq_len={cfg['short']}"]

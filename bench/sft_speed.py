@@ -26,6 +26,9 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
                               (engine/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
   ours/+flex                  + flex_attention (a BlockMask from the packed position ids
                               instead of sdpa with a dense [N, N] boolean mask)
+  ours/+ckpt_auto_12, _24     + model.gradient_checkpointing=auto with model.memory_budget_gib
+                              12 / 24: the planner's split (engine/planner.checkpoint_split), the
+                              first k layers checkpointed, the others keep their activations
   ours/+no_ckpt               + model.gradient_checkpointing=false: no recomputation, every
                               layer's activations kept (the speed/memory trade the planner prices)
   unsloth/padded, /packed     .ref/unsloth_bench.py's own phases in separate processes
@@ -33,6 +36,16 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
                               bf16 7B to disk, then Unsloth's 4-bit load + LoRA + steps
 Every "ours" row starts from a freshly initialised adapter (B = 0), so its first loss is
 the base model's loss and must match the HF first loss within bf16 noise.
+
+Repeats: every row is timed in RUNS separate runs (each: fresh adapter and optimizer, the
+allocator's cache emptied, warm-up, timed steps); the rows after Liger (Liger cannot be
+taken off a model) are timed once more in a second pass after all others, in reverse
+order. A row reports the median of its run medians and their spread; a lever counts as
+faster only when each of its runs beats the same-numbered run of the row before it.
+Each run also records what could make it move: torch.compile frames compiled during its
+timed steps, cudaMalloc calls and allocator retries, and the GPU's SM clock / power.
+`flex_shapes` then trains on packed rows of lengths the flex kernels have not seen,
+counting recompilations per new shape (what a real packed run meets every step).
 
     python bench/sft_speed.py --tiny    # CPU, tiny config, seconds (Unsloth phase skipped)
     PYTHONPATH=$PWD/.gpu-site python bench/sft_speed.py   # GPU: $OUT/sft_speed.json + table
@@ -67,11 +80,12 @@ args = ap.parse_known_args()[0]
 T0 = time.perf_counter()
 B = C.load_baseline(args.ref)
 DEV = B.DEV
-N_WARM, N_MEAS = (1, 2) if args.tiny else (2, 5)
+N_WARM, N_MEAS = (1, 2) if args.tiny else (2, 4)
+RUNS = 2
 OUT = Path(args.out)
 OUT.mkdir(parents=True, exist_ok=True)
 R: dict = {"config": {"arch": B.C7B, "seq": B.SEQ, "batch": B.BATCH, "lora": "r16 a32 all 7 projections",
-                      "warmups": N_WARM, "timed": N_MEAS, "tiny": args.tiny},
+                      "warmups": N_WARM, "timed": N_MEAS, "runs": RUNS, "tiny": args.tiny},
            "env": B.R["env"], "hf": {}, "ours": {}, "unsloth": {}, "planner": [], "errors": {}, "notes": []}
 
 
@@ -88,13 +102,100 @@ def hf_rows(model, padded, packed, real):
     with torch.no_grad(), B.autocast():
         R["hf"]["first_loss"] = float(pm(**padded).loss)  # the first step's loss (adapter B = 0)
     for key, batch in (("padded", padded), ("packed_sdpa", packed)):
-        C.reset_peak()
-        m = B.train_bench(pm, opt, [batch], n_warm=N_WARM, n_meas=N_MEAS)
-        m.update({"real_tok_per_s": real / m["total"], "peak_alloc": C.peak(), "peak_alloc_GiB": C.gib(C.peak())})
+        runs = []
+        for _ in range(RUNS):
+            C.reset_peak()
+            with Probe() as probe:
+                m = B.train_bench(pm, opt, [batch], n_warm=N_WARM, n_meas=N_MEAS)
+            m.update({"peak_alloc": C.peak(), "peak_alloc_GiB": C.gib(C.peak()), **probe.found})
+            runs.append(m)
+        m = merge_runs(runs)
+        m["real_tok_per_s"] = real / m["total"]
         R["hf"][key] = m
-        log(f"hf {key}: {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB")
+        log(f"hf {key}: {m['total']:.3f}s/step (runs {m['run_medians']}), peak {m['peak_alloc_GiB']} GiB")
     del opt
     return pm.unload()  # the base again, Linear4bit layers restored, for our rows
+
+
+# --------------------------------------------------------------------------- repeats
+
+
+def gpu_clocks() -> dict:
+    """SM clock (MHz), power (W), temperature (C) as nvidia-smi reads them now."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5).stdout
+        sm, power, temp = (float(x) for x in out.splitlines()[0].split(","))
+        return {"sm_mhz": sm, "power_w": power, "temp_c": temp}
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return {}
+
+
+def compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["stats"].values())) if "stats" in counters else 0
+
+
+class Probe:
+    """What moved during a timed run: torch.compile work (dynamo's frame counters), the
+    caching allocator's cudaMalloc calls and retries, and the GPU clock before/after."""
+
+    def __enter__(self):
+        self.frames = compiled_frames()
+        self.mem = torch.cuda.memory_stats() if DEV == "cuda" else {}
+        self.clock0 = gpu_clocks() if DEV == "cuda" else {}
+        return self
+
+    def __exit__(self, *exc):
+        mem = torch.cuda.memory_stats() if DEV == "cuda" else {}
+        self.found = {
+            "dynamo_frames_during_run": compiled_frames() - self.frames,
+            "cuda_mallocs_during_run": mem.get("num_device_alloc", 0) - self.mem.get("num_device_alloc", 0),
+            "alloc_retries_during_run": mem.get("num_alloc_retries", 0) - self.mem.get("num_alloc_retries", 0),
+            "clock_before": self.clock0, "clock_after": gpu_clocks() if DEV == "cuda" else {},
+            "peak_reserved_GiB": C.gib(torch.cuda.max_memory_reserved()) if DEV == "cuda" else None,
+        }
+        return False
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One row from several runs: the median of the run medians, their spread, each run."""
+    import statistics
+
+    med = [r["total"] for r in runs]
+    out = {k: statistics.median(r[k] for r in runs) for k in ("total", "fwd", "bwd", "opt") if k in runs[0]}
+    out.update(run_medians=[round(x, 4) for x in med], spread=round((max(med) - min(med)) / out["total"], 4),
+               runs=runs, peak_alloc=max(r.get("peak_alloc") or 0 for r in runs) or None)
+    out["peak_alloc_GiB"] = C.gib(out["peak_alloc"])
+    for k in ("first_loss", "losses"):
+        if k in runs[0]:
+            out[k] = runs[0][k]
+    return out
+
+
+def add_run(name: str, run: dict, real: int) -> dict:
+    runs = (R["ours"].get(name) or {}).get("runs", []) + [run]
+    m = merge_runs(runs)
+    m["real_tok_per_s"] = real / m["total"]
+    m["tokens_in_batch"] = run.get("tokens_in_batch")
+    for k in ("checkpointed_layers", "budget_GiB"):
+        if k in run:
+            m[k] = run[k]
+    R["ours"][name] = m
+    return m
+
+
+def lever_verdicts() -> dict:
+    """Each lever row against the row before it: faster in every same-numbered run?"""
+    names = list(R["ours"])
+    out = {}
+    for prev, cur in zip(names, names[1:]):
+        a, b = R["ours"][prev]["run_medians"], R["ours"][cur]["run_medians"]
+        n = min(len(a), len(b))
+        out[cur] = {"vs": prev, "faster_in_every_run": n >= 2 and all(b[i] < a[i] for i in range(n)),
+                    "runs_compared": n, "change": round(R["ours"][cur]["total"] / R["ours"][prev]["total"] - 1, 4)}
+    return out
 
 
 # --------------------------------------------------------------------------- ours
@@ -107,19 +208,33 @@ class Row:
 
 def apply_liger(model):
     """engine/liger.py: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the instance."""
-    if DEV != "cuda":
-        raise RuntimeError("Liger's Triton kernels need a GPU")
+    if DEV != "cuda":  # --tiny: the rows after it still run (the plumbing is what is checked)
+        R["notes"].append("liger not applied on the CPU (Triton kernels need a GPU)")
+        return
     from edgetune.engine import liger
 
     R["notes"].append(f"liger: {liger.apply(model, 'on')}")
 
 
 def use_flex(model):
+    if DEV != "cuda":  # flex_attention has no backward on the CPU
+        R["notes"].append("flex_attention not used on the CPU (no backward there)")
+        return
     model.get_base_model().set_attn_implementation("flex_attention")
 
 
-def no_checkpointing(model):
-    model.get_base_model().gradient_checkpointing_disable()
+def auto_split(budget_gib: float, real: int) -> int:
+    """The planner's checkpointed-layer count for the packed 7B step under a budget: what
+    the engine's model.load does for gradient_checkpointing: auto."""
+    from edgetune.engine import planner
+    from edgetune.engine.settings import resolve
+
+    sets = C.sft_row_settings("sft_speed", f"+ckpt_auto_{budget_gib:g}", {"seq": B.SEQ, "real_tokens": real})
+    cfg = resolve(overrides=[f"model.name={C.arch_folder(B.C7B)}", "model.quant=nf4", "lora.r=16", "lora.alpha=32",
+                             *sets])
+    split = planner.checkpoint_split(cfg, device="cuda")
+    R["notes"].append(split["note"])
+    return split["checkpointed"]
 
 
 def ours_rows(base, padded, real):
@@ -144,40 +259,92 @@ def ours_rows(base, padded, real):
     b_padded = to_dev(padded)
     b_packed = to_dev(collate_packed(rows))
     handle = None
-    levers = [("before", b_padded, True, None, C.STEP_BEFORE), ("autocast", b_padded, False, None, {}),
-              ("+sebp", b_padded, True, None, {}), ("+packing", b_packed, True, None, {}),
-              ("+liger", b_packed, True, apply_liger, {}), ("+flex", b_packed, True, use_flex, {}),
-              ("+no_ckpt", b_packed, True, no_checkpointing, {})]
+    splits = {b: auto_split(b, real) for b in (12, 24)}
+    # (name, batch, SEBP, one-time change, checkpointed layers (None = all), step settings)
+    levers = [("before", b_padded, True, None, None, C.STEP_BEFORE), ("autocast", b_padded, False, None, None, {}),
+              ("+sebp", b_padded, True, None, None, {}), ("+packing", b_packed, True, None, None, {}),
+              ("+liger", b_packed, True, apply_liger, None, {}), ("+flex", b_packed, True, use_flex, None, {}),
+              ("+ckpt_auto_12", b_packed, True, None, splits[12], {}),
+              ("+ckpt_auto_24", b_packed, True, None, splits[24], {}),
+              ("+no_ckpt", b_packed, True, None, 0, {})]
     folder = C.arch_folder(B.C7B)
-    for name, batch, use_sebp, prepare, how in levers:
-        def one():
-            nonlocal handle
-            if prepare is not None:
-                prepare(model)
-            if use_sebp and handle is None:
-                handle = sebp.patch(model)
-            if not use_sebp and handle is not None:
-                sebp.set_active_rows(handle, None)  # dense backward everywhere for this row
+
+    def timed(name, batch, use_sebp, ckpt, how, n_runs):
+        nonlocal handle
+        model_lib.checkpoint_first_layers(model.get_base_model(), ckpt)
+        if use_sebp and handle is None:
+            handle = sebp.patch(model)
+        if not use_sebp and handle is not None:
+            sebp.set_active_rows(handle, None)  # dense backward everywhere for this row
+        h = handle if use_sebp else None
+        kw = {k: v for k, v in how.items() if k != "optimizer"}
+        for _ in range(n_runs):
             C.reinit_lora(model, seed=0)
             opt = make_optimizer(model.parameters(), how.get("optimizer", "auto"), 1e-4, 0.0, DEV)
             C.reset_peak()
-            kw = {k: v for k, v in how.items() if k != "optimizer"}
-            h = handle if use_sebp else None
-            m = C.time_steps(lambda: C.engine_step(model, opt, batch, h, **kw), N_WARM, N_MEAS, log)
-            m["real_tok_per_s"] = real / m["total"]
-            m["tokens_in_batch"] = int(batch["input_ids"].numel())
-            R["ours"][name] = m
-            log(f"ours {name}: {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB, first loss {m['first_loss']:.4f}")
+            with Probe() as probe:
+                m = C.time_steps(lambda: C.engine_step(model, opt, batch, h, **kw), N_WARM, N_MEAS, log)
+            m.update(probe.found, tokens_in_batch=int(batch["input_ids"].numel()))
+            if ckpt is not None:
+                m["checkpointed_layers"] = ckpt
+            row = add_run(name, m, real)
             del opt
+            log(f"ours {name}: run {len(row['runs'])} {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB "
+                f"(reserved {m['peak_reserved_GiB']}), first loss {m['first_loss']:.4f}, compiled frames "
+                f"{m['dynamo_frames_during_run']}, cudaMallocs {m['cuda_mallocs_during_run']}, clocks "
+                f"{m['clock_before'].get('sm_mhz')}->{m['clock_after'].get('sm_mhz')} MHz")
+
+    for name, batch, use_sebp, prepare, ckpt, how in levers:
+        def one():
+            if prepare is not None:
+                prepare(model)
+            timed(name, batch, use_sebp, ckpt, how, RUNS)
             # the planner models the engine as it is: compare the rows that are that engine
             sets = C.sft_row_settings("sft_speed", name, {"seq": B.SEQ, "real_tokens": real})
             if sets is not None:
                 R["planner"].append(C.compare(f"7B SFT {name}", C.planner_prediction(folder, "sft", sets),
-                                              m["peak_alloc"]))
-        section(f"ours/{name}", one, need_s=5 if args.tiny else 25)
-    if handle is not None:
-        sebp.unpatch(model)
+                                              R["ours"][name]["peak_alloc"]))
+        section(f"ours/{name}", one, need_s=10 if args.tiny else 30)
+    # second pass over the rows Liger cannot be taken off, in reverse order: order, allocator
+    # and clock effects show up as a spread between the passes
+    after_liger = levers[[x[0] for x in levers].index("+liger"):]
+    for name, batch, use_sebp, prepare, ckpt, how in reversed(after_liger):
+        section(f"ours/{name}/pass2", lambda: timed(name, batch, use_sebp, ckpt, how, 1),
+                need_s=5 if args.tiny else 15)
+    R["levers"] = lever_verdicts()
+    # after Unsloth's rows (which need the time more): the model stays on the GPU till then
+    LATER.append(lambda: section("flex_shapes", lambda: flex_shapes(model, rows, handle, make_optimizer,
+                                                                    collate_packed), need_s=10 if args.tiny else 80))
     return model
+
+
+LATER: list = []
+
+
+def flex_shapes(model, rows, handle, make_optimizer, collate_packed):
+    """The packed flex step on batches of lengths not seen yet (a real run's every step):
+    per step the time and the frames torch.compile compiled (a recompilation per shape
+    costs seconds each time; dynamo marks the length dynamic after the second one)."""
+    from edgetune.engine import model as model_lib
+
+    model_lib.checkpoint_first_layers(model.get_base_model(), None)
+    C.reinit_lora(model, seed=0)
+    opt = make_optimizer(model.parameters(), "auto", 1e-4, 0.0, DEV)
+    out = []
+    for n_rows in (7, 6, 5, 8, 7, 4):
+        if left() < (15 if args.tiny else 70):
+            R["notes"].append(f"flex_shapes stopped at {len(out)} steps: time")
+            break
+        batch = {k: v.to(DEV) for k, v in collate_packed(rows[:n_rows]).items()}
+        with Probe() as probe:
+            t0 = time.perf_counter()
+            loss, ph = C.engine_step(model, opt, batch, handle)
+            total = time.perf_counter() - t0
+        out.append({"tokens": int(batch["input_ids"].numel()), "s": round(total, 3), "fwd": round(ph["fwd"], 3),
+                    "bwd": round(ph["bwd"], 3), "dynamo_frames": probe.found["dynamo_frames_during_run"]})
+        log(f"flex shape {out[-1]}")
+        R["flex_shapes"] = out
+    del opt
 
 
 # --------------------------------------------------------------------------- Unsloth
@@ -240,9 +407,26 @@ def unsloth_rows(started):
     if DEV != "cuda":
         R["notes"].append("Unsloth phase skipped on the CPU (Unsloth needs a GPU); the save phase ran")
         return
-    run = UnslothPhase("unsloth", UNSLOTH_DIR, started[1], [args.unsloth_site, args.gpu_site])
-    R["unsloth"]["run"] = run.wait(cap_s=min(260, left() - 10))
+    for key in ("run", "run2")[:RUNS]:
+        if key == "run2" and left() < 130:
+            R["notes"].append(f"Unsloth's second run skipped: {left():.0f}s left")
+            break
+        part_dir = tempfile.mkdtemp(prefix="unsloth-parts-")
+        run = UnslothPhase("unsloth", UNSLOTH_DIR, part_dir, [args.unsloth_site, args.gpu_site])
+        R["unsloth"][key] = run.wait(cap_s=min(260, left() - 10))
+        dump()
     subprocess.run(["rm", "-rf", UNSLOTH_DIR])
+
+
+def unsloth_merged() -> dict:
+    """Unsloth's rows with the same run statistics as ours (its steps' medians per run)."""
+    out = {}
+    for key in ("run", "run2"):
+        for row, m in ((R["unsloth"].get(key) or {}).get("steps") or {}).items():
+            out.setdefault(row, []).append({"total": m["total"], "fwd": m.get("fwd"), "bwd": m.get("bwd"),
+                                            "opt": m.get("opt"), "peak_alloc": int((m.get("max_alloc_GiB") or 0) * C.GiB),
+                                            "first_loss": (m.get("losses") or [None])[0], "all_totals": m.get("all_totals")})
+    return {row: merge_runs(runs) for row, runs in out.items()}
 
 
 # --------------------------------------------------------------------------- table
@@ -251,16 +435,19 @@ def unsloth_rows(started):
 def table() -> str:
     real = R["config"]["real_tokens"]
     hf_pad = (R["hf"].get("padded") or {}).get("total")
-    us_steps = (R["unsloth"].get("run") or {}).get("steps") or {}
+    us_steps = unsloth_merged()
     us_pad = (us_steps.get("padded") or {}).get("total")
+    levers = R.get("levers") or {}
     first_hf = R["hf"].get("first_loss")
     rows = [("hf/" + k, R["hf"][k]) for k in ("padded", "packed_sdpa") if k in R["hf"]]
     rows += [("ours/" + k, v) for k, v in R["ours"].items()]
     rows += [("unsloth/" + k, v) for k, v in us_steps.items()]
     out = [f"SFT step, Qwen2.5-7B arch NF4, LoRA r16 all-linear, checkpointing, 8 x {B.SEQ} padded "
-           f"({real} real tokens); median of {N_MEAS} steps after {N_WARM} warm-up",
-           "", "| stack / lever | s/step | real tokens/s | peak allocated GiB | first loss | vs HF padded | vs Unsloth padded |",
-           "|---|---|---|---|---|---|---|"]
+           f"({real} real tokens); each run the median of {N_MEAS} steps after {N_WARM} warm-up; s/step the median "
+           "of the runs; spread (max - min) / median",
+           "", "| stack / lever | s/step | runs (s) | spread | real tokens/s | peak allocated GiB | first loss "
+               "| vs HF padded | vs Unsloth padded | faster than the row before in every run |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in rows:
         t = m["total"]
         peak = m.get("peak_alloc_GiB", m.get("max_alloc_GiB"))
@@ -270,7 +457,15 @@ def table() -> str:
         fl = "-" if first is None else f"{first:.4f}"
         vs_hf = f"{hf_pad / t:.2f}x" if hf_pad else "-"
         vs_us = f"{us_pad / t:.2f}x" if us_pad else "-"
-        out.append(f"| {name} | {t:.3f} | {real / t:,.0f} | {peak} | {fl} | {vs_hf} | {vs_us} |")
+        runs = " / ".join(f"{x:.3f}" for x in m.get("run_medians", [t]))
+        spread = f"{100 * m['spread']:.1f}%" if "spread" in m else "-"
+        lv = levers.get(name.removeprefix("ours/"))
+        faster = "-" if lv is None or not name.startswith("ours/") else \
+            f"{'yes' if lv['faster_in_every_run'] else 'NO'} ({100 * lv['change']:+.1f}%)"
+        if name.startswith("ours/+ckpt_auto"):
+            name += f" ({m.get('checkpointed_layers')} of {B.C7B['num_hidden_layers']} layers checkpointed)"
+        out.append(f"| {name} | {t:.3f} | {runs} | {spread} | {real / t:,.0f} | {peak} | {fl} | {vs_hf} | {vs_us} "
+                   f"| {faster} |")
     if first_hf is not None:
         diffs = {k: round(v["first_loss"] - first_hf, 4) for k, v in R["ours"].items()}
         out.append(f"\nfirst-loss difference ours - HF (bf16 noise is ~1e-2 at loss ~12): {diffs}")
@@ -304,14 +499,19 @@ def main():
     base = section("hf", lambda: hf_rows(model, padded, packed, real), need_s=10 if args.tiny else 60)
     if base is None:
         return
-    section("ours", lambda: ours_rows(base, padded, real))
+    ours = section("ours", lambda: ours_rows(base, padded, real))
     del model, base
+    if ours is not None:  # flex_shapes trains it after Unsloth's rows; its activations go now
+        for p in ours.parameters():
+            p.grad = None
     try:
         C.reset_peak()
     except RuntimeError as e:  # a CUDA error in a row is sticky; Unsloth runs in its own process anyway
         R["notes"].append(f"CUDA state after our rows: {e}"[:300])
     if started is not None:
         section("unsloth", lambda: unsloth_rows(started), need_s=20 if args.tiny else 150)
+    for fn in LATER:
+        fn()
     R["table"] = table()
     R["wall_s"] = round(time.perf_counter() - T0, 1)
     dump()
