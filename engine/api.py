@@ -190,7 +190,8 @@ def start(cfg: Config, name: str | None = None) -> Run:
     """Create `runs/<name>/` with the resolved config and start its worker."""
     preflight(cfg)
     runs_dir = Path(cfg.run.runs_dir)
-    base = check_run_name(name or cfg.run.name or f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    auto = f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    base = check_run_name(name if name is not None else (cfg.run.name or auto))  # a given name may not be empty
     fd = _locked(runs_dir)
     try:
         busy = active_run(runs_dir)  # a worker of a version that did not hold the lock

@@ -106,3 +106,69 @@ def test_force_replaces_only_a_previous_export(fake_run, tmp_path):
     assert EXPORT_MARKER in zipfile.ZipFile(z).namelist()
     with pytest.raises(EdgetuneError):  # a zip export is not a folder export
         export(fake_run, z, force=True)
+
+
+def _train_args(runs, model_dir, *extra):
+    return ["train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--set", f"model.name={model_dir}",
+            "--set", "sft.steps=100000", "--set", "data.max_rows=16", "--detach", *extra]
+
+
+def test_two_trains_started_together_one_is_refused(tmp_path, tiny_model_dir):
+    from edgetune.engine import api
+
+    runs = tmp_path / "runs"  # does not exist yet
+    cmd = [sys.executable, "-m", "edgetune.engine.cli", *_train_args(runs, tiny_model_dir)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [(p.wait(120), *p.communicate()) for p in procs]
+    try:
+        assert sorted(rc for rc, _, _ in outs) == [0, 2], outs
+        refused = next(err for rc, _, err in outs if rc == 2)
+        assert "one run at a time per runs folder" in refused and "Traceback" not in refused
+        assert len(api.list_runs(runs)) == 1
+        run = api.list_runs(runs)[0]
+        # A third, while the first trains, and a resume of it: refused too.
+        p = edgetune(*_train_args(runs, tiny_model_dir))
+        assert p.returncode == 2 and f"run '{run.name}' is still" in _one_error_line(p)
+    finally:
+        for r in api.list_runs(runs):
+            r.kill()
+    assert all(r.status() == "failed" for r in api.list_runs(runs))
+    p = edgetune(*_train_args(runs, tiny_model_dir, "--name", "after"))  # the lock went with the worker
+    try:
+        assert p.returncode == 0, p.stderr
+    finally:
+        api.Run(runs / "after").kill()
+
+
+@pytest.mark.parametrize("name", ["..", "../escape", "/tmp/abs", "a/b", ".hidden", "", " ", "a\\b"])
+def test_run_names_are_one_path_component(tmp_path, name):
+    from edgetune.engine import api
+    from edgetune.engine.settings import resolve
+
+    runs = tmp_path / "deep" / "runs"
+    p = edgetune("train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--name", name, timeout=60)
+    assert p.returncode == 2 and "run.name" in _one_error_line(p)
+    if name.strip():  # (an empty run.name setting means "name it for me")
+        p = edgetune("train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--set", f"run.name={name}",
+                     timeout=60)
+        assert p.returncode == 2 and "run.name" in _one_error_line(p)
+    cfg = resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}"])
+    with pytest.raises(EdgetuneError, match="run.name"):
+        api.start(cfg, name=name)
+    assert not (tmp_path / "deep").exists() or list((tmp_path / "deep").rglob("*")) in ([], [runs])
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "deep" / "escape").exists()
+
+
+def test_nul_in_run_name_is_refused():
+    from edgetune.engine.runfolder import check_run_name
+
+    with pytest.raises(EdgetuneError, match="run.name"):
+        check_run_name("a\0b")
+
+
+def test_commands_without_a_runs_folder_say_so_in_one_line(tmp_path):
+    assert edgetune("runs", "--runs-dir", str(tmp_path / "none")).returncode == 0
+    p = edgetune("resume", str(tmp_path / "none" / "r"))
+    assert p.returncode == 2 and str(tmp_path / "none" / "r") in _one_error_line(p)
+    p = edgetune("export", str(tmp_path / "none" / "r"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
