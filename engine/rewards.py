@@ -21,8 +21,11 @@ generation, so nothing here is batched or cached beyond the parsed user module):
                   only at full credit: its default grader gives len(gold)/len(text)
                   whenever the gold string appears anywhere, which a policy can farm
 - `file`          the user's `def reward(completion, answer, row) -> float`, loaded
-                  only from the local path in `reward_file`; an exception in it costs
-                  that completion reward 0 and an error message, never the run
+                  only from the local path in `reward_file`: it is ordinary Python run
+                  with the user's rights, so only point it at code you trust. An
+                  exception, a NaN or a call over USER_REWARD_TIMEOUT_S costs that
+                  completion reward 0 and an error message; a run of
+                  USER_REWARD_MAX_CONSECUTIVE_FAILURES such failures stops the run
 
 Success (what p̂ in F-GRPO's focal weight and pass@k count) is `Reward.success`: with no
 threshold, a completion succeeds when every non-shaping part reaches its best value
@@ -31,10 +34,12 @@ threshold, a completion succeeds when every non-shaping part reaches its best va
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import math
 import re
+import signal
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -89,6 +94,8 @@ class Reward:
                     v = float(part.score(text, row, bool(truncated[i])))
                     if not math.isfinite(v):
                         raise ValueError(f"returned {v}")
+                except RewardFailing:
+                    raise
                 except Exception as e:  # noqa: BLE001 - a bad completion or user code must not end the run
                     v = 0.0
                     msg = f"{part.name}: {type(e).__name__}: {e}".splitlines()[0][:300]
@@ -247,11 +254,56 @@ def load_user_reward(path: str) -> ScoreOne:
     if not callable(fn):
         raise ConfigError(f"reward_file {path}: defines no function 'reward(completion, answer, row)'")
     sys.modules.pop(name, None)
+    failures = [0, ""]  # consecutive failures, the last one's message
 
     def score(text: str, row: dict, truncated: bool) -> float:
-        return fn(text, row.get("answer"), row)
+        try:
+            with _time_limit(USER_REWARD_TIMEOUT_S):
+                v = float(fn(text, row.get("answer"), row))
+            if not math.isfinite(v):
+                raise ValueError(f"returned {v}")
+        except Exception as e:  # noqa: BLE001 - counted here, reported per completion by Reward.score
+            failures[0] += 1
+            failures[1] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            if failures[0] >= USER_REWARD_MAX_CONSECUTIVE_FAILURES:
+                raise RewardFailing(f"reward_file {path}: failed on {failures[0]} completions in a row "
+                                    f"(last: {failures[1]}); fix it, then edgetune resume the run") from None
+            raise
+        failures[0] = 0
+        return v
 
     return score
+
+
+# A user reward that errs, hangs or returns NaN costs its completion reward 0 and an error
+# message; this many in a row means the function is broken, not the completions, and the
+# run stops (its checkpoints stay) rather than train on zeros.
+USER_REWARD_TIMEOUT_S = 10.0
+USER_REWARD_MAX_CONSECUTIVE_FAILURES = 32
+
+
+class RewardFailing(ConfigError):
+    """The user's reward function fails on every completion: stop the run."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Interrupt a hanging call with TimeoutError (SIGALRM: the main thread only, which is
+    where the training loop scores; elsewhere the call runs unbounded)."""
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 BUILTINS: dict[str, tuple[ScoreOne, float]] = {

@@ -173,3 +173,63 @@ def test_leftovers_of_a_killed_write_are_removed_on_start(tiny_model_dir, tmp_pa
     removed = clean_temporaries(run)
     assert len(removed) == 4
     assert sorted(p.name for p in run.rglob("*")) == ["checkpoints", "notes.tmp", "step-2"]
+
+
+# --------------------------------------------------------------------------- user reward functions
+
+
+def _user_reward(tmp_path, body):
+    from edgetune.engine.rewards import build_reward
+
+    f = tmp_path / "reward.py"
+    f.write_text("import math, time\n\ndef reward(completion, answer, row):\n" + body)
+    return build_reward("file", str(f))
+
+
+def test_user_reward_that_raises_hangs_or_returns_nan_costs_only_that_completion(tmp_path, monkeypatch):
+    from edgetune.engine import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 0.5)
+    r = _user_reward(tmp_path, "    if completion == 'raise': raise KeyError('no such key')\n"
+                               "    if completion == 'hang': time.sleep(60)\n"
+                               "    if completion == 'nan': return math.nan\n"
+                               "    return 1.0\n")
+    t0 = time.time()
+    s = r.score(["ok", "raise", "hang", "nan", "ok"], [{"answer": "1"}] * 5)
+    assert time.time() - t0 < 5
+    assert s.rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert s.errors[0] is None and s.errors[4] is None
+    assert "KeyError" in s.errors[1] and "TimeoutError: took longer than 0.5 s" in s.errors[2]
+    assert "returned nan" in s.errors[3]
+
+
+def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatch):
+    from edgetune.engine import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 3)
+    r = _user_reward(tmp_path, "    return 1.0 if completion == 'ok' else 1 / 0\n")
+    s = r.score(["x", "x", "ok", "x", "x", "ok"], [{"answer": "1"}] * 6)  # a success resets the count
+    assert s.rewards == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    with pytest.raises(rewards.RewardFailing, match=r"reward.py: failed on 3 completions in a row "
+                                                    r"\(last: ZeroDivisionError: division by zero\)"):
+        r.score(["x"] * 4, [{"answer": "1"}] * 4)
+
+
+def test_fgrpo_run_with_a_broken_reward_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    from edgetune.engine import fgrpo, rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 5)
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text("def reward(completion, answer, row):\n    raise RuntimeError('oops')\n")
+    cfg = settings.resolve(overrides={
+        "method": "fgrpo",
+        "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8}, "data": {"path": str(tmp_path / "rl.jsonl"), "eval_fraction": 0.0},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "fgrpo": {"num_generations": 4, "prompts_per_step": 2, "max_new_tokens": 4, "steps": 3, "reward": "file",
+                  "reward_file": str(tmp_path / "reward.py"), "eval_prompts": 0},
+    })
+    with pytest.raises(rewards.RewardFailing, match="failed on 5 completions in a row .last: RuntimeError: oops"):
+        run_inline(fgrpo.train, cfg, tmp_path / "r")
+    assert not (tmp_path / "r" / "adapter").exists()
