@@ -1,4 +1,5 @@
-"""`edgetune ui`: serve the app (binds 127.0.0.1 unless told otherwise).
+"""`edgetune ui`: serve the app (binds 127.0.0.1 unless told otherwise; another --host
+needs --auth user:password or an explicit --insecure-no-auth).
 
     python -m edgetune.app.main --port 7860 --runs-dir runs
 """
@@ -6,18 +7,44 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from pathlib import Path
+
+from edgetune.engine.errors import ConfigError
 
 from .ui import CSS, build_app
 
 
-def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", block: bool = True):
+def is_local(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(host: str, auth: str | None, insecure_no_auth: bool) -> tuple[str, str] | None:
+    """The app starts runs and runs reward_file Python: off this machine only behind a
+    password, unless the user explicitly says otherwise. Returns gradio's (user, password)."""
+    if auth is not None:
+        user, sep, password = auth.partition(":")
+        if not sep or not user or not password:
+            raise ConfigError("--auth: expected user:password")
+        return user, password
+    if not is_local(host) and not insecure_no_auth:
+        raise ConfigError(f"--host {host} lets other machines start runs (and run reward_file Python): "
+                          "add --auth user:password, or --insecure-no-auth if the network is yours alone")
+    return None
+
+
+def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", block: bool = True,
+           auth: str | None = None, insecure_no_auth: bool = False):
     import gradio as gr
 
+    credentials = check_access(host, auth, insecure_no_auth)
     demo = build_app(runs_dir)
     try:
-        demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(),
+        demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(), auth=credentials,
                     # Adapter zips are written into the run folder and downloaded from there.
                     allowed_paths=[str(Path(runs_dir).resolve())], prevent_thread_lock=not block,
                     footer_links=[], quiet=True)
@@ -32,9 +59,22 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--runs-dir", default="runs")
+    add_access_args(p)
     a = p.parse_args(argv)
-    launch(a.host, a.port, a.runs_dir)
+    try:
+        launch(a.host, a.port, a.runs_dir, auth=a.auth, insecure_no_auth=a.insecure_no_auth)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def add_access_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--auth", metavar="USER:PASSWORD",
+                   help="require this login (required with a --host other than 127.0.0.1)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-local --host without a login: anyone who reaches the port can start runs "
+                        "and run reward_file Python as you")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,51 @@ def test_commands_without_a_runs_folder_say_so_in_one_line(tmp_path):
     assert p.returncode == 2 and str(tmp_path / "none" / "r") in _one_error_line(p)
     p = edgetune("export", str(tmp_path / "none" / "r"), "--out", str(tmp_path / "o"))
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_app_on_a_network_host_needs_a_login(tmp_path):
+    for args in (["--host", "0.0.0.0"], ["--host", "192.168.1.5", "--port", "7999"]):
+        p = edgetune("ui", *args, "--runs-dir", str(tmp_path / "runs"), timeout=120)
+        line = _one_error_line(p)
+        assert p.returncode == 2 and "--auth user:password" in line and "--insecure-no-auth" in line
+    p = edgetune("ui", "--auth", "nopassword", timeout=120)
+    assert p.returncode == 2 and "--auth: expected user:password" in _one_error_line(p)
+
+
+def test_app_with_auth_refuses_requests_without_the_login(tmp_path):
+    import socket
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from edgetune.app.main import launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo = launch("127.0.0.1", port, str(tmp_path / "runs"), block=False, auth="ann:s3cret")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{base}/config", timeout=30)
+        assert e.value.code == 401
+        bad = urllib.parse.urlencode({"username": "ann", "password": "wrong"}).encode()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{base}/login", data=bad, timeout=30)
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        good = urllib.parse.urlencode({"username": "ann", "password": "s3cret"}).encode()
+        assert opener.open(f"{base}/login", data=good, timeout=30).status == 200
+        assert opener.open(f"{base}/config", timeout=30).status == 200
+        # Served files: the runs folder only (adapter zips are downloaded from there).
+        runs = (tmp_path / "runs").resolve()
+        (runs / "r").mkdir(parents=True, exist_ok=True)
+        (runs / "r" / "a.zip").write_bytes(b"zip")
+        (tmp_path / "secret.txt").write_text("private")
+        assert opener.open(f"{base}/gradio_api/file={runs}/r/a.zip", timeout=30).read() == b"zip"
+        for path in ("/etc/passwd", f"{runs}/../secret.txt", f"{runs}/r/../../secret.txt"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                opener.open(f"{base}/gradio_api/file={path}", timeout=30)
+            assert e.value.code in (403, 404), path
+    finally:
+        demo.close()
+        demo.edgetune_chat.close()
