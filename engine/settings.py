@@ -210,7 +210,8 @@ class FGRPOSettings:
         section="reward")
     reward_file: str = setting(
         "",
-        "local .py file with `def reward(completion, answer, row) -> float`",
+        "local .py file with `def reward(completion, answer, row) -> float`. It runs as ordinary Python "
+        "with your rights (files, network): use only code you trust",
         section="reward")
     success_threshold: Any = setting(
         None,
@@ -309,7 +310,8 @@ class ESSASettings:
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     reward_file: str = setting(
         "",
-        "As fgrpo.reward_file.",
+        "As fgrpo.reward_file: a local .py file that runs as ordinary Python with your rights; use only "
+        "code you trust.",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     prompts_per_generation: int = setting(
         32,

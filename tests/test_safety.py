@@ -220,3 +220,13 @@ def test_app_with_auth_refuses_requests_without_the_login(tmp_path):
     finally:
         demo.close()
         demo.edgetune_chat.close()
+
+
+def test_reward_file_says_it_runs_python_in_help_and_in_the_app():
+    from edgetune.app import form
+
+    p = edgetune("train", "--help")
+    assert p.returncode == 0 and "reward_file" in p.stdout and "use only code you trust" in " ".join(p.stdout.split())
+    helps = {s.key: s.help for s in form.field_specs()}
+    for key in ("fgrpo.reward_file", "essa.reward_file"):
+        assert "Python with your rights" in helps[key] and "code you trust" in helps[key]
