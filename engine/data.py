@@ -173,7 +173,7 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
     name = p.name.lower().removesuffix(".gz")
     try:
         raw = gzip.decompress(p.read_bytes()) if p.name.lower().endswith(".gz") else p.read_bytes()
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
     except (OSError, EOFError) as e:
         if isinstance(e, PermissionError):
             raise
@@ -186,6 +186,8 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"malformed JSON at line {e.lineno}: {e.msg}", file=shown, row=e.lineno) from None
+        except RecursionError:
+            raise DataError(_TOO_DEEP, file=shown) from None
         rows = data
     elif stripped.startswith("{") and not name.endswith((".jsonl", ".ndjson")) and _single_json(text):
         data = json.loads(text)
@@ -205,10 +207,15 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DataError(f"malformed JSON on line {n}: {e.msg} (column {e.colno})", file=shown, row=n) from None
+            except RecursionError:
+                raise DataError(_TOO_DEEP, file=shown, row=n) from None
     for i, r in enumerate(rows, start=1):
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object per row, got {type(r).__name__}", file=shown, row=i)
     return rows
+
+
+_TOO_DEEP = "JSON nested too deeply to read (thousands of levels of [ or {)"
 
 
 def _single_json(text: str) -> bool:
@@ -216,6 +223,8 @@ def _single_json(text: str) -> bool:
         json.loads(text)
         return True
     except json.JSONDecodeError:
+        return False
+    except RecursionError:  # then read line by line, which names the row
         return False
 
 
@@ -227,7 +236,7 @@ def _csv_string_features(p: Path, delimiter: str, shown: str):
 
     opener = gzip.open if p.name.lower().endswith(".gz") else open
     try:
-        with opener(p, "rt", encoding="utf-8", newline="") as f:
+        with opener(p, "rt", encoding="utf-8-sig", newline="") as f:  # a leading byte-order mark is not a column name
             header = next(csv.reader(f, delimiter=delimiter), [])
     except UnicodeDecodeError as e:
         raise DataError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=shown) from None

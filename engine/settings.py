@@ -408,6 +408,7 @@ ALIASES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "d
 
 
 def _suggest(key: str, known: list[str]) -> str:
+    key = str(key)  # a YAML key or value may be a number, a list or null
     if ALIASES.get(key) in known:
         return f" (did you mean '{ALIASES[key]}'?)"
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
@@ -505,6 +506,16 @@ def preset_description(path: str | os.PathLike) -> str:
 
 def load_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
+def yaml_problem(path, e: yaml.YAMLError) -> str:
+    """One line: file, line and column, and what the parser found there."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    what = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    text = f"{where}: not valid YAML: {what}" + (f" ({context})" if context else "")
+    return " ".join(text.split())
+
+
     if not p.is_file():
         presets = list_presets()
         if str(path) in presets:
@@ -512,9 +523,15 @@ def load_yaml(path: str | os.PathLike) -> dict:
         else:
             raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        raise ConfigError(yaml_problem(p, e)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of settings at the top level")
     return data
