@@ -330,6 +330,9 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
 def checkpointing_for(cfg) -> bool | int:
     """What add_lora gets for `model.gradient_checkpointing`: the setting itself, or for
     `auto` the planner's layer count for this run's budget (decided before the weights
+        from .export import check_adapter_fits
+
+        check_adapter_fits(model, p)  # an adapter of another base: one line naming that base
     load, so the free memory read is the card's)."""
     gc = cfg.model.gradient_checkpointing
     if gc != "auto":

@@ -230,3 +230,36 @@ def test_reward_file_says_it_runs_python_in_help_and_in_the_app():
     helps = {s.key: s.help for s in form.field_specs()}
     for key in ("fgrpo.reward_file", "essa.reward_file"):
         assert "Python with your rights" in helps[key] and "code you trust" in helps[key]
+
+
+@pytest.fixture(scope="module")
+def other_base_adapter(tmp_path_factory, tiny_model_dir):
+    """An adapter trained on a narrower Llama than the tiny one (hidden 32, not 64)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("other-base")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(root / "base")
+    peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"),
+                                LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(root / "adapter")
+    (root / "adapter" / "edgetune.json").write_text(json.dumps({"base_path": str(root / "base")}))
+    return root
+
+
+def test_adapter_of_another_base_names_the_base_it_expects(other_base_adapter, tiny_model_dir):
+    from edgetune.engine.chat import _Chat
+
+    adapter, base = other_base_adapter / "adapter", other_base_adapter / "base"
+    p = edgetune("eval", "--preset", "fgrpo-quickstart", "--set", f"model.name={tiny_model_dir}",
+                 "--set", "model.quant=none", "--adapter", str(adapter), "--json")
+    line = _one_error_line(p)
+    assert p.returncode == 2 and f"trained on another base model ({base})" in line, p.stderr[-2000:]
+    assert "q_proj takes 64 inputs here, 32 there" in line
+    with pytest.raises(EdgetuneError, match=f"trained on another base model \\({base}\\)"):
+        _Chat().answer({"model": {"name": str(tiny_model_dir), "quant": "none"}, "adapter": str(adapter),
+                        "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 2})
