@@ -10,6 +10,7 @@ The state holds only tensors, numbers and containers and is read with
 
 from __future__ import annotations
 
+import io
 import math
 import random
 import time
@@ -151,7 +152,9 @@ def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler
             state["optimizer"] = optimizer.state_dict()
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
-        torch.save(state, tmp / STATE_FILE)
+        buf = io.BytesIO()  # written by Python, so a full disk is an OSError(ENOSPC), not torch's own message
+        torch.save(state, buf)
+        (tmp / STATE_FILE).write_bytes(buf.getbuffer())
     ctx.run.prune_checkpoints(ctx.cfg.run.keep_checkpoints)
     ctx.emit("checkpoint", step=step, path=str(path))
     return path

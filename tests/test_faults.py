@@ -233,3 +233,38 @@ def test_fgrpo_run_with_a_broken_reward_stops_in_one_line(tiny_model_dir, tmp_pa
     with pytest.raises(rewards.RewardFailing, match="failed on 5 completions in a row .last: RuntimeError: oops"):
         run_inline(fgrpo.train, cfg, tmp_path / "r")
     assert not (tmp_path / "r" / "adapter").exists()
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 320 KiB tmpfs: room for the run folder's small files, not for a checkpoint."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        pytest.skip(f"needs permission to mount a tmpfs: {p.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_the_users_condition_in_one_line(tiny_model_dir, tmp_path, small_disk):
+    cfg = _cfg(tiny_model_dir, tmp_path, run={"runs_dir": str(small_disk / "runs"), "checkpoint_every": 1},
+               lora={"r": 64, "alpha": 16})
+    run = api.start(cfg, name="r")
+    try:
+        status = run.wait(300)
+    finally:
+        run.kill() if run.alive() else None
+    events = read_events(run.dir.events_path)
+    assert status == "failed", (run.dir.log_path.read_text()[-3000:], events[-3:])
+    err = events[-1]
+    assert err["type"] == "error" and err["kind"] == "input", err
+    assert err["message"].startswith("no space left on ") and str(small_disk / "runs" / "r") in err["message"]
+    assert "edgetune resume" in err["message"]
+    assert not any(p.name.endswith(".tmp") for p in run.path.rglob("*"))  # the half-written checkpoint went
