@@ -37,79 +37,141 @@ def _fmt_bytes(n) -> str:
     return f"{(n or 0) / 2**30:.2f} GiB"
 
 
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
+
+
+def _step_total(ev: dict) -> int | None:
+    """Steps (ESSA: generations) of a run, from its `started` event's config."""
+    cfg = ev.get("config") or {}
+    group = cfg.get(ev.get("method") or "", {})
+    return group.get("generations" if ev.get("method") == "essa" else "steps")
+
+
 def watch(run, start: int = 0, quiet: bool = False) -> int:
-    """Follow a run's events with a progress bar; Ctrl-C stops gracefully, twice kills."""
+    """Follow a run's events from index `start` with a progress bar that shows the phase
+    at once. Ctrl-C asks for a graceful stop and keeps following this attempt to its
+    end; a second Ctrl-C kills the worker and returns."""
     from tqdm import tqdm
 
-    bar = None
-    status = 1
-    try:
-        for ev in run.events(start, follow_live=True):
-            t = ev["type"]
-            if t == "started" and not quiet:
+    from . import phases
+
+    # Elapsed and ETA come from the worker's events: tqdm's own rate would count the
+    # replayed or resumed steps as if done in the first instant.
+    bar = tqdm(total=None, disable=quiet, unit="step", dynamic_ncols=True, desc="starting the worker",
+               bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}|{postfix}")
+    seen = {"i": start, "status": 1, "step": 0}
+
+    def show_phase(text: str) -> None:
+        bar.set_description_str(text, refresh=True)
+
+    def on_event(ev: dict) -> None:
+        t = ev["type"]
+        if t == "started":
+            bar.total = _step_total(ev)
+            if not quiet:
                 tqdm.write(f"run {run.name}: {ev['method']} on {ev['device']}"
                            + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") else ""))
-            elif t == "data" and not quiet:
-                r = ev["report"]
-                tqdm.write(f"data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')}), "
-                           f"dropped {r.get('dropped')}, truncated {r.get('truncated')}")
-            elif t == "step":
-                if bar is None:
-                    bar = tqdm(total=ev.get("total"), initial=ev["step"] - 1, disable=quiet, unit="step",
-                               dynamic_ncols=True)
-                bar.n = ev["step"]
-                shown = {k: ev[k] for k in ("loss", "reward_mean", "success_rate", "best", "mean") if k in ev}
-                post = {k: f"{v:.4g}" for k, v in shown.items() if isinstance(v, (int, float))}
-                if ev.get("gpu", {}).get("total"):
-                    post["gpu"] = _fmt_bytes(ev["gpu"]["peak"])
-                bar.set_postfix(post, refresh=False)
-                bar.refresh()
-            elif t == "eval" and not quiet:
-                tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                for k, v in ev.items() if k not in ("i", "time", "type")))
-            elif t == "warm_start" and not quiet and ev.get("event") in ("step", "eval", "finished"):
-                inner = ev.get("event")
-                if inner == "step":
-                    tqdm.write(f"warm start (SFT) step {ev.get('step')}/{ev.get('total')}: loss {ev.get('loss', 0):.4g}")
-                elif inner == "eval":
-                    tqdm.write(f"warm start (SFT) eval loss {ev.get('eval_loss', 0):.4g}")
-                else:
-                    tqdm.write("warm start (SFT) finished")
-            elif t in ("warning",) and not quiet:
-                tqdm.write(f"warning: {ev['message']}")
-            elif t == "sample" and not quiet:
-                tqdm.write(f"sample (step {ev.get('step')}): {ev.get('completion', '')[:200]!r}")
-            elif t == "error":
-                tqdm.write(f"error: {ev['message']}", file=sys.stderr)
-                status = 2 if ev.get("kind") == "input" else 1
-            elif t in ("finished", "stopped"):
-                if bar is not None:
-                    bar.close()
-                tqdm.write(f"{t}: adapter in {ev['adapter']}; metrics "
-                           + json.dumps({k: round(v, 5) if isinstance(v, float) else v
-                                         for k, v in ev.get("metrics", {}).items()}))
-                status = 0
-    except KeyboardInterrupt:
-        print("\nstopping after the current step (Ctrl-C again to kill)...", file=sys.stderr)
-        run.stop()
-        try:
-            return watch(run, start=0, quiet=True)
-        except KeyboardInterrupt:
-            run.kill()
-            return 130
-    finally:
-        if bar is not None:
+            show_phase("starting")
+        elif t == "phase":
+            show_phase(phases.describe(ev) if ev["phase"] != "training" or seen["step"] else "training · first step")
+        elif t == "data" and not quiet:
+            r = ev["report"]
+            tqdm.write(f"data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')}), "
+                       f"dropped {r.get('dropped')}, truncated {r.get('truncated')}")
+        elif t == "step":
+            seen["step"] = ev["step"]
+            bar.total = ev.get("total") or bar.total
+            bar.n = ev["step"]
+            post = {k: f"{ev[k]:.4g}" for k in ("loss", "reward_mean", "success_rate", "best", "mean")
+                    if isinstance(ev.get(k), (int, float))}
+            if ev.get("gpu", {}).get("total"):
+                post["gpu"] = _fmt_bytes(ev["gpu"]["peak"])
+            post["elapsed"] = _duration(ev.get("elapsed"))
+            post["eta"] = _duration(ev.get("eta"))
+            bar.set_postfix(post, refresh=False)
+            bar.set_description_str("training", refresh=False)
+            bar.refresh()
+        elif t == "eval" and not quiet:
+            tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in ev.items() if k not in ("i", "time", "type")))
+        elif t == "warm_start":
+            inner = ev.get("event")
+            if inner == "phase":
+                show_phase(f"warm start (SFT) · {phases.describe(ev)}")
+            elif inner == "step":
+                show_phase(f"warm start (SFT) · step {ev.get('step')}/{ev.get('total')}")
+                if not quiet and (ev.get("step") == ev.get("total") or ev.get("step") == 1):
+                    tqdm.write(f"warm start (SFT) step {ev.get('step')}/{ev.get('total')}: "
+                               f"loss {ev.get('loss', 0):.4g}")
+            elif inner == "eval" and not quiet:
+                tqdm.write(f"warm start (SFT) eval loss {ev.get('eval_loss', 0):.4g}")
+            elif inner == "finished" and not quiet:
+                tqdm.write("warm start (SFT) finished")
+        elif t == "warning" and not quiet:
+            tqdm.write(f"warning: {ev['message']}")
+        elif t == "sample" and not quiet:
+            tqdm.write(f"sample (step {ev.get('step')}): {ev.get('completion', '')[:200]!r}")
+        elif t == "error":
+            tqdm.write(f"error: {ev['message']}", file=sys.stderr)
+            seen["status"] = 2 if ev.get("kind") == "input" else 1
+        elif t in ("finished", "stopped"):
             bar.close()
-    if status == 1 and run.status() == "crashed":
+            where = f"adapter in {ev['adapter']}" if ev.get("adapter") else "no adapter yet"
+            tqdm.write(f"{t}: {where}; metrics "
+                       + json.dumps({k: round(v, 5) if isinstance(v, float) else v
+                                     for k, v in ev.get("metrics", {}).items()}))
+            seen["status"] = 0
+
+    stopping = False
+    try:
+        while True:
+            try:
+                for ev in run.events(seen["i"], follow_live=True):
+                    seen["i"] = ev["i"] + 1
+                    on_event(ev)
+                break
+            except KeyboardInterrupt:
+                if stopping:
+                    bar.close()
+                    print("\nkilling the worker...", file=sys.stderr)
+                    run.kill()
+                    print(f"killed; the run folder keeps its last checkpoint: {run.path}", file=sys.stderr)
+                    return 130
+                stopping = True
+                tqdm.write("stopping after the current step or evaluation batch (Ctrl-C again to kill)...",
+                           file=sys.stderr)
+                run.stop()
+                show_phase("stopping")
+    finally:
+        bar.close()
+    run.wait(30)  # the worker writes its last event a moment before it exits: return when it is gone
+    if seen["status"] == 1 and run.status() == "crashed":
         print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
-    return status
+    return seen["status"]
+
+
+def _run_arg(value: str, runs_dir: str = "runs") -> str:
+    """A run as the user names it: a path, or a name as `edgetune runs` prints it."""
+    from pathlib import Path
+
+    if Path(value).expanduser().exists():
+        return value
+    named = Path(runs_dir) / value
+    if named.is_dir():
+        return str(named)
+    raise EdgetuneError(f"no run or folder '{value}' (not a path, and not in {runs_dir}/; "
+                        f"edgetune runs --runs-dir {runs_dir} lists the runs)")
 
 
 def cmd_train(a) -> int:
     from . import api
 
     cfg = _config(a)
-    run = api.start(cfg)
+    run = api.start(cfg, name=a.name)
     print(f"run folder: {run.path}")
     if a.detach:
         return 0
@@ -118,15 +180,26 @@ def cmd_train(a) -> int:
 
 def cmd_resume(a) -> int:
     from . import api
+    from .phases import resume_words
 
+    a.run = _run_arg(a.run, a.runs_dir)
+    last = api.open_run(a.run).dir.last_checkpoint()
+
+    before = list(api.open_run(a.run).events())
+    start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
     run = api.resume(a.run)
-    start = len(list(run.events()))
-    return 0 if a.detach else watch(run, start=max(0, start - 0))
+    print(resume_words(run.name, last))
+    return 0 if a.detach else watch(run, start=start)
 
 
 def cmd_export(a) -> int:
     from . import api
 
+    from pathlib import Path
+
+    a.run = _run_arg(a.run, a.runs_dir)
+    if a.zip and not Path(a.out).suffix:  # --out my-adapter --zip writes my-adapter.zip
+        a.out = f"{a.out}.zip"
     out = api.export(a.run, a.out, merged=a.merged, as_zip=a.zip, force=a.force)
     print(f"exported to {out}")
     return 0
@@ -143,11 +216,17 @@ def cmd_runs(a) -> int:
 
 
 def cmd_presets(a) -> int:
-    from .settings import list_presets
+    import shutil
+    import textwrap
 
+    from .settings import list_presets, preset_description
+
+    width = max(60, min(shutil.get_terminal_size((100, 20)).columns, 120))
     for name, path in list_presets().items():
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        print(f"{name:24s} {first}")
+        lines = textwrap.wrap(preset_description(path), width - 18) or [""]
+        print(f"{name:16s}  {lines[0]}")
+        for more in lines[1:]:
+            print(f"{'':16s}  {more}")
     return 0
 
 
@@ -167,25 +246,86 @@ def cmd_data(a) -> int:
     return 0
 
 
+def estimate_table(est: dict) -> str:
+    """The planner's parts in GiB, as the page shows them."""
+    rows = [(k.replace("_", " "), est.get(k) or 0) for k in est.get("parts", [])] + [("total", est.get("total") or 0)]
+    width = max(len(k) for k, _ in rows)
+    lines = [est.get("verdict", ""), ""]
+    if est.get("shape"):
+        lines[1:1] = [f"peak step shape: {est['shape']}"]
+    lines.append(f"{'part':{width}s}  {'GiB':>7s}")
+    lines += [f"{k:{width}s}  {v / 2**30:7.2f}" for k, v in rows]
+    if not est.get("gpu_total"):
+        lines.append("(no GPU visible here: the parts are those of a CUDA card; a CPU run computes in fp32 "
+                     "without a CUDA context, so its memory differs)")
+    lines += [f"note: {n}" for n in est.get("notes") or []]
+    return "\n".join(lines)
+
+
 def cmd_estimate(a) -> int:
     from . import api
 
-    print(json.dumps(api.estimate(_config(a)), indent=2))
+    est = api.estimate(_config(a))
+    print(json.dumps(est, indent=2) if a.json else estimate_table(est))
     return 0
 
 
+def eval_table(result: dict) -> str:
+    keys = [k for k in result if k not in ("adapter", "reward_fn")]
+    lines = [f"adapter: {result.get('adapter') or '(none: the base model alone)'}",
+             f"reward:  {result.get('reward_fn')}", ""]
+    width = max(len(k) for k in keys) if keys else 6
+    lines += [f"{k:{width}s}  {v:.4f}" if isinstance(v, float) else f"{k:{width}s}  {v}" for k, v in
+              ((k, result[k]) for k in keys)]
+    return "\n".join(lines)
+
+
 def cmd_eval(a) -> int:
-    from .fgrpo import evaluate_adapter
+    from tqdm import tqdm
+
+    from .fgrpo import eval_passes, evaluate_adapter
 
     cfg = _config(a)
-    print(json.dumps(evaluate_adapter(cfg, a.adapter), indent=2))
+    adapter = _run_arg(a.adapter, a.runs_dir) if a.adapter else ""
+    bar = tqdm(total=None, unit="prompt", dynamic_ncols=True, disable=a.json, desc="loading the model",
+               bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}")
+
+    def tick(done: int, total: int) -> bool:
+        bar.total = total
+        bar.n = done
+        bar.set_description_str("evaluating" if eval_passes(cfg.fgrpo) == 1 else
+                                 "evaluating (greedy, then pass@k samples)", refresh=False)
+        bar.refresh()
+        return False
+
+    try:
+        result = evaluate_adapter(cfg, adapter, progress=tick)
+    finally:
+        bar.close()
+    print(json.dumps(result, indent=2) if a.json else eval_table(result))
     return 0
 
 
 def cmd_ui(a) -> int:
+    import ipaddress
+
     from edgetune.app.main import launch
 
-    launch(host=a.host, port=a.port, runs_dir=a.runs_dir)
+    print(f"edgetune: starting the app on {a.host}:{a.port} (runs in {a.runs_dir}) ...", flush=True)
+    demo = launch(host=a.host, port=a.port, runs_dir=a.runs_dir, block=False, auth=a.auth,
+                  insecure_no_auth=a.insecure_no_auth)
+    try:
+        local = a.host in ("localhost",) or ipaddress.ip_address(a.host).is_loopback
+    except ValueError:
+        local = False
+    shown = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+    reach = "this machine only" if local else "reachable from the network"
+    login = "login required" if getattr(demo, "auth", None) else "no login"
+    print(f"edgetune ready: http://{shown}:{a.port}/  ({reach}; {login}; Ctrl-C to quit)", flush=True)
+    try:
+        demo.block_thread()
+    finally:
+        demo.edgetune_chat.close()
     return 0
 
 
@@ -198,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="a YAML file of settings")
         sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a setting, e.g. lora.r=32")
 
-    t = sub.add_parser("train", help="start a run and follow it")
+    t = sub.add_parser("train", help="start a run and follow it",
+                       epilog="fgrpo.reward_file / essa.reward_file name a Python file that the run imports and "
+                              "calls: it runs with your rights, so use only code you trust.")
     config_args(t)
     t.add_argument("--name")
     t.add_argument("--runs-dir")
@@ -206,13 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
-    r.add_argument("run")
+    r.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     r.add_argument("--detach", action="store_true")
+    r.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     r.set_defaults(fn=cmd_resume)
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")
-    e.add_argument("run")
-    e.add_argument("--out", required=True)
+    e.add_argument("run", help="a run folder, an adapter folder, or a run name as `edgetune runs` prints it")
+    e.add_argument("--out", required=True, help="a new folder; with --zip a file (.zip added when it has no extension)")
+    e.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     e.add_argument("--merged", action="store_true", help="also fold the adapter into a bf16 copy of the base")
     e.add_argument("--zip", action="store_true", help="write a .zip instead of a folder")
     e.add_argument("--force", action="store_true",
@@ -236,17 +380,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     es = sub.add_parser("estimate", help="predict peak memory of a configuration")
     config_args(es)
+    es.add_argument("--json", action="store_true", help="the planner's raw numbers (bytes) as JSON")
     es.set_defaults(fn=cmd_estimate)
 
     ev = sub.add_parser("eval", help="pass@1 / pass@k of an adapter on the held-out prompts")
     config_args(ev)
-    ev.add_argument("--adapter", required=True)
+    ev.add_argument("--adapter", required=True,
+                    help="an adapter folder, a run folder or a run name as `edgetune runs` prints it; '' = the base")
+    ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
+    ev.add_argument("--json", action="store_true", help="the metrics as JSON, no progress bar")
     ev.set_defaults(fn=cmd_eval)
 
     u = sub.add_parser("ui", help="start the browser app")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=7860)
     u.add_argument("--runs-dir", default="runs")
+    u.add_argument("--auth", metavar="USER:PASSWORD",
+                   help="require this login (required with a --host other than 127.0.0.1)")
+    u.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-local --host without a login: anyone who reaches the port can start runs "
+                        "and run reward_file Python as you")
     u.set_defaults(fn=cmd_ui)
     return p
 

@@ -2,8 +2,12 @@
 half-written run folder (a run that fails after it started is marked failed)."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,3 +106,163 @@ def test_presets_and_runs_listing(tmp_path):
     assert p.returncode == 0 and "sft-quickstart" in p.stdout
     p = edgetune("runs", "--runs-dir", str(tmp_path))
     assert p.returncode == 0
+
+
+# --------------------------------------------------------------------------- talking like its peers
+
+
+def test_presets_are_described_in_complete_sentences():
+    p = edgetune("presets")
+    assert p.returncode == 0
+    entries = [e for e in re.split(r"\n(?=\S)", p.stdout.strip())]
+    assert len(entries) >= 7
+    for e in entries:
+        text = " ".join(e.split()[1:])
+        assert text.endswith(".") and text[0].isupper(), e
+
+
+def test_estimate_prints_a_gib_table_and_json_on_request():
+    p = edgetune("estimate", "--preset", "sft-quickstart")
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^part\s+GiB$", p.stdout, re.M) and re.search(r"^total\s+\d+\.\d\d$", p.stdout, re.M)
+    raw = json.loads(edgetune("estimate", "--preset", "sft-quickstart", "--json").stdout)
+    shown = float(re.search(r"^total\s+(\S+)$", p.stdout, re.M).group(1))
+    assert abs(shown - raw["total"] / 2**30) < 0.01
+
+
+def _fake_finished_run(runs, name="r1"):
+    """A run folder as the engine leaves it, with a (tiny) adapter to export."""
+    run = runs / name
+    (run / "adapter").mkdir(parents=True)
+    (run / "config.yaml").write_text("method: sft\n")
+    (run / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "x"}')
+    (run / "events.jsonl").write_text(json.dumps({"i": 0, "time": 1, "type": "finished", "step": 1}) + "\n")
+    return run
+
+
+def test_export_takes_a_run_name_and_zip_gets_its_extension(tmp_path):
+    runs = tmp_path / "runs"
+    _fake_finished_run(runs)
+    p = edgetune("export", "r1", "--out", "mine", "--zip", "--runs-dir", str(runs), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "mine.zip").is_file() and not (tmp_path / "mine").exists()
+    import zipfile
+
+    assert "adapter_config.json" in zipfile.ZipFile(tmp_path / "mine.zip").namelist()
+    p = edgetune("export", "nope", "--out", "x", "--runs-dir", str(runs), cwd=tmp_path)
+    assert p.returncode == 2 and "no run or folder 'nope'" in _one_error_line(p)
+
+
+def _tiny_sets(tiny_model_dir, steps=2):
+    return [f"model.name={tiny_model_dir}", "model.quant=none", "data.max_rows=32", f"sft.steps={steps}",
+            "sft.batch_size=2", "sft.eval_every=0", "run.checkpoint_every=0"]
+
+
+def test_resume_by_name_says_it_starts_over_without_a_checkpoint(tmp_path, tiny_model_dir):
+    from edgetune.engine.settings import resolve
+
+    runs = tmp_path / "runs"
+    run = runs / "cut"
+    run.mkdir(parents=True)
+    cfg = resolve(preset="sft-quickstart", overrides=_tiny_sets(tiny_model_dir) + [f"run.runs_dir={runs}"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "events.jsonl").write_text(
+        json.dumps({"i": 0, "time": 1, "type": "started", "method": "sft"}) + "\n"
+        + json.dumps({"i": 1, "time": 2, "type": "stopped", "step": 0, "adapter": None, "metrics": {}}) + "\n")
+    p = edgetune("resume", "cut", "--runs-dir", str(runs), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "no checkpoint, so training starts again from step 0" in p.stdout
+    assert "finished: adapter in" in p.stdout + p.stderr  # followed to this attempt's end, not the old stop
+    assert read_events(run / "events.jsonl")[-1]["type"] == "finished"
+
+
+def _wait_for(cond, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
+    def start(name):
+        args = ["train", "--preset", "sft-quickstart", "--runs-dir", str(tmp_path / "runs"), "--name", name]
+        for s in _tiny_sets(tiny_model_dir, steps=500):
+            args += ["--set", s]
+        return subprocess.Popen([sys.executable, "-m", "edgetune.engine.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def stepping(name, proc):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        return any(e["type"] == "step" for e in read_events(tmp_path / "runs" / name / "events.jsonl"))
+
+    once = start("once")
+    _wait_for(lambda: stepping("once", once), 240, "a first step")
+    once.send_signal(signal.SIGINT)
+    out, err = once.communicate(timeout=120)
+    assert once.returncode == 0, err[-2000:]
+    assert read_events(tmp_path / "runs" / "once" / "events.jsonl")[-1]["type"] == "stopped"
+    assert "stopped: adapter in" in out + err
+
+    twice = start("twice")
+    _wait_for(lambda: stepping("twice", twice), 240, "a first step")
+    twice.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.time()
+    twice.send_signal(signal.SIGINT)
+    twice.communicate(timeout=60)
+    assert twice.returncode == 130 and time.time() - t0 < 20
+    last = read_events(tmp_path / "runs" / "twice" / "events.jsonl")[-1]
+    assert last["type"] in ("error", "stopped")  # killed, unless the stop finished first
+
+
+def test_sigterm_during_the_initial_eval_is_a_graceful_stop(tmp_path, tiny_model_dir):
+    """A plain `kill` of the worker while it evaluates ends the run within seconds, as Stop does."""
+    from edgetune.engine import api
+    from edgetune.engine.settings import resolve
+
+    cfg = resolve(preset="sft-quickstart", overrides=[
+        f"model.name={tiny_model_dir}", "model.quant=none", "data.max_rows=400", "data.eval_fraction=0.5",
+        "sft.steps=5", "sft.batch_size=1", "sft.eval_every=5", "sft.eval_batches=0", f"run.runs_dir={tmp_path}"])
+    run = api.start(cfg)
+    try:
+        _wait_for(lambda: any(e["type"] == "phase" and e["phase"] == "initial_eval" and e.get("done", 0) >= 2
+                              for e in run.events()), 240, "the initial evaluation to be under way")
+        os.kill(run.process.pid, signal.SIGTERM)
+        t0 = time.time()
+        assert run.wait(30) == "stopped", list(run.events())[-3:]
+        assert time.time() - t0 < 30
+        done = [e for e in run.events() if e["type"] == "phase" and e["phase"] == "initial_eval"]
+        assert done[-1]["done"] < done[-1]["total"]  # it stopped inside the evaluation
+        assert run.process.poll() == 0
+    finally:
+        if run.alive():
+            run.kill()
+
+
+def test_ui_prints_its_url_and_ready(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.cli", "ui", "--port", str(port), "--runs-dir",
+                             str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env=dict(os.environ, GRADIO_ANALYTICS_ENABLED="False"))
+    try:
+        lines = []
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "ready" in line:
+                break
+        text = "".join(lines)
+        assert f"edgetune ready: http://127.0.0.1:{port}/" in text and "this machine only" in text, text[-2000:]
+        assert "Traceback" not in text
+    finally:
+        proc.terminate()
+        proc.wait(30)
