@@ -97,7 +97,19 @@ def estimate_markdown(result: dict) -> str:
     lines += [f"| {k.replace('_', ' ')} | {_size(est.get(k))} |" for k in est.get("parts", [])]
     lines.append(f"| **total** | **{_size(est.get('total'))}** |")
     lines += [f"- {note}" for note in est.get("notes") or []]
+    if est.get("effective"):
+        lines += ["", effective_markdown(est["effective"])]
     return "\n".join(lines)
+
+
+def effective_markdown(eff: dict) -> str:
+    """What the run will decide for its `auto` settings (engine/effective.py), one line."""
+    on = {True: "on", False: "off"}
+    opt = eff["optimizer"] + (" (fused)" if eff.get("fused_optimizer") else "")
+    parts = [f"device {eff['device']}", f"dtype {eff['dtype']}", f"attention {eff['attn_implementation']}",
+             f"Liger {on[eff['liger']]}", f"SEBP {on[eff['sebp']]}", f"optimizer {opt}",
+             f"packing {on[eff['packing']]}", f"candidates per batch {eff['candidates_per_batch']}"]
+    return "**Decided for this run:** " + " · ".join(parts)
 
 
 # --------------------------------------------------------------------------- runs

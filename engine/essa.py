@@ -43,6 +43,7 @@ import torch
 from . import data as data_lib
 from . import model as model_lib
 from . import phases
+from .effective import decide, record
 from .errors import ConfigError
 from .essa_space import SVDSpace
 from .essa_state import SearchLog
@@ -144,26 +145,6 @@ class Evaluator:
         return fits
 
 
-def auto_candidates_per_batch(model, s: ESSASettings, prompt_tokens: int, space: SVDSpace) -> int:
-    """K for batched evaluation when `candidates_per_batch` is 0: the whole population on
-    the CPU; on CUDA as many as fit in half the free memory, counting per row the KV cache
-    and the prefill's widest activation, and per candidate its stacked factors."""
-    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
-        return s.population
-    c = model.config
-    elt = 2  # bf16 activations and cache
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_heads = getattr(c, "num_key_value_heads", heads)
-    tokens = prompt_tokens + s.max_new_tokens
-    per_row = (2 * c.num_hidden_layers * kv_heads * head_dim * tokens * elt
-               + prompt_tokens * (c.intermediate_size * 3 + c.hidden_size * 4) * elt)
-    adapter = sum(f.w0.numel() * f.w0.element_size() for f in space.factors)
-    per_candidate = s.prompts_per_generation * per_row + adapter
-    free, _ = torch.cuda.mem_get_info()
-    return max(1, min(s.population, int(0.5 * free // per_candidate)))
-
-
 # --------------------------------------------------------------------------- warm start
 
 
@@ -252,10 +233,12 @@ def train(ctx: RunContext) -> dict:
     reward = build_reward(s.reward, s.reward_file)
     space = SVDSpace(model, s.alpha)
 
-    k = s.candidates_per_batch
-    if s.evaluation == "batched" and k <= 0:
-        k = auto_candidates_per_batch(model, s, data.report.token_lengths.get("max", 64) or 64, space)
-    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, k)
+    device = model_lib.resolve_device(cfg.model)
+    free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else None
+    longest = data.report.token_lengths.get("max") or None
+    eff = decide(cfg, device, model_lib.arch_of(model), gpu_free=free, prompt_tokens=longest)
+    record(ctx.run, cfg, eff)
+    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch)
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
     es, log = make_es(space.dim, s, seed), SearchLog()

@@ -47,6 +47,7 @@ from . import data as data_lib
 from . import model as model_lib
 from . import phases
 from .errors import ConfigError, DataError
+from .effective import LOSS_CHUNK_ROWS, decide, record
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
@@ -55,7 +56,7 @@ from .passk import mean_pass_at_k
 from .rewards import Reward, build_reward
 from .rollouts import RolloutBatch, generate
 from .settings import Config, FGRPOSettings
-from .sft import micro_batch_indices, sebp_enabled
+from .sft import micro_batch_indices
 
 # Distinct streams for the seeds of training rollouts and held-out evaluation.
 _TRAIN_STREAM, _EVAL_STREAM = 1_000_003, 7_919
@@ -70,7 +71,7 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperat
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, chunk_rows: int = 512, sebp=None) -> torch.Tensor:
+                        temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
     """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
     logits divided by `temperature` as at sampling time. Prompts are left-padded, so
     positions come from the attention mask, as during decoding. With `sebp` (the kernels
@@ -284,6 +285,8 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
+    eff = decide(cfg, device, model_lib.arch_of(model))
+    record(ctx.run, cfg, eff)
     phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     ctx.emit("data", report=data.report.__dict__)
@@ -292,7 +295,7 @@ def train(ctx: RunContext) -> dict:
     held_out = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
     G, sys_prompt = s.num_generations, cfg.data.system_prompt
 
-    optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, 0.0, device)
+    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, 0.0, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
     start_step = 0
     metrics: dict = {}
@@ -301,7 +304,7 @@ def train(ctx: RunContext) -> dict:
         start_step, metrics = state["step"], dict(state.get("metrics", {}))
 
     sebp = None
-    if sebp_enabled(s.sebp, device):
+    if eff.sebp:
         from edgetune.kernels import sebp as sebp_kernels
 
         sebp = sebp_kernels

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .effective import LOSS_CHUNK_ROWS
+
 
 def backbone_and_head(model):
     """(decoder stack returning hidden states, lm_head) of a PEFT or plain HF causal LM."""
@@ -32,7 +34,7 @@ def supports_sparse_head(model) -> bool:
     return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
-def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_rows: int = 512,
+def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
                    num_items: int | None = None) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over positions whose label is not -100, through
     kernels/sebp.py's `sparse_lm_head_loss` in checkpointed chunks.
@@ -48,7 +50,8 @@ def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_ro
                                chunk_rows=chunk_rows), n
 
 
-def causal_lm_loss(model, batch: dict, sparse_head: bool = True, chunk_rows: int = 512) -> tuple[torch.Tensor, int]:
+def causal_lm_loss(model, batch: dict, sparse_head: bool = True,
+                   chunk_rows: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, int]:
     """(mean loss over target tokens, number of target tokens) for one batch."""
     labels = batch["labels"]
     # A packed row (engine/packing.py) carries position_ids; its block-diagonal mask is

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from . import memory
+from .effective import optimizer_name
 from .errors import CheckpointError
 from .events import EventWriter
 from .runfolder import RunDir, atomic_dir
@@ -78,8 +79,7 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float, device: st
     step in per-tensor kernels (measured, bench/RESULTS.md), a tenth of a whole 7B step.
     `paged_adamw_8bit` is the choice when the adapter is large and memory is short."""
     params = [p for p in params if p.requires_grad]
-    if name == "auto":
-        name = "adamw"
+    name = optimizer_name(name)
     if name == "paged_adamw_8bit":
         import bitsandbytes as bnb
 

@@ -15,6 +15,7 @@ import os
 import warnings
 from pathlib import Path
 
+from . import effective
 from .errors import ModelError
 from .runfolder import atomic_dir
 from .settings import EMBEDDED_MODEL, LoraSettings, ModelSettings
@@ -49,9 +50,17 @@ def resolve_device(ms: ModelSettings) -> str:
 def compute_dtype(ms: ModelSettings, device: str):
     import torch
 
-    if ms.dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[ms.dtype]
+    name = effective.compute_dtype(ms.dtype, device)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def arch_of(model):
+    """The model's shape as the planner describes it (engine/planner.Arch), for
+    engine/effective.decide."""
+    from .planner import arch_from_config
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return arch_from_config(base.config.to_dict())
 
 
 def autocast(model):
@@ -240,7 +249,8 @@ def load_base(ms: ModelSettings):
     device = resolve_device(ms)
     dtype = compute_dtype(ms, device)
     tok = load_tokenizer(path)
-    attn = "sdpa" if ms.attn_implementation == "auto" else ms.attn_implementation  # sft.py may switch to flex
+    # packed SFT switches to its own choice after loading (engine/sft.py)
+    attn = effective.attention(ms.attn_implementation, packing=False, device=device)
     kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=ms.trust_remote_code)
     q = quantization_config(ms, dtype)
     if q is not None:

@@ -48,11 +48,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from .effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PROJECTIONS, decide, essa_candidates_per_batch,
+                        optimizer_name)
 from .errors import ModelError
 from .settings import EMBEDDED_MODEL, Config, warm_start_config
 
 GiB = 1024**3
-LOSS_CHUNK_ROWS = 512  # engine/lm_loss.sparse_ce_loss's default
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
 ALLOCATOR_FIXED = 256 * 1024**2
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
@@ -60,10 +61,6 @@ ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-a
 # (embeddings, norms, biases, lm_head) to fp32 and make the residual stream fp32;
 # engine/model.add_lora does not call it, so frozen parameters stay in compute dtype.
 UPCAST_FROZEN = False
-# Model families whose RMSNorm + SwiGLU MLP Liger-Kernel 0.8.5 patches (engine/liger.py;
-# the planner cannot import liger_kernel, which imports torch). Others: planned without it.
-LIGER_SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
 # without converting its GGUF file first (that conversion needs torch).
@@ -252,12 +249,6 @@ class Ctx:
     liger: bool = False  # engine/liger.py's RMSNorm / SwiGLU in the training step
 
 
-def _dtype_bytes(dtype: str, device: str) -> int:
-    if dtype == "auto":
-        return 2 if device.startswith("cuda") else 4
-    return {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
-
-
 def _targets(target_modules, notes: list) -> tuple[str, ...]:
     if target_modules in ("all-linear", None, ""):
         return PROJECTIONS
@@ -272,21 +263,17 @@ def _targets(target_modules, notes: list) -> tuple[str, ...]:
 def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     notes: list[str] = []
     arch = arch_from_config(read_model_config(cfg.model.name))
-    c = _dtype_bytes(cfg.model.dtype, device)
+    eff = decide(cfg, device, arch)  # the engine's own decisions (engine/effective.py)
+    c = DTYPE_BYTES[eff.dtype]
     quantised = cfg.model.quant in ("nf4", "int8")
     p = 4 if quantised and UPCAST_FROZEN else c
-    opt = optimizer
-    if opt == "auto":
-        opt = "adamw"  # engine/loop.make_optimizer: fused AdamW
+    opt = optimizer_name(optimizer)
     if arch.experts:
         notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
     ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
               bool(cfg.model.gradient_checkpointing), opt,
               offload=bool(cfg.model.gradient_checkpointing) and getattr(cfg.model, "offload_activations", False),
-              autocast=device.startswith("cuda") and c == 2,
-              # engine/sft.py applies Liger (model.liger auto/on) on CUDA
-              liger=cfg.method == "sft" and device.startswith("cuda") and cfg.model.liger != "off"
-              and arch.model_type in LIGER_SWIGLU_FAMILIES)
+              autocast=eff.autocast, liger=eff.liger)
     return ctx, notes
 
 
@@ -492,21 +479,20 @@ def _plan_fgrpo(cfg: Config, ctx: Ctx) -> dict:
     return {**static, **parts}
 
 
-def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
-    s = cfg.essa
-    if s.evaluation != "batched":
-        return 1
-    if s.candidates_per_batch:
-        return s.candidates_per_batch
+def essa_free_after_load(ctx: Ctx, gpu_free: int | None) -> int | None:
+    """The card's free memory once ESSA's model, adapter and search space are loaded:
+    what the engine measures when it sizes its batched evaluation."""
     if gpu_free is None:
-        # the CPU's rule is the whole population; on a card the engine takes what half its free
-        # memory holds, unknown here: plan one candidate per pass (_plan says so in a note)
-        return 1 if ctx.device.startswith("cuda") else s.population
-    # engine/essa.auto_candidates_per_batch's rule: as many as fit in half the free memory.
-    seq = cfg.data.max_seq_len + s.max_new_tokens
-    per_row = kv_cache_bytes(ctx, 1, seq) + prefill_bytes(ctx, 1, cfg.data.max_seq_len)
-    per_candidate = s.prompts_per_generation * per_row + lora_params(ctx) * 4
-    return max(1, min(s.population, int(0.5 * gpu_free // per_candidate)))
+        return None
+    loaded = weight_bytes(ctx) + 3 * lora_params(ctx) * 4 + (CUDA_CONTEXT if ctx.device.startswith("cuda") else 0)
+    return max(0, gpu_free - loaded)
+
+
+def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
+    """engine/effective's K for the free memory the engine will see after loading (on a
+    card of unknown memory: one candidate per pass; _plan says so in a note)."""
+    dtype = "bf16" if ctx.compute_bytes == 2 else "fp32"
+    return essa_candidates_per_batch(cfg, ctx.device, ctx.arch, dtype, essa_free_after_load(ctx, gpu_free))
 
 
 def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
@@ -729,6 +715,9 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
             gpu_free, gpu_total = got
     plan, ctx, notes = _plan(cfg, device, gpu_free)
     budget = gpu_free if gpu_free is not None else gpu_total
+    run_device = cfg.model.device
+    if run_device == "auto":
+        run_device = "cuda" if (gpu_total or gpu_free) and device.startswith("cuda") else "cpu"
     plan["verdict"], plan["fits"] = verdict(cfg, plan["total"], budget, device, gpu_free)
     a = ctx.arch
     plan.update(
@@ -738,6 +727,10 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
                "lora_params": lora_params(ctx), "optimizer": ctx.optimizer,
                "activation_bytes": ctx.act_bytes, "gradient_checkpointing": ctx.checkpointing,
                "checkpointed_layers": n_checkpointed(ctx)},
+        # what the run will decide for every `auto` setting (engine/effective.py), on the device
+        # it will get: model.device, or auto = a CUDA card when one is known here, else the CPU
+        effective=decide(cfg, run_device, a, essa_free_after_load(ctx, gpu_free) if run_device == device else None
+                         ).to_dict(),
     )
     return plan
 

@@ -266,7 +266,7 @@ class FGRPOSettings:
         50,
         "Held-out prompts per evaluation (0 = the whole held-out split).",
         section="evaluation")
-    eval_k: int = setting(4, "pass@k; n = 2k samples per prompt", section="evaluation")
+    eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation")
     sample_every: int = setting(
         5,
         "Report one sample completion every N steps (0 = never).",
@@ -453,6 +453,8 @@ def _apply(obj: Any, data: dict, prefix: str = "") -> None:
     types = _field_types(type(obj))
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if not prefix and key == "effective":
+            continue  # a run's config.yaml records what was decided (engine/effective.py): not a setting
         if key not in types:
             raise ConfigError(f"unknown setting '{path}'{_suggest(key, list(types))}")
         current = getattr(obj, key)
@@ -648,7 +650,7 @@ RANGES = {
     "fgrpo.num_iterations": POSITIVE, "fgrpo.lr": POSITIVE, "fgrpo.steps": POSITIVE,
     "fgrpo.micro_batch_size": NON_NEGATIVE, "fgrpo.warmup_steps": NON_NEGATIVE,
     "fgrpo.max_grad_norm": NON_NEGATIVE, "fgrpo.eval_every": NON_NEGATIVE, "fgrpo.eval_prompts": NON_NEGATIVE,
-    "fgrpo.eval_k": POSITIVE, "fgrpo.sample_every": NON_NEGATIVE,
+    "fgrpo.eval_k": NON_NEGATIVE, "fgrpo.sample_every": NON_NEGATIVE,
     "essa.warm_start_steps": NON_NEGATIVE, "essa.alpha": FRACTION, "essa.population": Range(2),
     "essa.sigma0": POSITIVE, "essa.generations": POSITIVE, "essa.prompts_per_generation": POSITIVE,
     "essa.max_new_tokens": POSITIVE, "essa.candidates_per_batch": NON_NEGATIVE,

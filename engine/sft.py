@@ -38,6 +38,7 @@ import torch
 from . import data as data_lib
 from . import model as model_lib
 from . import phases
+from .effective import decide, record
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
@@ -57,10 +58,6 @@ def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]
         out += take
         pos += len(take)
     return out
-
-
-def sebp_enabled(setting: str, device: str) -> bool:
-    return device.startswith("cuda") if setting == "auto" else setting == "on"
 
 
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
@@ -108,24 +105,27 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    print(f"liger: {apply_liger(model, cfg.model.liger)}", file=sys.stderr, flush=True)  # -> worker.log
-    if s.packing and device.startswith("cuda") and cfg.model.attn_implementation == "auto":
-        # packed rows: flex_attention's block mask skips the cross-row blocks that sdpa's dense
-        # boolean mask makes it compute (the first step compiles the kernel, ~10-20 s)
-        model.get_base_model().set_attn_implementation("flex_attention")
+    eff = decide(cfg, device, model_lib.arch_of(model))
+    record(ctx.run, cfg, eff)
+    liger = apply_liger(model, "on") if eff.liger else f"off (model.liger {cfg.model.liger} on {device})"
+    print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log
+    base = model.get_base_model()
+    if base.config._attn_implementation != eff.attn_implementation:
+        # packed rows on CUDA: flex_attention (its first step compiles the kernel, ~10-20 s)
+        base.set_attn_implementation(eff.attn_implementation)
     if cfg.model.offload_activations:
         from .offload import enable as offload_activations
 
         offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
 
-    optimizer = make_optimizer(model.parameters(), s.optimizer, s.lr, s.weight_decay, device)
+    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
     start_step = 0
     if ctx.resume is not None:
         start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
 
     sebp = None
-    if sebp_enabled(s.sebp, device):
+    if eff.sebp:
         from edgetune.kernels import sebp as sebp_kernels
 
         sebp = sebp_kernels
