@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""F-GRPO and ESSA on the Qwen2.5-72B architecture, inside 80 GB of one GPU.
+
+Model: random-init Qwen2.5-72B architecture (hidden 8192, intermediate 29568, 80 layers,
+64 heads, 8 KV heads, vocab 152064), built decoder layer by decoder layer on the GPU and
+quantised to NF4 as each layer is made (bench/essa.build_nf4_model: never whole in bf16,
+never written to disk). The process is held to 80 GB of the card
+(torch.cuda.set_per_process_memory_fraction): anything that would need more fails here
+as it would on an 80 GB card.
+
+  fgrpo   one F-GRPO step as engine/fgrpo.py runs it (bench/fgrpo_gpu.py's loop): LoRA
+          r=16 on all 7 projections, gradient checkpointing, SEBP; 8 prompts x 8
+          completions, 128-token prompts, 256 new tokens, DAPO loss, micro-batch 8, update
+          included. Rewards are seeded coin flips (a random-init model solves nothing).
+  essa    one ESSA generation as engine/essa.py runs it: LoRA r=8 on q, k, v, o (the
+          same base, its F-GRPO adapter unloaded), population 16, 32 prompts x 64 tokens,
+          64 new tokens, greedy, batched evaluation with the candidates per pass (K) the
+          memory planner fits into 80 GB.
+Each part: seconds, peak allocated / reserved, and the planner's prediction for the same
+settings (within 15% is the target).
+
+    python bench/big72b_methods.py --tiny            # CPU, tiny config: the plumbing
+    PYTHONPATH=$PWD/.gpu-site python bench/big72b_methods.py   # GPU: $OUT/big72b_methods.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _common as C  # noqa: E402  (edgetune importable)
+from essa import TINY, IdTokenizer, add_random_lora, build_nf4_model, id_reward  # noqa: E402
+
+QWEN25_72B = dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+CARD_LIMIT = 80e9  # bytes: an 80 GB card
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--tiny", action="store_true")
+ap.add_argument("--time-limit", type=float, default=560.0)
+ap.add_argument("--out", default=os.environ.get("OUT", "."))
+args = ap.parse_known_args()[0]
+
+T0 = time.perf_counter()
+DEV = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+ARCH = TINY if args.tiny else QWEN25_72B
+FG = dict(prompts=2, group=4, prompt_len=8, new_tokens=8) if args.tiny else \
+    dict(prompts=8, group=8, prompt_len=128, new_tokens=256)
+ES = dict(population=4, prompts=3, prompt_len=8, new_tokens=6, rank=8) if args.tiny else \
+    dict(population=16, prompts=32, prompt_len=64, new_tokens=64, rank=8)
+OUT = Path(args.out)
+OUT.mkdir(parents=True, exist_ok=True)
+R: dict = {"arch": ARCH, "fgrpo_settings": FG, "essa_settings": ES, "card_limit_bytes": CARD_LIMIT,
+           "planner": [], "errors": {}, "notes": []}
+BUDGET = C.Budget("big72b_methods", args.time_limit, OUT / "big72b_methods.json", R, T0)
+log, section = BUDGET.log, BUDGET.section
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def peaks() -> dict:
+    if DEV != "cuda":
+        return {}
+    return {"peak_alloc": torch.cuda.max_memory_allocated(), "peak_alloc_GiB": C.gib(torch.cuda.max_memory_allocated()),
+            "peak_reserved_GiB": C.gib(torch.cuda.max_memory_reserved())}
+
+
+def reset_peak():
+    import gc
+
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def planned(method: str, sets: list[str]) -> dict:
+    from edgetune.engine import planner
+    from edgetune.engine.settings import resolve
+
+    cfg = resolve(overrides=[f"method={method}", f"model.name={FOLDER}", "model.quant=nf4", *sets])
+    return planner.estimate(cfg, device="cuda", detect_gpu=False)
+
+
+FOLDER = C.arch_folder(ARCH)
+FG_SETS = ["lora.r=16", "lora.alpha=32", "model.gradient_checkpointing=true", f"data.max_seq_len={FG['prompt_len']}",
+           f"fgrpo.prompts_per_step={FG['prompts']}", f"fgrpo.num_generations={FG['group']}",
+           f"fgrpo.max_new_tokens={FG['new_tokens']}", "fgrpo.micro_batch_size=8"]
+ES_SETS = [f"lora.r={ES['rank']}", f"lora.alpha={2 * ES['rank']}", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+           "model.gradient_checkpointing=false", f"data.max_seq_len={ES['prompt_len']}",
+           f"essa.population={ES['population']}", f"essa.prompts_per_generation={ES['prompts']}",
+           f"essa.max_new_tokens={ES['new_tokens']}", "essa.evaluation=batched", f"essa.warm_start={FOLDER}"]
+
+
+def essa_k() -> int:
+    """Candidates per batched pass: the most (population, halves of it) whose planned total
+    fits the 80 GB card; the engine's own rule reads half the free memory, which on this
+    141 GB card would be more than an 80 GB card has."""
+    k = ES["population"]
+    while k > 1:
+        if planned("essa", ES_SETS + [f"essa.candidates_per_batch={k}"])["total"] <= CARD_LIMIT:
+            break
+        k //= 2
+    return k
+
+
+def build():
+    if DEV == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CARD_LIMIT / total))
+        R["memory_fraction"] = round(CARD_LIMIT / total, 4)
+    t = time.perf_counter()
+    model = build_nf4_model(ARCH, DEV, DTYPE)
+    sync()
+    R["build_s"] = round(time.perf_counter() - t, 1)
+    R["mem_after_build_GiB"] = C.gib(torch.cuda.memory_allocated()) if DEV == "cuda" else None
+    log(f"built in {R['build_s']} s, {R['mem_after_build_GiB']} GiB")
+    return model
+
+
+def fgrpo_step(base):
+    from edgetune.engine import rollouts
+    from edgetune.engine.fgrpo import policy_update, sebp_lifted
+    from edgetune.engine.grpo_loss import focal_weights, group_advantages
+    from edgetune.engine.loop import make_optimizer, make_scheduler
+    from edgetune.engine.model import add_lora
+    from edgetune.engine.rollouts import generate
+    from edgetune.engine.settings import FGRPOSettings, LoraSettings
+
+    model = add_lora(base, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
+    sebp = None
+    if DEV == "cuda":
+        from edgetune.kernels import sebp as sebp_kernels
+
+        sebp = sebp_kernels
+        sebp.patch(model)
+    s = FGRPOSettings(num_generations=FG["group"], prompts_per_step=FG["prompts"], max_new_tokens=FG["new_tokens"],
+                      temperature=0.9, loss_type="dapo", gamma=1.0, lr=1e-5, steps=1, micro_batch_size=8)
+    opt = make_optimizer(model.parameters(), "auto", s.lr, 0.0, DEV)
+    sched = make_scheduler(opt, 0, s.steps)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, ARCH["vocab_size"], (FG["prompt_len"],), generator=g).tolist()
+               for _ in range(FG["prompts"])]
+    reset_peak()
+    t = time.perf_counter()
+    with sebp_lifted(model, sebp):
+        roll = generate(model, IdTokenizer(), prompts, num_generations=s.num_generations,
+                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0)
+    sync()
+    gen_s = time.perf_counter() - t
+    gen_peak = peaks()
+    r = (torch.rand(roll.completion_ids.shape[0], generator=g) < 0.4).float().to(roll.logprobs.device)
+    adv = group_advantages(r, s.num_generations, s.scale_rewards) * focal_weights(r, s.num_generations, s.gamma,
+                                                                                   success=r.bool())
+    upd = policy_update(model, roll, adv, s, opt, sched, sebp)
+    sync()
+    gen_tokens = int(roll.completion_mask.sum())
+    R["fgrpo"] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
+                  "train_s": round(upd["train_s"], 2), "train_tokens": upd["train_tokens"],
+                  "step_s": round(time.perf_counter() - t, 2), "loss": upd["loss"], "grad_norm": upd["grad_norm"],
+                  "rollout_path": getattr(rollouts, "last_info", None), "generation_peak": gen_peak, **peaks()}
+    log(f"fgrpo {R['fgrpo']}")
+    R["planner"].append(C.compare("72B F-GRPO step", planned("fgrpo", FG_SETS), R["fgrpo"].get("peak_alloc")))
+    if sebp is not None:
+        sebp.unpatch(model)
+    del opt, sched, roll, adv
+    for p in model.parameters():
+        p.grad = None
+    return model.unload()  # the NF4 base again, LoRA layers removed
+
+
+def essa_generation(base):
+    import numpy as np
+
+    from edgetune.engine.essa import Evaluator, make_es
+    from edgetune.engine.essa_space import SVDSpace
+    from edgetune.engine.settings import ESSASettings
+
+    model = add_random_lora(base, ES["rank"])
+    space = SVDSpace(model)
+    k = essa_k()
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, ARCH["vocab_size"], (ES["prompts"], ES["prompt_len"]), generator=g).tolist()
+    rows = [{"prompt": p, "answer": ""} for p in prompts]
+    s = ESSASettings(population=ES["population"], sigma0=0.05, max_new_tokens=ES["new_tokens"], greedy=True,
+                     prompts_per_generation=ES["prompts"], evaluation="batched")
+    es = make_es(space.dim, s, seed=0)
+    xs = es.ask()
+    while True:
+        ev = Evaluator(model, IdTokenizer(), space, id_reward, s, candidates_per_batch=k)
+        ev.population(xs[:2], rows[:2])  # warm-up of the batched path (kernels, allocator), not timed
+        reset_peak()
+        t = time.perf_counter()
+        try:
+            fit = ev.population(xs, rows)
+            break
+        except torch.OutOfMemoryError:
+            if k == 1:
+                raise
+            R["notes"].append(f"ESSA: K = {k} ran out of the 80 GB (planner said it fits); halved")
+            k //= 2
+            reset_peak()
+    es.tell(xs, [-f for f in fit])
+    sync()
+    dt = time.perf_counter() - t
+    new = ES["population"] * ES["prompts"] * ES["new_tokens"]
+    R["essa"] = {"k": k, "passes": -(-ES["population"] // k), "search_dim": space.dim, "s_per_generation": round(dt, 2),
+                 "candidates_per_min": round(60 * ES["population"] / dt, 1), "gen_tokens_per_s": round(new / dt, 1),
+                 "fitness_mean": float(np.mean(fit)), **peaks()}
+    log(f"essa {R['essa']}")
+    R["planner"].append(C.compare(f"72B ESSA generation, K = {k}",
+                                  planned("essa", ES_SETS + [f"essa.candidates_per_batch={k}"]),
+                                  R["essa"].get("peak_alloc")))
+
+
+def table() -> str:
+    out = [f"72B NF4 ({'tiny CPU check' if args.tiny else 'Qwen2.5-72B arch, random init'}), process held to "
+           f"{CARD_LIMIT / 1e9:.0f} GB; build {R.get('build_s')} s, {R.get('mem_after_build_GiB')} GiB after it", "",
+           "| part | seconds | generated tokens/s | peak allocated GiB | peak reserved GiB | planner GiB | error |",
+           "|---|---|---|---|---|---|---|"]
+    plan = {row["name"].split(",")[0]: row for row in R["planner"]}
+    f = R.get("fgrpo")
+    if f:
+        p = plan.get("72B F-GRPO step", {})
+        out.append(f"| F-GRPO step ({FG['prompts']} x {FG['group']} x {FG['new_tokens']} new tokens; generation "
+                   f"{f['gen_s']} s + update {f['train_s']} s) | {f['step_s']} | {f['gen_tokens_per_s']} | "
+                   f"{f.get('peak_alloc_GiB')} | {f.get('peak_reserved_GiB')} | {p.get('predicted_GiB')} | "
+                   f"{p.get('error')} |")
+    e = R.get("essa")
+    if e:
+        p = plan.get("72B ESSA generation", {})
+        out.append(f"| ESSA generation (population {ES['population']}, {ES['prompts']} prompts x {ES['new_tokens']} "
+                   f"new tokens, K = {e['k']} per pass, {e['passes']} passes) | {e['s_per_generation']} | "
+                   f"{e['gen_tokens_per_s']} | {e.get('peak_alloc_GiB')} | {e.get('peak_reserved_GiB')} | "
+                   f"{p.get('predicted_GiB')} | {p.get('error')} |")
+    if R["errors"]:
+        out.append(f"errors: {json.dumps(R['errors'])[:1500]}")
+    return "\n".join(out)
+
+
+def main():
+    if DEV == "cpu":
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    base = section("build", build)
+    if base is None:
+        return
+    base = section("fgrpo", lambda: fgrpo_step(base), need_s=30 if args.tiny else 200) or base
+    section("essa", lambda: essa_generation(base), need_s=20 if args.tiny else 100)
+    R["table"] = table()
+    R["wall_s"] = round(time.perf_counter() - T0, 1)
+    BUDGET.dump()
+    print("\n" + R["table"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
