@@ -285,6 +285,9 @@ def cmd_eval(a) -> int:
 
     from .fgrpo import eval_passes, evaluate_adapter
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)
     adapter = _run_arg(a.adapter, a.runs_dir) if a.adapter else ""
     bar = tqdm(total=None, unit="prompt", dynamic_ncols=True, disable=a.json, desc="loading the model",

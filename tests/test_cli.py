@@ -266,3 +266,17 @@ def test_ui_prints_its_url_and_ready(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir):
+    sets = [f"model.name={tiny_model_dir}", "model.quant=none", "fgrpo.eval_prompts=4", "fgrpo.max_new_tokens=4"]
+    args = ["eval", "--preset", "fgrpo-quickstart", "--adapter", ""]
+    for s in sets:
+        args += ["--set", s]
+    p = edgetune(*args, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"^success_rate\s+\d\.\d{4}$", p.stdout, re.M) and "base model alone" in p.stdout
+    assert "8/8" in p.stderr  # the bar counted 4 prompts in each of its two passes
+    assert "Loading weights" not in p.stderr and "FutureWarning" not in p.stderr
+    raw = json.loads(edgetune(*args, "--json", cwd=tmp_path).stdout)
+    assert raw["prompts"] == 4 and 0 <= raw["pass@1"] <= 1
