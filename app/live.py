@@ -46,10 +46,10 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
 
     fig = Figure(figsize=(7, 3.0), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    for s in plot.series:
+    for s, style in zip(plot.series, ("-", "--", ":")):  # equal values stay visible as two lines
         part = frame[frame["series"] == s.label]
         if len(part):
-            ax.plot(part["step"], part["value"], marker="o", markersize=3.5, linewidth=1.6, label=s.label)
+            ax.plot(part["step"], part["value"], style, marker="o", markersize=3.5, linewidth=1.6, label=s.label)
     ax.set_title(plot.title, fontsize=11)
     ax.set_xlabel(plot.x_title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and generations are whole numbers
@@ -195,8 +195,9 @@ def _is_phase(ev: dict) -> bool:
 
 
 def log_lines(events: list[dict], n: int = 40) -> str:
-    """The newest `n` events, oldest first (the box scrolls to its end). A phase's progress
-    events collapse into its latest one; ESSA's per-candidate events are left out."""
+    """The newest `n` events, newest first, so the latest is in view without scrolling. A
+    phase's progress events collapse into its latest one; ESSA's per-candidate events are
+    left out."""
     shown = []
     for e in events:
         if e["type"] == "candidate":
@@ -205,7 +206,7 @@ def log_lines(events: list[dict], n: int = 40) -> str:
             shown[-1] = e
         else:
             shown.append(e)
-    return "\n".join(_fmt_event(e) for e in shown[-n:])
+    return "\n".join(_fmt_event(e) for e in reversed(shown[-n:]))
 
 
 def samples_markdown(events: list[dict], n: int = 4) -> str:

@@ -41,9 +41,11 @@ METHODS = (
     Method(
         "fgrpo", "F-GRPO", "RL with verifiable rewards: group-relative advantages with focal group weights.",
         plots=(
-            Plot("Reward and success", "value", (Series("step", "reward_mean", "reward"),
-                                                  Series("step", "success_rate", "success rate"),
-                                                  Series("eval", "pass@1", "eval pass@1"))),
+            # Two plots: with a 0/1 reward, the reward mean equals the success rate and one
+            # line would hide the other.
+            Plot("Reward", "mean reward", (Series("step", "reward_mean", "reward"),)),
+            Plot("Success", "share", (Series("step", "success_rate", "success rate"),
+                                      Series("eval", "pass@1", "eval pass@1"))),
             Plot("KL to the base", "KL", (Series("step", "kl", "KL"),)),
         ),
         samples=True, headline=("reward_mean", "success_rate"),

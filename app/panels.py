@@ -90,7 +90,10 @@ def estimate_markdown(result: dict) -> str:
     if est.get("gpu_total"):
         lines.append(f"GPU: {_size(est.get('gpu_free'))} free of {_size(est['gpu_total'])}.")
     else:
-        lines.append("No GPU visible here: the verdict needs one; the parts below are for a CUDA card.")
+        lines.append("No GPU visible here: the verdict needs one; the parts below are for a CUDA card. "
+                     "A run on this CPU differs from them: it computes in fp32 rather than bf16, has no "
+                     "CUDA context (0.5 GiB) and no CUDA allocator slack, and what it uses is the worker's "
+                     "RAM, shown live on the Train tab.")
     if est.get("shape"):
         lines.append(f"Peak step shape: {est['shape']}" + (f" ({est['phase']})" if est.get("phase") else "") + ".")
     lines += ["", "| part | predicted |", "|---|---:|"]

@@ -47,6 +47,7 @@ CSS = """
 .et-mem-num { width: 150px; text-align: right; font-family: var(--font-mono); font-size: 0.85em; }
 .et-mem-note { font-size: 0.85em; color: var(--body-text-color-subdued); margin-top: 4px; }
 #run-banner { font-size: 0.95em; }
+#samples pre, #samples code { white-space: pre-wrap; word-break: break-word; }
 """
 
 
@@ -157,10 +158,11 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 data_md = gr.Markdown("_Press “Check data” to validate the file with the model's tokenizer._",
                                       elem_id="data-report")
                 with gr.Row():
+                    # hidden until a check has rows to show
                     preview = gr.Dataframe(label="Preview (first rows)", elem_id="data-preview", wrap=True,
-                                           max_height=360, scale=3, interactive=False)
+                                           max_height=360, scale=3, interactive=False, visible=False)
                     hist = gr.Plot(panels.histogram_figure({}), show_label=False, elem_id="data-histogram",
-                                   scale=2, format="png")
+                                   scale=2, format="png", visible=False)
 
             # ------------------------------------------------------------------ 3 method
             with gr.Tab("3 · Method", id="method", elem_id="tab-method"):
@@ -208,7 +210,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                         gr.Markdown("**Memory** (live, from the worker's memory.json)")
                         memory = gr.HTML(live.memory_html(None, host_total, False), elem_id="memory-panel")
                         samples = gr.Markdown("", elem_id="samples")
-                logs = gr.Textbox(label="Recent events", lines=12, max_lines=12, autoscroll=True,
+                logs = gr.Textbox(label="Recent events (newest first)", lines=12, max_lines=12, autoscroll=False,
                                   elem_id="log-lines", interactive=False)
 
             # ------------------------------------------------------------------ 5 runs

@@ -162,8 +162,8 @@ def test_fgrpo_events_become_reward_success_and_kl_plots_and_samples():
               _ev(1, "step", step=1, total=4, reward_mean=0.25, success_rate=0.5, kl=0.01),
               _ev(2, "eval", step=1, **{"pass@1": 0.4}),
               _ev(3, "sample", step=1, prompt="What is 2 plus 3?", completion="5", reward=1.0, answer="5")]
-    reward, kl = live.plot_frames(events, BY_KEY["fgrpo"])
-    assert set(reward["series"]) == {"reward", "success rate", "eval pass@1"}
+    reward, success, kl = live.plot_frames(events, BY_KEY["fgrpo"])
+    assert set(reward["series"]) == {"reward"} and set(success["series"]) == {"success rate", "eval pass@1"}
     assert kl.to_dict("records") == [{"step": 1, "value": 0.01, "series": "KL"}]
     md = live.samples_markdown(events)
     assert "step 1" in md and "reward 1" in md and "What is 2 plus 3?" in md
@@ -369,6 +369,7 @@ def test_each_phase_has_its_own_status_line_and_progress():
     # The log shows each phase once, at its latest progress.
     logs = live.log_lines(events)
     assert logs.count("initial eval") == 1 and "phase: initial eval 12/30 prompts" in logs
+    assert "final eval 1/4" in logs.splitlines()[0]  # the newest line first, always in view
 
 
 def test_essa_warm_start_shows_its_own_phases():
