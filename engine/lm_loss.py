@@ -34,6 +34,11 @@ def supports_sparse_head(model) -> bool:
     return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
+def label_count(labels: torch.Tensor) -> int:
+    """Target tokens of a batch: positions whose next-token label is not -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 def sparse_ce_loss(hidden: torch.Tensor, lm_head, labels: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
                    num_items: int | None = None) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over positions whose label is not -100, through

@@ -40,7 +40,7 @@ from . import model as model_lib
 from . import phases
 from .effective import decide, record
 from .liger import apply as apply_liger
-from .lm_loss import causal_lm_loss
+from .lm_loss import causal_lm_loss, label_count
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
                    save_checkpoint, save_stop_checkpoint, seed_everything)
 from .packing import collate_packed
@@ -58,6 +58,24 @@ def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]
         out += take
         pos += len(take)
     return out
+
+
+def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
+    """Backward of one optimizer step's micro-batches: every label token of the step weighs
+    the same, so the gradient is that of the mean loss over the step's label tokens whatever
+    the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
+    different numbers of tokens; dividing each micro-batch's mean by grad_accum would
+    over-weigh the tokens of a short one). Returns (that mean loss, label tokens)."""
+    total = sum(label_count(b["labels"]) for b in batches)
+    loss_sum = 0.0
+    for batch in batches:
+        if sebp is not None:
+            sebp.set_active_rows(model, batch["attention_mask"].bool())
+        with model_lib.autocast(model):
+            loss, n = causal_lm_loss(model, batch)
+        (loss * (n / max(total, 1))).backward()
+        loss_sum += loss.item() * n
+    return loss_sum / max(total, 1), total
 
 
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
@@ -155,25 +173,20 @@ def train(ctx: RunContext) -> dict:
             stopped = True
             break
         t_step = time.time()
-        loss_sum, tokens = 0.0, 0
+        batches = []
         for j in range(s.grad_accum):
             k = step * s.grad_accum + j
             rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
-            batch = {key: v.to(device) for key, v in collate(rows, pad_id).items()}
-            if sebp is not None:
-                sebp.set_active_rows(model, batch["attention_mask"].bool())
-            with model_lib.autocast(model):
-                loss, n = causal_lm_loss(model, batch)
-            (loss / s.grad_accum).backward()
-            loss_sum += loss.item()
-            tokens += int(batch["attention_mask"].sum())
+            batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
+        step_loss, _ = accumulate(model, batches, sebp)
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        metrics["loss"] = loss_sum / s.grad_accum
+        metrics["loss"] = step_loss
         if every(cfg.run.log_every, step) or step == s.steps:
             ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
                      grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))

@@ -109,6 +109,48 @@ def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_gradient_accumulation_weighs_every_label_token_the_same(tiny_model_dir, tmp_path):
+    """batch 8 == 4 x grad_accum 2 == 2 x grad_accum 4, on rows of very different lengths."""
+    from edgetune.engine import data as data_lib
+    from edgetune.engine import model as model_lib
+    from edgetune.engine.lm_loss import causal_lm_loss
+    from edgetune.engine.sft import accumulate
+
+    cfg = _cfg(tiny_model_dir, tmp_path, model={"quant": "none"})
+    model, tok, _ = model_lib.load(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():  # B starts at zero: a non-zero B gives A a gradient too
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for length in (4, 60, 7, 41, 5, 90, 12, 3):
+        ids = torch.randint(3, 1000, (length,), generator=g).tolist()
+        rows.append(data_lib.SFTExample(ids, [-100] * (length // 3) + ids[length // 3:]))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(split):
+        model.zero_grad(set_to_none=True)
+        batches = [data_lib.collate(rows[i : i + split], tok.pad_token_id) for i in range(0, 8, split)]
+        loss, n = accumulate(model, batches)
+        return loss, n, [p.grad.clone() for p in params]
+
+    loss8, n8, grads8 = step(8)
+    assert n8 == sum(len(r.labels) - 1 - r.labels[1:].count(-100) for r in rows)
+    for split in (4, 2):
+        loss, n, grads = step(split)
+        assert n == n8 and loss == pytest.approx(loss8, rel=1e-6)
+        for a, b in zip(grads, grads8):
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    # what it replaces, each micro-batch's mean / grad_accum, is another update on these rows
+    model.zero_grad(set_to_none=True)
+    for i in range(0, 8, 2):
+        loss, _ = causal_lm_loss(model, data_lib.collate(rows[i : i + 2], tok.pad_token_id))
+        (loss / 4).backward()
+    assert max(float((p.grad - b).abs().max()) for p, b in zip(params, grads8)) > 1e-4
+
+
 @pytest.mark.slow
 def test_quickstart_learns_and_exports(tmp_path):
     """The README's quick start through the CLI, on the embedded SmolLM2-135M."""
