@@ -142,6 +142,12 @@ class Probe:
     caching allocator's cudaMalloc calls and retries, and the GPU clock before/after."""
 
     def __enter__(self):
+        import gc
+
+        import psutil
+
+        self.gc0 = [g["collections"] for g in gc.get_stats()]
+        self.cpu0, self.sys0, self.wall0 = time.process_time(), psutil.cpu_times(), time.perf_counter()
         self.frames = compiled_frames()
         self.mem = torch.cuda.memory_stats() if DEV == "cuda" else {}
         self.clock0 = gpu_clocks() if DEV == "cuda" else {}
@@ -156,6 +162,19 @@ class Probe:
             "clock_before": self.clock0, "clock_after": gpu_clocks() if DEV == "cuda" else {},
             "peak_reserved_GiB": C.gib(torch.cuda.max_memory_reserved()) if DEV == "cuda" else None,
         }
+        import gc
+
+        import psutil
+
+        wall = time.perf_counter() - self.wall0
+        now = psutil.cpu_times()
+        busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)  # noqa: E731
+        self.found.update(
+            # this process's CPU seconds per wall second (Python + launch threads), and the
+            # whole machine's busy cores meanwhile: host-bound slowdowns show up here
+            process_cpu_per_wall=round((time.process_time() - self.cpu0) / wall, 3),
+            machine_busy_cores=round((busy(now) - busy(self.sys0)) / wall, 2),
+            gc_collections=[g["collections"] - c for g, c in zip(gc.get_stats(), self.gc0)])
         return False
 
 
@@ -269,9 +288,15 @@ def ours_rows(base, padded, real):
               ("+no_ckpt", b_packed, True, None, 0, {})]
     folder = C.arch_folder(B.C7B)
 
+    names = [x[0] for x in levers]
+
     def timed(name, batch, use_sebp, ckpt, how, n_runs):
         nonlocal handle
         model_lib.checkpoint_first_layers(model.get_base_model(), ckpt)
+        if DEV == "cuda" and names.index(name) >= names.index("+flex"):
+            use_flex(model)
+        elif DEV == "cuda" and names.index(name) > names.index("+packing"):  # the second pass's +liger row
+            model.get_base_model().set_attn_implementation("sdpa")
         if use_sebp and handle is None:
             handle = sebp.patch(model)
         if not use_sebp and handle is not None:
@@ -292,7 +317,8 @@ def ours_rows(base, padded, real):
             log(f"ours {name}: run {len(row['runs'])} {m['total']:.3f}s/step, peak {m['peak_alloc_GiB']} GiB "
                 f"(reserved {m['peak_reserved_GiB']}), first loss {m['first_loss']:.4f}, compiled frames "
                 f"{m['dynamo_frames_during_run']}, cudaMallocs {m['cuda_mallocs_during_run']}, clocks "
-                f"{m['clock_before'].get('sm_mhz')}->{m['clock_after'].get('sm_mhz')} MHz")
+                f"{m['clock_before'].get('sm_mhz')}->{m['clock_after'].get('sm_mhz')} MHz, process CPU/wall "
+                f"{m['process_cpu_per_wall']}, machine busy cores {m['machine_busy_cores']}, gc {m['gc_collections']}")
 
     for name, batch, use_sebp, prepare, ckpt, how in levers:
         def one():
