@@ -21,7 +21,7 @@ import traceback
 import yaml
 
 from .errors import EdgetuneError
-from .events import EventWriter
+from .events import EventWriter, read_events
 from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
 from .settings import from_dict
 
@@ -84,6 +84,15 @@ def run(run_dir: str, resume: bool = False) -> int:
         return 130
     except BaseException as e:  # a bug: keep the traceback in worker.log, one line in events
         traceback.print_exc()
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(e, torch.OutOfMemoryError) and ctx is not None:
+            from .oom import advice
+
+            steps = [ev for ev in read_events(run.events_path) if ev["type"] == "step"]
+            last = run.last_checkpoint()
+            emit("error", message=advice(ctx.cfg, steps[-1]["step"] if steps else 0, last[0] if last else None),
+                 kind="input")
+            return 2
         if disk_full(e):  # the user's condition, not ours
             where = getattr(e, "filename", None) or run.path
             emit("error", message=f"no space left on {where}: free some space, then edgetune resume {run.path}",

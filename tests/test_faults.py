@@ -268,3 +268,155 @@ def test_full_disk_is_the_users_condition_in_one_line(tiny_model_dir, tmp_path, 
     assert err["message"].startswith("no space left on ") and str(small_disk / "runs" / "r") in err["message"]
     assert "edgetune resume" in err["message"]
     assert not any(p.name.endswith(".tmp") for p in run.path.rglob("*"))  # the half-written checkpoint went
+
+
+# --------------------------------------------------------------------------- kills and stops at the worst moment
+
+HOOKS = os.path.join(os.path.dirname(__file__), "fault_hooks")  # sitecustomize.py: pauses a worker on cue
+
+
+def _start_paused(cfg, name, tmp_path, monkeypatch, fault, until=None):
+    """Start a worker that pauses at `fault` (see fault_hooks/sitecustomize.py); return
+    the run once it sits there."""
+    marker = tmp_path / f"{name}.paused"
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", HOOKS)
+        m.setenv("EDGETUNE_FAULT", fault)
+        m.setenv("EDGETUNE_FAULT_MARKER", str(marker))
+        if until is not None:
+            m.setenv("EDGETUNE_FAULT_UNTIL", str(until))
+        run = api.start(cfg, name=name)
+    t0 = time.time()
+    while not marker.exists():
+        assert run.alive(), (run.dir.log_path.read_text()[-3000:] if run.dir.log_path.exists() else "no log")
+        assert time.time() - t0 < 300, "the worker never reached the fault"
+        time.sleep(0.1)
+    return run
+
+
+@pytest.fixture(scope="module")
+def worker_losses(tiny_model_dir, tmp_path_factory):
+    """Losses of the uninterrupted run in a worker process, the way every run below trains
+    (the test process's own numerics may differ in the last bits: other threads, other imports)."""
+    tmp = tmp_path_factory.mktemp("worker-full")
+    run = api.start(_cfg(tiny_model_dir, tmp / "runs", run={"checkpoint_every": 2}), name="full")
+    assert run.wait(300) == "finished"
+    losses = _losses(read_events(run.dir.events_path))
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and len(set(losses.values())) == 6
+    return losses
+
+
+def _sigkill(run):
+    os.killpg(run.process.pid, signal.SIGKILL)
+    run.process.wait(30)
+    assert run.status() == "crashed"
+
+
+def _attempt(run_path, after_i):
+    return [e for e in read_events(run_path / "events.jsonl") if e["i"] > after_i]
+
+
+def _resume_to_end(path):
+    before = read_events(path / "events.jsonl")[-1]["i"]
+    run = api.resume(path)
+    assert run.wait(300) == "finished", (path / "worker.log").read_text()[-3000:]
+    return _attempt(path, before)
+
+
+def test_sigkill_mid_step_resumes_from_the_last_checkpoint_with_the_same_losses(
+        tiny_model_dir, tmp_path, monkeypatch, worker_losses):
+    cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
+    run = _start_paused(cfg, "r", tmp_path, monkeypatch, "step:4")  # after step 4's backward
+    _sigkill(run)
+    assert [s for s, _ in run.dir.list_checkpoints()] == [2]
+    after = _resume_to_end(run.path)
+    assert after[0]["type"] == "started" and after[0]["resumed_from"] == 2
+    assert _losses(after) == {k: v for k, v in worker_losses.items() if k > 2}
+
+
+def test_sigkill_mid_checkpoint_leaves_nothing_half_written(tiny_model_dir, tmp_path, monkeypatch, worker_losses):
+    cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
+    run = _start_paused(cfg, "r", tmp_path, monkeypatch, "save:2")  # writing step 4's checkpoint
+    _sigkill(run)
+    half = [p for p in run.dir.checkpoints.iterdir() if p.name.startswith(".step-4.")]
+    assert half and (half[0] / "adapter_model.safetensors").is_file()  # the kill really was mid-write
+    assert [s for s, _ in run.dir.list_checkpoints()] == [2]
+    after = _resume_to_end(run.path)
+    assert after[0]["resumed_from"] == 2
+    assert not any(p.name.endswith(".tmp") for p in run.path.rglob("*"))
+    assert _losses(after) == {k: v for k, v in worker_losses.items() if k > 2}
+
+
+def test_stop_during_checkpointing_keeps_that_checkpoint(tiny_model_dir, tmp_path, monkeypatch, worker_losses):
+    cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
+    stop_file = tmp_path / "runs" / "r" / "STOP"
+    run = _start_paused(cfg, "r", tmp_path, monkeypatch, "save:2", until=stop_file)
+    run.stop()  # pressed while step 4's checkpoint is being written
+    assert run.wait(120) == "stopped"
+    events = read_events(run.dir.events_path)
+    assert events[-1]["type"] == "stopped" and events[-1]["step"] == 4
+    assert [e["step"] for e in events if e["type"] == "checkpoint"] == [2, 4]  # written once, whole
+    after = _resume_to_end(run.path)
+    assert after[0]["resumed_from"] == 4 and _losses(after) == {5: worker_losses[5], 6: worker_losses[6]}
+
+
+def test_app_killed_while_a_run_trains_the_run_goes_on(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, tmp_path / "runs", sft={"steps": 400})
+    (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
+    app = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from edgetune.engine import api\n"
+        f"run = api.start(api.resolve(config={str(tmp_path / 'cfg.yaml')!r}), name='r')\n"
+        "print(run.path, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    path = app.stdout.readline().strip()
+    run = api.Run(path)
+    try:
+        next(e for e in run.events(follow_live=True, timeout=300) if e["type"] == "step")
+        app.send_signal(signal.SIGKILL)
+        app.wait(30)
+        # A new app process finds the run on disk, still training, and follows it live.
+        again = api.active_run(tmp_path / "runs")
+        assert again is not None and again.name == "r" and again.status() == "running"
+        seen = read_events(again.dir.events_path)[-1]["i"]
+        new = next(e for e in again.events(seen + 1, follow_live=True, timeout=120) if e["type"] == "step")
+        assert new["i"] > seen
+        again.stop()
+        assert again.wait(120) == "stopped"
+    finally:
+        if run.alive():
+            run.kill()
+        if app.poll() is None:
+            app.kill()
+
+
+def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_path):
+    import torch.nn.modules.module as module_lib
+
+    from edgetune.engine import worker
+
+    cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    calls = []
+
+    def oom_on_fifth_forward(module, args, output):
+        if type(module).__name__ == "LlamaModel":  # the decoder stack, once per forward
+            calls.append(1)
+            if len(calls) == 5:  # step 3, first micro-batch (grad_accum 2)
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = module_lib.register_module_forward_hook(oom_on_fifth_forward)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        assert worker.run(str(path)) == 2
+    finally:
+        handle.remove()
+        signal.signal(signal.SIGTERM, term)
+    err = read_events(path / "events.jsonl")[-1]
+    assert err["type"] == "error" and err["kind"] == "input"
+    assert err["message"].startswith("out of GPU memory in step 3: set ")
+    assert "the planner estimates" in err["message"] and "GiB peak, against" in err["message"]
+    assert "checkpoints up to step 2 are kept" in err["message"]
+    assert RunDir(path).last_checkpoint()[0] == 2
