@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -256,16 +257,39 @@ def load_base(ms: ModelSettings):
     if q is not None:
         kwargs["quantization_config"] = q
     kwargs["device_map"] = {"": 0} if device == "cuda" else {"": device}
+    cached, entry = _quantised_entry(ms, path, q, dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if cached is not None:  # the 4-bit weights as a run of this model stored them: no quantising
+            kwargs.pop("quantization_config")
+            model = AutoModelForCausalLM.from_pretrained(cached, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
+    if entry is not None and cached is None:
+        from . import quant_cache
+
+        print(f"quantised base: {quant_cache.store(model, entry)}", file=sys.stderr, flush=True)
     model.config.use_cache = False
     _keep_cpu_4bit_differentiable(model)
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tok.pad_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok, path
+
+
+def _quantised_entry(ms: ModelSettings, path: str, q, dtype) -> tuple:
+    """(cached folder or None, entry name or None) of engine/quant_cache for an NF4 load of
+    a local folder; a hit is said in the log (worker.log)."""
+    if ms.quant != "nf4" or q is None or not Path(path).is_dir():
+        return None, None
+    from . import quant_cache
+
+    entry = quant_cache.key(path, q.to_dict(), str(dtype))
+    cached = quant_cache.lookup(entry)
+    if cached is not None:
+        print(f"quantised base: loaded from the cache {cached}", file=sys.stderr, flush=True)
+    return cached, entry
 
 
 def _keep_cpu_4bit_differentiable(model) -> None:

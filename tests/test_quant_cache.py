@@ -1,0 +1,89 @@
+"""The quantised-base cache (engine/quant_cache.py): the first NF4 load of a local folder
+stores the 4-bit weights, the second loads them without quantising and computes the same
+logits; a changed source file or quantisation setting gives another entry; a failed store
+leaves none."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from edgetune.engine import model as model_lib
+from edgetune.engine import quant_cache
+from edgetune.engine.settings import ModelSettings
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGETUNE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "quantized"
+
+
+@pytest.fixture()
+def source(tmp_path, tiny_model_dir):
+    d = tmp_path / "src"
+    shutil.copytree(tiny_model_dir, d)
+    return d
+
+
+def _logits(model):
+    ids = torch.tensor([[5, 17, 99, 3, 250, 8]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _dequantised(model):
+    from bitsandbytes.functional import dequantize_4bit
+
+    return {n: dequantize_4bit(m.weight.data, m.weight.quant_state) for n, m in model.named_modules()
+            if type(m).__name__ == "Linear4bit"}
+
+
+def test_second_load_reads_the_stored_4bit_weights(cache, source, capfd):
+    ms = ModelSettings(name=str(source), quant="nf4", device="cpu")
+    first, _, _ = model_lib.load_base(ms)
+    err = capfd.readouterr().err
+    assert "quantised base: stored in" in err
+    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1 and (entries[0] / "config.json").is_file()
+    assert "quantization_config" in (entries[0] / "config.json").read_text()
+
+    second, _, path = model_lib.load_base(ms)
+    assert "quantised base: loaded from the cache" in capfd.readouterr().err
+    assert path == str(source)  # the run still names the user's model, not the cache
+    assert type(second.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    a, b = _dequantised(first), _dequantised(second)
+    assert a.keys() == b.keys() and len(a) == 2 * 7
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    torch.testing.assert_close(_logits(second), _logits(first), rtol=0, atol=0)
+
+
+def test_key_follows_source_files_and_settings(source):
+    q = model_lib.quantization_config(ModelSettings(quant="nf4"), torch.float32).to_dict()
+    k = quant_cache.key(source, q, "torch.float32")
+    assert k == quant_cache.key(source, q, "torch.float32")
+    assert k != quant_cache.key(source, q, "torch.bfloat16")
+    assert k != quant_cache.key(source, {**q, "bnb_4bit_use_double_quant": False}, "torch.float32")
+    cfg = source / "config.json"
+    st = cfg.stat()
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the user edited the model
+    assert quant_cache.key(source, q, "torch.float32") != k
+    assert quant_cache.key("Qwen/Qwen2.5-7B", q, "torch.float32") is None  # hub ids are not cached
+
+
+def test_a_failed_store_leaves_no_entry(cache, source, monkeypatch):
+    from transformers import PreTrainedModel
+
+    def broken(self, *a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        model_lib.load_base(ModelSettings(name=str(source), quant="nf4", device="cpu"))
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_plain_weights_are_not_cached(cache, source):
+    model_lib.load_base(ModelSettings(name=str(source), quant="none", device="cpu"))
+    assert not cache.exists()
