@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Learning on tasks the presets never use: base, SFT, F-GRPO, GRPO and ESSA, through the CLI.
+
+For each task (reasoning-gym generators with graders, easy settings a 135M model can reach)
+the benchmark writes a train split and a held-out split whose *questions* do not overlap
+(checked by content), then runs what a user would run:
+
+    edgetune eval  --preset fgrpo-quickstart --set data.path=<train> --set data.eval_path=<held-out> \\
+                   --set fgrpo.reward=rg:<task> --adapter ''                      # base
+    edgetune train --preset sft-quickstart   --set data.path=<train demonstrations>  # SFT
+    edgetune train --preset fgrpo-quickstart --set data.path=... --set fgrpo.reward=rg:<task>
+    edgetune train --preset fgrpo-quickstart ... --set fgrpo.gamma=0                 # plain GRPO
+    edgetune train --preset essa-quickstart  --set essa.warm_start_data=<demonstrations> ...
+
+and evaluates every adapter with `edgetune eval` on the same held-out prompts: greedy
+success, pass@1 and pass@k from 2k samples (same sampling seed for all). Only the data,
+the reward and the budgets are changed from the presets (plus any --set you add).
+
+One task is kept aside (`KEPT_ASIDE`): defaults are never chosen on it; it checks them.
+
+    nice -n 19 python bench/learning.py                                  # all tasks, all methods
+    python bench/learning.py --tasks chain_sum --methods base,sft --eval-prompts 20 --sft-steps 10
+
+Writes bench/results/<date>-cpu/learning/learning.json, learning.md and learning.png (or
+--out). Data files and run folders go to a temporary folder (or --work), never elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (reasoning-gym generator, its settings). Easy settings: the embedded 135M model
+# answers some of them at the start (no signal, no RL), not all (nothing to learn).
+TASKS: dict[str, tuple[str, dict]] = {
+    "chain_sum": ("chain_sum", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
+    "basic_arithmetic": ("basic_arithmetic", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1,
+                                                  operators=("+", "-"), allow_parentheses=False,
+                                                  allow_negation=False)),
+    "leg_counting": ("leg_counting", dict(min_animals=1, max_animals=1, min_instances=1, max_instances=6)),
+    "count_bits": ("count_bits", dict(min_n=1, max_n=255)),
+    "products": ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
+}
+KEPT_ASIDE = "products"  # never used to choose a default
+METHODS = ["base", "sft", "fgrpo", "grpo", "essa"]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def norm(question: str) -> str:
+    return " ".join(question.lower().split())
+
+
+def make_items(task: str, n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Distinct questions from the generator, split so no held-out question is in train."""
+    import reasoning_gym
+
+    gen, kwargs = TASKS[task]
+    ds = reasoning_gym.create_dataset(gen, seed=seed, size=max(4 * (n_train + n_eval), 400), **kwargs)
+    seen: dict[str, dict] = {}
+    for x in ds:
+        seen.setdefault(norm(x["question"]), x)
+    items = list(seen.values())
+    random.Random(seed).shuffle(items)
+    held = items[:n_eval]
+    train = items[n_eval : n_eval + n_train]
+    if len(held) < n_eval or not train:
+        raise SystemExit(f"{task}: only {len(items)} distinct questions; ask for fewer held-out prompts")
+    return train, held
+
+
+def assert_disjoint(train: list[dict], held: list[dict]) -> None:
+    overlap = {norm(x["question"]) for x in train} & {norm(x["question"]) for x in held}
+    assert not overlap, f"{len(overlap)} held-out questions also in train, e.g. {sorted(overlap)[0]!r}"
+
+
+def _metadata(x: dict) -> dict:
+    try:
+        return json.loads(json.dumps(x.get("metadata") or {}))
+    except (TypeError, ValueError):
+        return {}
+
+
+def rl_row(x: dict) -> dict:
+    return {"prompt": x["question"], "answer": str(x["answer"]), "metadata": _metadata(x)}
+
+
+def sft_row(x: dict) -> dict:
+    # The demonstration states the answer the way the reward extracts it, then stops.
+    return {"messages": [{"role": "user", "content": x["question"]},
+                         {"role": "assistant", "content": f"Answer: {x['answer']}"}]}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_task_data(task: str, folder: Path, n_train: int, n_eval: int, seed: int) -> dict:
+    train, held = make_items(task, n_train, n_eval, seed)
+    assert_disjoint(train, held)
+    return {
+        "train_rl": str(write_jsonl(folder / task / "train_rl.jsonl", [rl_row(x) for x in train])),
+        "eval_rl": str(write_jsonl(folder / task / "eval_rl.jsonl", [rl_row(x) for x in held])),
+        "train_sft": str(write_jsonl(folder / task / "train_sft.jsonl", [sft_row(x) for x in train])),
+        "n_train": len(train), "n_eval": len(held),
+    }
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def edgetune() -> list[str]:
+    exe = Path(sys.executable).with_name("edgetune")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "edgetune.engine.cli"]
+
+
+def sets(pairs: list[str]) -> list[str]:
+    return [a for p in pairs for a in ("--set", p)]
+
+
+def run_cmd(args: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    t = time.time()
+    with open(log, "w", encoding="utf-8") as f:
+        try:
+            rc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=log.parent).returncode
+        except subprocess.TimeoutExpired:
+            return 124, time.time() - t
+    return rc, time.time() - t
+
+
+def run_json(args: list[str], log: Path, timeout: float) -> tuple[int, float, dict | None]:
+    t = time.time()
+    with open(log, "w", encoding="utf-8") as f:
+        try:
+            p = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout,
+                               cwd=log.parent)
+        except subprocess.TimeoutExpired:
+            return 124, time.time() - t, None
+    try:
+        return p.returncode, time.time() - t, json.loads(p.stdout) if p.returncode == 0 else None
+    except json.JSONDecodeError:
+        return 1, time.time() - t, None
+
+
+def curve(run: Path) -> list[dict]:
+    """The run's per-step metrics (events.jsonl), with the warm start's SFT left out."""
+    ev = run / "events.jsonl"
+    if not ev.is_file():
+        return []
+    out = []
+    for line in ev.read_text(encoding="utf-8").splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e.get("type") == "step":
+            out.append({k: e[k] for k in ("step", "reward_mean", "loss", "best", "mean") if k in e})
+    return out
+
+
+def budget(key: str, value: int) -> list[str]:
+    return [f"{key}={value}"] if value else []
+
+
+def printable(args: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
+    runs = work / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    et = edgetune()
+    rl_data = [f"data.path={data['train_rl']}", f"data.eval_path={data['eval_rl']}"]
+    ev_sets = [*rl_data, f"fgrpo.reward=rg:{task}", f"essa.reward=rg:{task}",
+               f"fgrpo.eval_prompts={a.eval_prompts}", f"fgrpo.eval_k={a.eval_k}",
+               f"fgrpo.max_new_tokens={a.eval_tokens}", f"run.seed={a.seed}"]
+    res: dict = {"task": task, "kept_aside": task == KEPT_ASIDE, "n_train": data["n_train"],
+                 "n_eval": min(a.eval_prompts, data["n_eval"]), "methods": {}}
+
+    def evaluate(method: str, adapter: str, train_s: float | None, cmd: list[str] | None, run: Path | None):
+        args = [*et, "eval", "--preset", "fgrpo-quickstart", *sets(ev_sets + a.eval_set), "--json",
+                "--adapter", adapter, "--runs-dir", str(runs)]
+        rc, secs, m = run_json(args, work / f"{task}-{method}-eval.log", a.max_run_s)
+        entry = {"train_cmd": printable(cmd) if cmd else None, "eval_cmd": printable(args),
+                 "train_s": None if train_s is None else round(train_s, 1), "eval_s": round(secs, 1)}
+        if m is None:
+            entry["error"] = f"eval exited {rc}: see {work / f'{task}-{method}-eval.log'}"
+        else:
+            entry.update({k: v for k, v in m.items() if k not in ("adapter", "reward_fn")})
+        if run is not None:
+            entry["curve"] = curve(run)
+        res["methods"][method] = entry
+        log(f"{task} {method}: {json.dumps({k: v for k, v in entry.items() if 'cmd' not in k and k != 'curve'})}")
+
+    def train(method: str, preset: str, extra: list[str]) -> tuple[Path | None, float, list[str]]:
+        name = f"{task}-{method}"
+        args = [*et, "train", "--preset", preset, *sets(extra + a.train_set), "--name", name,
+                "--runs-dir", str(runs)]
+        rc, secs = run_cmd(args, work / f"{name}-train.log", a.max_run_s)
+        if rc != 0:
+            res["methods"][method] = {"train_cmd": printable(args), "train_s": round(secs, 1),
+                                      "error": f"train exited {rc}: see {work / (name + '-train.log')}"}
+            log(f"{task} {method}: train exited {rc} after {secs:.0f} s")
+            return None, secs, args
+        return runs / name, secs, args
+
+    for method in a.methods:
+        if method == "base":
+            evaluate("base", "", None, None, None)
+        elif method == "sft":
+            run, secs, cmd = train("sft", "sft-quickstart", [f"data.path={data['train_sft']}", f"run.seed={a.seed}",
+                                                             *budget("sft.steps", a.sft_steps)])
+            if run:
+                evaluate("sft", str(run / "adapter"), secs, cmd, run)
+        elif method in ("fgrpo", "grpo"):
+            gamma = [] if method == "fgrpo" else ["fgrpo.gamma=0"]
+            # Training-time evaluation is left to `edgetune eval` below (the same prompts
+            # and sampling seed for every method): one held-out prompt, two samples.
+            run, secs, cmd = train(method, "fgrpo-quickstart",
+                                   [*rl_data, f"fgrpo.reward=rg:{task}", *budget("fgrpo.steps", a.fgrpo_steps),
+                                    "fgrpo.eval_prompts=1", "fgrpo.eval_k=1", f"run.seed={a.seed}", *gamma])
+            if run:
+                evaluate(method, str(run / "adapter"), secs, cmd, run)
+        elif method == "essa":
+            run, secs, cmd = train("essa", "essa-quickstart",
+                                   [*rl_data, f"essa.reward=rg:{task}", f"essa.warm_start_data={data['train_sft']}",
+                                    *budget("essa.warm_start_steps", a.warm_start_steps),
+                                    *budget("essa.generations", a.essa_generations), "essa.eval_prompts=0",
+                                    f"run.seed={a.seed}"])
+            if run:
+                evaluate("essa_warm_start", str(run / "warm_start" / "adapter"), None, None, None)
+                evaluate("essa", str(run / "adapter"), secs, cmd, run)
+        save(res)  # after every method: a partial table survives a stop
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+COLUMNS = ["base", "sft", "fgrpo", "grpo", "essa_warm_start", "essa"]
+LABELS = {"base": "base", "sft": "SFT", "fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0",
+          "essa_warm_start": "ESSA warm start", "essa": "ESSA"}
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def table(result: dict) -> str:
+    """The Markdown report: setup, one row per task (greedy success, pass@k, time)."""
+    k = result["args"]["eval_k"]
+    lines = [f"# Learning on unseen tasks ({result['date']})", "",
+             f"Machine: {result['machine']}", "",
+             f"Command: `{result['command']}`", "",
+             f"Held-out greedy success (pass@{k} from {2 * k} samples at the preset's temperature in "
+             "brackets for the RL methods), then training wall time. Items of the held-out split never "
+             f"appear in train (checked by content). The kept-aside task ({KEPT_ASIDE}) is not used to "
+             "choose defaults.", ""]
+    head = ["task", "train / held-out"] + [LABELS[c] for c in COLUMNS]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in result["tasks"]:
+        cells = [t["task"] + (" (kept aside)" if t["kept_aside"] else ""), f"{t['n_train']} / {t['n_eval']}"]
+        for c in COLUMNS:
+            m = t["methods"].get(c)
+            if m is None:
+                cells.append("not run")
+            elif "error" in m:
+                cells.append("failed")
+            else:
+                s = _pct(m.get("success_rate"))
+                if c in ("base", "fgrpo", "grpo", "essa_warm_start", "essa") and f"pass@{k}" in m:
+                    s += f" ({_pct(m[f'pass@{k}'])})"
+                if m.get("train_s") is not None:
+                    s += f", {m['train_s'] / 60:.1f} min"
+                cells.append(s)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Commands of each run (train, then eval) are in the JSON beside this file."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = result["tasks"]
+    fig, axes = plt.subplots(2, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 7), squeeze=False)
+    for j, t in enumerate(tasks):
+        ax = axes[0][j]
+        cols = [c for c in COLUMNS if c in t["methods"] and "success_rate" in t["methods"][c]]
+        ax.bar(range(len(cols)), [100 * t["methods"][c]["success_rate"] for c in cols], color="tab:blue")
+        ax.set_xticks(range(len(cols)), [LABELS[c] for c in cols], rotation=45, ha="right", fontsize=8)
+        ax.set_ylim(0, 100)
+        ax.set_title(t["task"] + (" (kept aside)" if t["kept_aside"] else ""))
+        ax.set_ylabel("held-out greedy success %")
+        ax = axes[1][j]
+        for c, key in (("fgrpo", "reward_mean"), ("grpo", "reward_mean"), ("essa", "mean")):
+            pts = [(p["step"], p[key]) for p in t["methods"].get(c, {}).get("curve", []) if key in p]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=LABELS[c] + (" (population mean fitness)" if c == "essa" else ""))
+        ax.set_xlabel("step / generation")
+        ax.set_ylabel("training reward")
+        ax.set_ylim(0, 1)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / "learning.md").write_text(table(result), encoding="utf-8")
+    plot(result, out / "learning.png")
+
+
+def merge(files: list[str]) -> dict:
+    """One report from several partial runs (e.g. methods run side by side): per task, the
+    methods of later files are added to those of earlier ones."""
+    parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in files]
+    out = {**parts[0], "tasks": [], "command": " ; ".join(p["command"] for p in parts),
+           "machine": " ; ".join(dict.fromkeys(p["machine"] for p in parts))}
+    by_name: dict[str, dict] = {}
+    for p in parts:
+        if p["args"]["eval_k"] != out["args"]["eval_k"] or p["args"]["eval_prompts"] != out["args"]["eval_prompts"]:
+            raise SystemExit(f"{files[parts.index(p)]}: another evaluation (eval_k / eval_prompts) than {files[0]}")
+        for t in p["tasks"]:
+            if t["task"] in by_name:
+                by_name[t["task"]]["methods"].update(t["methods"])
+            else:
+                by_name[t["task"]] = json.loads(json.dumps(t))
+                out["tasks"].append(by_name[t["task"]])
+    return out
+
+
+def machine() -> str:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return (f"{platform.machine()} CPU, {os.cpu_count()} cores (load average {load:.1f} at the end), "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, Python {platform.python_version()}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--train-items", type=int, default=150)
+    p.add_argument("--eval-prompts", type=int, default=50, help="held-out prompts")
+    p.add_argument("--eval-k", type=int, default=4, help="pass@k, from 2k samples per prompt")
+    p.add_argument("--eval-tokens", type=int, default=32, help="completion cap of the evaluation")
+    # 0 = the preset's own value (what a user of the quick start gets)
+    p.add_argument("--sft-steps", type=int, default=0)
+    p.add_argument("--fgrpo-steps", type=int, default=0)
+    p.add_argument("--warm-start-steps", type=int, default=0)
+    p.add_argument("--essa-generations", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="train_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra setting for every training run (e.g. fgrpo.lr=1e-3)")
+    p.add_argument("--eval-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra setting for every evaluation")
+    p.add_argument("--max-run-s", type=float, default=900, help="wall-clock limit of one command")
+    p.add_argument("--out", default="", help="default: bench/results/<date>-cpu/learning")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="only write one report from these learning.json files")
+    p.add_argument("--work", default="", help="data files and run folders (default: a new temporary folder)")
+    a = p.parse_args(argv)
+    a.tasks = [t for t in a.tasks.split(",") if t]
+    a.methods = [m for m in a.methods.split(",") if m]
+    bad = [t for t in a.tasks if t not in TASKS] + [m for m in a.methods if m not in METHODS]
+    if bad:
+        p.error(f"unknown task or method: {', '.join(bad)}")
+    if a.merge:
+        result = merge(a.merge)
+        write_report(result, Path(a.out) if a.out else Path(a.merge[0]).parent)
+        print(table(result))
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # oversubscribed cores: one thread is faster
+
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{date}-cpu" / "learning"
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="edgetune-bench-learning-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(f"[{dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    log(f"work folder {work}")
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "machine": machine(),
+              "command": "python " + printable(["bench/learning.py", *(argv if argv is not None else sys.argv[1:])]),
+              "args": {k: v for k, v in vars(a).items()}, "kept_aside": KEPT_ASIDE, "tasks": []}
+    for task in a.tasks:
+        data = write_task_data(task, work / "data", a.train_items, a.eval_prompts, a.seed)
+        done = list(result["tasks"])
+
+        def save(partial: dict) -> None:
+            result["tasks"] = [*done, partial]
+            result["machine"] = machine()
+            write_report(result, out)
+
+        save(bench_task(task, a, data, work, log, save))
+    log(f"wrote {out}")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""bench/learning.py: held-out splits that share no question with train, the report it
+writes, and (slow) real learning on a task the presets never use, measured on held-out
+questions through the CLI as a user would run it."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "learning.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_learning", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_splits_share_no_question_and_files_follow_the_formats(tmp_path):
+    bench = load_bench()
+    for task in bench.TASKS:
+        data = bench.write_task_data(task, tmp_path, n_train=40, n_eval=20, seed=3)
+        train = [json.loads(line) for line in Path(data["train_rl"]).read_text().splitlines()]
+        held = [json.loads(line) for line in Path(data["eval_rl"]).read_text().splitlines()]
+        sft = [json.loads(line) for line in Path(data["train_sft"]).read_text().splitlines()]
+        assert len(held) == 20 and len(train) == data["n_train"] > 0
+        assert not {bench.norm(r["prompt"]) for r in train} & {bench.norm(r["prompt"]) for r in held}
+        assert len({bench.norm(r["prompt"]) for r in held}) == 20  # no duplicate inside held-out
+        # The demonstrations are the train questions, answered the way the reward reads them.
+        assert [m["messages"][0]["content"] for m in sft] == [r["prompt"] for r in train]
+        assert [m["messages"][1]["content"] for m in sft] == [f"Answer: {r['answer']}" for r in train]
+    # Same seed, same items: every method of a run sees the same split.
+    again = bench.write_task_data("chain_sum", tmp_path / "again", n_train=40, n_eval=20, seed=3)
+    first = tmp_path / "chain_sum" / "eval_rl.jsonl"
+    assert Path(again["eval_rl"]).read_text() == first.read_text()
+
+
+def test_overlap_is_caught_by_content():
+    bench = load_bench()
+    train = [{"question": "What is 2 + 3?"}, {"question": "What is 1 + 1?"}]
+    held = [{"question": "what is  2 + 3?"}]  # differs only in case and spacing
+    with pytest.raises(AssertionError, match="also in train"):
+        bench.assert_disjoint(train, held)
+    bench.assert_disjoint(train, [{"question": "What is 4 + 4?"}])
+
+
+def test_too_few_distinct_questions_is_one_line():
+    bench = load_bench()
+    with pytest.raises(SystemExit, match="distinct questions"):
+        bench.make_items("products", n_train=10, n_eval=500, seed=0)
+
+
+def toy_result():
+    m = lambda s, p4=None, t=None: {"success_rate": s, "pass@1": s, **({"pass@4": p4} if p4 is not None else {}),
+                                    "train_s": t, "curve": []}
+    return {"date": "2026-12-01T06:00+00:00", "machine": "x86_64 CPU, 2 cores", "command": "python bench/learning.py",
+            "args": {"eval_k": 4}, "kept_aside": "products",
+            "tasks": [{"task": "chain_sum", "kept_aside": False, "n_train": 146, "n_eval": 50,
+                       "methods": {"base": m(0.12, 0.3), "sft": m(0.8, t=90.0),
+                                   "fgrpo": {**m(0.5, 0.7, 600.0),
+                                             "curve": [{"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.4}]},
+                                   "grpo": {"error": "train exited 1"}}},
+                      {"task": "products", "kept_aside": True, "n_train": 49, "n_eval": 50,
+                       "methods": {"base": m(0.0, 0.04)}}]}
+
+
+def test_table_and_plot_from_a_toy_result(tmp_path):
+    bench = load_bench()
+    result = toy_result()
+    bench.write_report(result, tmp_path)
+    md = (tmp_path / "learning.md").read_text()
+    assert "| chain_sum | 146 / 50 | 12% (30%) | 80%, 1.5 min | 50% (70%), 10.0 min | failed | not run | not run |" in md
+    assert "| products (kept aside) | 49 / 50 | 0% (4%) | not run |" in md
+    assert "2026-12-01" in md and "x86_64 CPU, 2 cores" in md and "`python bench/learning.py`" in md
+    assert json.loads((tmp_path / "learning.json").read_text()) == result
+    from PIL import Image
+
+    with Image.open(tmp_path / "learning.png") as im:
+        assert im.size[0] > 400 and im.size[1] > 400
+
+
+def test_unknown_task_is_refused(capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--tasks", "chain_summ"])
+    assert e.value.code == 2 and "unknown task or method: chain_summ" in capsys.readouterr().err
