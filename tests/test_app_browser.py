@@ -1,7 +1,9 @@
-"""The app in a real Chromium (Playwright): preset -> start -> live progress and memory ->
-reload re-attaches with the history -> a second start is refused -> stop -> the runs table
--> download the adapter zip (loaded with PEFT at the end) -> base vs adapter chat; and a
-malformed data file shows its row number.
+"""The app in a real Chromium (Playwright): preset -> start -> a status line per phase that
+matches the worker's events -> live progress and memory -> reload re-attaches with the
+history -> the Runs table follows the run without Refresh -> a second start is refused ->
+stop (the stale message goes) -> download the adapter zip (loaded with PEFT at the end) ->
+a three-turn chat, base and adapter side by side; and a malformed data file shows its row
+number. No finished worker stays behind as a defunct process of the app.
 
 Trains the embedded SmolLM2-135M on the CPU for a few steps (a couple of minutes).
 Screenshots of each stage go to artifacts/screenshots/.
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "artifacts" / "screenshots"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-gpu", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-STEPS = 10
+STEPS = 16
 
 
 def _chromium() -> str | None:
@@ -66,7 +68,7 @@ def app_server(tmp_path):
     else:
         proc.kill()
         pytest.fail("the app did not answer within 180 s")
-    yield url, runs
+    yield url, runs, proc
     from edgetune.engine import api
 
     busy = api.active_run(runs)
@@ -100,7 +102,12 @@ def _tab(page, name: str) -> None:
 
 def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_dir):
     sync_api = pytest.importorskip("playwright.sync_api")
-    url, runs = app_server
+    import psutil
+
+    from edgetune.engine import phases
+    from edgetune.engine.events import read_events
+
+    url, runs, app_proc = app_server
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
@@ -108,6 +115,10 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.set_default_timeout(60_000)
         page.goto(url)
         page.wait_for_selector("#tabs")
+        # before any run the status says so (it used to say "waiting for the worker")
+        _tab(page, "4 · Train")
+        assert "no run yet" in page.locator("#train-progress").inner_text()
+        assert not page.locator("#data-preview").is_visible()  # nothing to preview before a check
 
         # -- the quick-start preset fills the form; fewer steps keep the test short
         _tab(page, "3 · Method")
@@ -118,8 +129,8 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         assert float(page.locator("#field-sft-lr input").input_value()) == 1e-3
         # The CPU is shared in CI: a small batch and a one-batch eval keep steps short.
         page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
-        for field, value in (("sft-steps", STEPS), ("sft-eval_every", 5), ("sft-batch_size", 4),
-                             ("sft-eval_batches", 1)):
+        for field, value in (("sft-steps", STEPS), ("sft-eval_every", 8), ("sft-batch_size", 4),
+                             ("sft-eval_batches", 3)):
             box = page.locator(f"#field-{field} input")
             box.fill(str(value))
             box.press("Tab")
@@ -130,6 +141,27 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.click("#start-btn")
         page.mouse.move(5, 5)  # no hover colour on the buttons in the screenshots
         page.wait_for_selector("#train-message:has-text('Started run')")
+        # -- every status line the page shows is one the worker's phase events support
+        shown, shots = [], set()
+
+        def phase_line():
+            if _progress(page)["status"] == "none":  # the tick that draws the new run is still to come
+                return False
+            text = page.locator("#train-progress .et-progress").get_attribute("data-phase") or ""
+            if text and (not shown or shown[-1] != text):
+                shown.append(text)
+                key = text.split(" ")[0]
+                if key not in shots and _progress(page)["step"] == 0:  # one screenshot per phase
+                    shots.add(key)
+                    page.screenshot(path=str(SHOTS / f"02-phase-{len(shots)}-{key}.png"), full_page=True)
+            return _progress(page)["step"] >= 1
+
+        _wait(phase_line, 420, "the first training step", poll=0.25)
+        run_dir = next(p for p in runs.iterdir() if (p / "events.jsonl").is_file())
+        said = {phases.describe(e) for e in read_events(run_dir / "events.jsonl") if e["type"] == "phase"}
+        allowed = said | {"starting", "starting the worker", "training · first step", "training"}
+        assert set(shown) <= allowed, (shown, said)
+        assert any(s.startswith(("checking the data", "loading the model", "initial eval")) for s in shown), shown
         _wait(lambda: page.locator("#memory-panel .et-memory").get_attribute("data-time") not in (None, "0"),
               240, "a first memory reading")
         t1 = float(page.locator("#memory-panel .et-memory").get_attribute("data-time"))
@@ -155,6 +187,20 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.wait_for_timeout(1500)
         page.screenshot(path=str(SHOTS / "03-train-after-reload.png"), full_page=True)
 
+        # -- the Runs tab follows the run live (no Refresh click)
+        _tab(page, "5 · Runs")
+
+        def table_step() -> int:
+            import re
+
+            m = re.search(rf"(\d+)/{STEPS}", page.locator("#runs-table").inner_text())
+            return int(m.group(1)) if m else -1
+
+        _wait(lambda: table_step() >= 0, 30, "the run in the table")
+        before = table_step()
+        _wait(lambda: table_step() > before, 240, "the Runs table to move with the run")
+        _tab(page, "4 · Train")
+
         # -- a second start is refused with the engine's message
         page.click("#start-btn")
         page.wait_for_selector("#train-message:has-text('one run at a time')")
@@ -165,6 +211,8 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         _wait(lambda: _progress(page)["status"] == "stopped", 420, "the run to stop")
         stopped_at = _progress(page)["step"]
         assert 2 <= stopped_at < STEPS
+        # the messages of the refused start and of the stop went when the run's state moved on
+        _wait(lambda: page.locator("#train-message").inner_text().strip() == "", 10, "the stale message to go")
         page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
 
         # -- the Runs tab lists it with its status and final metrics
@@ -183,19 +231,23 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         dl.value.save_as(zip_path)
         page.screenshot(path=str(SHOTS / "05-export.png"), full_page=True)
 
-        # -- try it: the same prompt to the base and to base + adapter (one chat worker process)
+        # -- try it: a three-turn conversation, base and base + adapter side by side (one chat
+        # worker process); the second turn used to fail on Gradio 6's history format
         _tab(page, "6 · Try it")
         page.wait_for_selector("#chat-info:has-text('with its adapter')")
         tokens = page.locator("#chat-max-new input[type=number]")
         tokens.fill("16")
         tokens.press("Enter")
-        page.locator("#chat-prompt textarea").fill("What is 3 plus 4?")
-        page.click("#chat-send")
-        page.mouse.move(5, 5)
-        for side in ("#chat-base", "#chat-tuned"):
-            bot = page.locator(f'{side} [data-testid="bot"]')
-            _wait(lambda bot=bot: bot.count() >= 1, 300, f"a reply in {side}")
-            assert bot.first.inner_text().strip()
+        for turn, text in enumerate(("What is 3 plus 4?", "And 5 plus 2?", "Thanks! What is 1 plus 1?"), 1):
+            page.locator("#chat-prompt textarea").fill(text)
+            page.click("#chat-send")
+            page.mouse.move(5, 5)
+            for side in ("#chat-base", "#chat-tuned"):
+                bot = page.locator(f'{side} [data-testid="bot"]')
+                _wait(lambda bot=bot: bot.count() >= turn or "error" in page.locator("#chat-info").inner_text(),
+                      300, f"reply {turn} in {side}")
+                assert "error" not in page.locator("#chat-info").inner_text(), page.locator("#chat-info").inner_text()
+                assert bot.nth(turn - 1).inner_text().strip()
         page.screenshot(path=str(SHOTS / "06-try-it.png"), full_page=True)
 
         # -- a malformed data file: the report names the row, no traceback
@@ -209,6 +261,13 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         assert "broken.jsonl" in report and "Traceback" not in report
         page.screenshot(path=str(SHOTS / "07-data-bad-file.png"), full_page=True)
         browser.close()
+
+    # finished workers are reaped by the app (they used to stay <defunct> until it exited)
+    def zombies():
+        return [c for c in psutil.Process(app_proc.pid).children(recursive=True)
+                if c.status() == psutil.STATUS_ZOMBIE]
+
+    _wait(lambda: not zombies(), 15, "no defunct worker under the app")
 
     with zipfile.ZipFile(zip_path) as z:
         names = set(z.namelist())
