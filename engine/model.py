@@ -281,7 +281,7 @@ def load_base(ms: ModelSettings):
 def _quantised_entry(ms: ModelSettings, path: str, q, dtype) -> tuple:
     """(cached folder or None, entry name or None) of engine/quant_cache for an NF4 load of
     a local folder; a hit is said in the log (worker.log)."""
-    if ms.quant != "nf4" or q is None or not Path(path).is_dir():
+    if not ms.quant_cache or ms.quant != "nf4" or q is None or not Path(path).is_dir():
         return None, None
     from . import quant_cache
 

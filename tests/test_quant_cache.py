@@ -87,3 +87,8 @@ def test_a_failed_store_leaves_no_entry(cache, source, monkeypatch):
 def test_plain_weights_are_not_cached(cache, source):
     model_lib.load_base(ModelSettings(name=str(source), quant="none", device="cpu"))
     assert not cache.exists()
+
+
+def test_quant_cache_off_stores_nothing(cache, source):
+    model_lib.load_base(ModelSettings(name=str(source), quant="nf4", device="cpu", quant_cache=False))
+    assert not cache.exists()
