@@ -462,7 +462,8 @@ def _apply(obj: Any, data: dict, prefix: str = "") -> None:
         if not prefix and key == "effective":
             continue  # a run's config.yaml records what was decided (engine/effective.py): not a setting
         if key not in types:
-            raise ConfigError(f"unknown setting '{path}'{_suggest(key, list(types))}")
+            shown = path if path.isprintable() else repr(path)[1:-1]  # a key with a newline stays one line
+            raise ConfigError(f"unknown setting '{shown}'{_suggest(key, list(types))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             _apply(current, value, prefix=f"{path}.")
