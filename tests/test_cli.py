@@ -280,3 +280,15 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir):
     assert "Loading weights" not in p.stderr and "FutureWarning" not in p.stderr
     raw = json.loads(edgetune(*args, "--json", cwd=tmp_path).stdout)
     assert raw["prompts"] == 4 and 0 <= raw["pass@1"] <= 1
+
+
+def test_library_notices_are_silenced_where_raised():
+    """bitsandbytes' `pip install kernels` notice (on AVX512-BF16 CPUs) and transformers' v6
+    FutureWarnings stay out of a run's output; other warnings still show."""
+    code = ("import warnings, edgetune.engine.model, bitsandbytes\n"
+            "warnings.warn('`x` is deprecated and will be removed in v6', FutureWarning)\n"
+            "warnings.warn('our own warning', UserWarning)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "pip install kernels" not in p.stderr and "removed in v6" not in p.stderr
+    assert "our own warning" in p.stderr
