@@ -56,7 +56,7 @@ def toy_result():
     m = lambda s, p4=None, t=None: {"success_rate": s, "pass@1": s, **({"pass@4": p4} if p4 is not None else {}),
                                     "train_s": t, "curve": []}
     return {"date": "2026-12-01T06:00+00:00", "machine": "x86_64 CPU, 2 cores", "command": "python bench/learning.py",
-            "args": {"eval_k": 4}, "kept_aside": "products",
+            "args": {"eval_k": 4, "eval_prompts": 50}, "kept_aside": "products",
             "tasks": [{"task": "chain_sum", "kept_aside": False, "n_train": 146, "n_eval": 50,
                        "methods": {"base": m(0.12, 0.3), "sft": m(0.8, t=90.0),
                                    "fgrpo": {**m(0.5, 0.7, 600.0),
@@ -86,3 +86,22 @@ def test_unknown_task_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--tasks", "chain_summ"])
     assert e.value.code == 2 and "unknown task or method: chain_summ" in capsys.readouterr().err
+
+
+def test_partial_runs_merge_into_one_table(tmp_path):
+    bench = load_bench()
+    a, b = toy_result(), toy_result()
+    a["tasks"] = a["tasks"][:1]
+    a["tasks"][0]["methods"] = {"base": a["tasks"][0]["methods"]["base"]}
+    b["tasks"][0]["methods"] = {"grpo": {"success_rate": 0.4, "pass@4": 0.6, "train_s": 60.0}}
+    b["command"] = "python bench/learning.py --methods grpo"
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    assert bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")]) == 0
+    md = (tmp_path / "m" / "learning.md").read_text()
+    assert "| chain_sum | 146 / 50 | 12% (30%) | not run | not run | 40% (60%), 1.0 min |" in md
+    assert "| products (kept aside) |" in md and "--methods grpo" in md
+    b["args"] = {"eval_k": 2, "eval_prompts": 50}
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="another evaluation"):
+        bench.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")])
