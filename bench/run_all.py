@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Every GPU benchmark in two groups of under 10 minutes each (one GPU command each).
+"""Every GPU benchmark in groups of under 10 minutes each (one GPU command each).
 
     small (~8 min):      sebp.py --quick, planner_check.py (0.5B), essa.py, rollouts.py
-    training (~8 min):   sft_speed.py (HF, ours lever by lever, Unsloth), big72b.py (72B
-                         build, HF and ours at 2k, no-checkpointing 2k, two 32k steps)
+    training (~8 min):   sft_speed.py (HF, ours lever by lever in two runs each, checkpointing
+                         auto at 12 / 24 GiB, Unsloth twice; ~450 s on the H200)
+    big (~9 min):        big72b.py (72B build, HF and ours at 2k, no-checkpointing 2k, two
+                         32k steps), big72b_methods.py (an F-GRPO step and an ESSA generation
+                         at 72B inside 80 GB, ~150 s), quant_cache_gpu.py (first vs cached load)
     essentials (~10 min): the quick start on CUDA, ESSA's population, the SFT step, when
                          only one command fits
     report:              tables for bench/RESULTS.md from the groups' JSON, on any machine
@@ -45,7 +48,9 @@ GROUPS = {
         ("planner_check", "planner_check.py", [], 90, "--time-limit"),
         ("essa", "essa.py", ["--population", "16", "--sequential-candidates", "2"], 110, None),
         ("rollouts", "rollouts.py", [], 340, "--budget")],
-    "training": [("sft_speed", "sft_speed.py", [], 330, "--time-limit"),
+    "training": [("sft_speed", "sft_speed.py", [], 560, "--time-limit")],
+    "big": [("big72b_methods", "big72b_methods.py", [], 200, "--time-limit"),
+        ("quant_cache_gpu", "quant_cache_gpu.py", [], 150, None),
         ("big72b", "big72b.py", ["--max-build-s", "180"], 240, "--time-limit")],
     # What one GPU command holds when only one fits: the quick start on CUDA, ESSA's
     # sequential vs batched population, and the SFT step.
@@ -130,6 +135,9 @@ def report(dirs) -> str:
     big = load(dirs, "big72b.json")
     if big:
         out += ["## 72B", "", big.get("table", "(no table)"), ""]
+    methods = load(dirs, "big72b_methods.json")
+    if methods:
+        out += ["## F-GRPO and ESSA at 72B", "", methods.get("table", "(no table)"), ""]
     for name, title in (("rollouts.json", "Rollouts"), ("essa.json", "ESSA"), ("sebp.json", "SEBP")):
         r = load(dirs, name)
         if r:
