@@ -263,3 +263,36 @@ def test_adapter_of_another_base_names_the_base_it_expects(other_base_adapter, t
     with pytest.raises(EdgetuneError, match=f"trained on another base model \\({base}\\)"):
         _Chat().answer({"model": {"name": str(tiny_model_dir), "quant": "none"}, "adapter": str(adapter),
                         "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 2})
+
+
+def test_two_starts_in_one_app_process_one_is_refused(tmp_path, tiny_model_dir):
+    """Two browser tabs pressing Start reach api.start on two threads of the one app process."""
+    import threading
+
+    from edgetune.engine import api
+    from edgetune.engine.settings import resolve
+
+    runs = tmp_path / "runs"
+    cfg = [resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}", f"model.name={tiny_model_dir}",
+                                                       "sft.steps=100000", "data.max_rows=16"]) for _ in range(2)]
+    barrier, results = threading.Barrier(2), []
+
+    def press(i):
+        barrier.wait()
+        try:
+            results.append(api.start(cfg[i]))
+        except EdgetuneError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=press, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    try:
+        started = [r for r in results if isinstance(r, api.Run)]
+        refused = [r for r in results if isinstance(r, EdgetuneError)]
+        assert len(started) == 1 and len(refused) == 1, results
+        assert "one run at a time per runs folder" in str(refused[0])
+        assert len(api.list_runs(runs)) == 1
+    finally:
+        for r in api.list_runs(runs):
+            r.kill()
