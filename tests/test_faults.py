@@ -420,3 +420,26 @@ def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_pat
     assert "the planner estimates" in err["message"] and "GiB peak, against" in err["message"]
     assert "checkpoints up to step 2 are kept" in err["message"]
     assert RunDir(path).last_checkpoint()[0] == 2
+
+
+def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, tmp_path):
+    from edgetune.engine import fgrpo
+    from test_fgrpo import config
+
+    files = tmp_path / "files"
+    files.mkdir()
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (files / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (files / "reward.py").write_text("def reward(completion, answer, row):\n"
+                                     "    return (sum(map(ord, completion)) % 7) / 6\n")
+    cfg = config(tiny_model_dir, files, tmp_path, eval_prompts=0)  # run.checkpoint_every 0: only the stop's
+
+    def steps(events):
+        return [(e["step"], e["reward_mean"], e["loss"], e["grad_norm"]) for e in events if e["type"] == "step"]
+
+    full = run_inline(fgrpo.train, cfg, tmp_path / "full")[2]
+    first = run_inline(fgrpo.train, cfg, tmp_path / "cut", stop_after=1)[2]
+    assert first[-1]["type"] == "stopped" and RunDir(tmp_path / "cut").last_checkpoint()[0] == 1
+    second = [e for e in run_inline(fgrpo.train, cfg, tmp_path / "cut", resume=True)[2] if e["i"] > first[-1]["i"]]
+    assert second[-1]["type"] == "finished" and [s[0] for s in steps(second)] == [2, 3]
+    assert steps(first) + steps(second) == steps(full)
