@@ -46,13 +46,14 @@ from torch.utils.checkpoint import checkpoint
 from . import data as data_lib
 from . import model as model_lib
 from . import phases
-from .errors import ConfigError, DataError
 from .effective import LOSS_CHUNK_ROWS, decide, record
+from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
                    save_checkpoint, save_stop_checkpoint, seed_everything)
 from .passk import mean_pass_at_k
+from .planner import arch_of
 from .rewards import Reward, build_reward
 from .rollouts import RolloutBatch, generate
 from .settings import Config, FGRPOSettings
@@ -130,13 +131,15 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
     chunk_rows = max(1, s.prompts_per_step * s.num_generations)
 
     def chunks(per_prompt: int, offset: int) -> dict:
+        # The same chunks with or without progress: sampled metrics depend on them.
+        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt)}
         if tick is None:
-            return {}
+            return size
 
         def on_chunk(idx):
             if tick(offset + idx[0] // per_prompt):
                 raise _Stopped
-        return {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "on_chunk": on_chunk}
+        return {**size, "on_chunk": on_chunk}
 
     try:
         return _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick)
@@ -285,7 +288,7 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    eff = decide(cfg, device, model_lib.arch_of(model))
+    eff = decide(cfg, device, arch_of(model))
     record(ctx.run, cfg, eff)
     phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
