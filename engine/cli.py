@@ -139,7 +139,10 @@ def watch(run, start: int = 0, quiet: bool = False) -> int:
                     bar.close()
                     print("\nkilling the worker...", file=sys.stderr)
                     run.kill()
-                    print(f"killed; the run folder keeps its last checkpoint: {run.path}", file=sys.stderr)
+                    last = run.dir.last_checkpoint()
+                    print(f"killed; `edgetune resume {run.name}` continues from its step-{last[0]} checkpoint"
+                          if last else "killed before any checkpoint: a resume starts over from step 0",
+                          file=sys.stderr)
                     return 130
                 stopping = True
                 tqdm.write("stopping after the current step or evaluation batch (Ctrl-C again to kill)...",
