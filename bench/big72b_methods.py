@@ -132,7 +132,6 @@ def build():
 
 
 def fgrpo_step(base):
-    from edgetune.engine import rollouts
     from edgetune.engine.fgrpo import policy_update, sebp_lifted
     from edgetune.engine.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.loop import make_optimizer, make_scheduler
@@ -171,7 +170,7 @@ def fgrpo_step(base):
     R["fgrpo"] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
                   "train_s": round(upd["train_s"], 2), "train_tokens": upd["train_tokens"],
                   "step_s": round(time.perf_counter() - t, 2), "loss": upd["loss"], "grad_norm": upd["grad_norm"],
-                  "rollout_path": getattr(rollouts, "last_info", None), "generation_peak": gen_peak, **peaks()}
+                  "rollout_path": roll.info, "generation_peak": gen_peak, **peaks()}
     log(f"fgrpo {R['fgrpo']}")
     R["planner"].append(C.compare("72B F-GRPO step", planned("fgrpo", FG_SETS), R["fgrpo"].get("peak_alloc")))
     if sebp is not None:

@@ -92,12 +92,10 @@ def main() -> dict:
                      "train_tokens_per_s": round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
                      "dropped": upd["dropped"], "loss": upd["loss"], "grad_norm": upd["grad_norm"]})
         print(json.dumps(rows[-1]), flush=True)
-    from edgetune.engine import rollouts
-
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "arch": "tiny" if a.tiny else "Qwen2.5-7B (random init)", "build_s": round(build_s, 1),
            "rows": a.prompts * a.group, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-           "rollout_path": getattr(rollouts, "last_info", None),
+           "rollout_path": roll.info,
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
            "steps": rows}
     out = Path(os.environ.get("OUT") or ".")

@@ -126,7 +126,7 @@ def check_small():
     eos = int(hf(2)[0, 6])
     tok = IdTokenizer(eos=eos, pad=0)
     ours = rollouts.generate(m, tok, prompts, greedy=True, max_new_tokens=40, fast=True)
-    info = dict(rollouts.last_info)
+    info = dict(ours.info)
     ref = hf(eos)
     R["check"]["small_rows_stopped"] = sum(not t for t in ours.truncated)
     T = ours.completion_ids.shape[1]
@@ -156,7 +156,7 @@ def greedy_agreement(model, tok, n_rows=8, n_new=32, **kw):
     lens = torch.randint(PROMPT // 2, PROMPT + 1, (n_rows,), generator=g).tolist()
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lens]
     ours = rollouts.generate(model, tok, prompts, greedy=True, max_new_tokens=n_new, fast=True, **kw)
-    info = dict(rollouts.last_info)
+    info = dict(ours.info)
     ids, mask = rollouts.left_pad(prompts, tok.pad_token_id, DEV)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n_new,
@@ -235,7 +235,7 @@ def time_ours(model, tok, ids, bf16, compile_step=False, reps=2):
     return {"first_call_s": round(first, 2), "times_s": [round(x, 3) for x in times], "new_tokens": n,
             "masked_tokens": int(rb.completion_mask.sum()), "steps": steps,
             "tok_per_s": round(n / min(times)), "ms_per_step": round(1000 * min(times) / steps, 2),
-            "peak_GiB": peak_gib(), "info": dict(rollouts.last_info)}
+            "peak_GiB": peak_gib(), "info": dict(rb.info)}
 
 
 def main():

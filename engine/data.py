@@ -691,15 +691,6 @@ def load_rl(ds: DataSettings, seed: int, tokenizer=None) -> RLData:
     return RLData(train, evals, report)
 
 
-def load(cfg, tokenizer=None):
-    """The data a method trains on: SFTData for sft, RLData for fgrpo and essa."""
-    if cfg.method == "sft":
-        if tokenizer is None:
-            raise ValueError("SFT data needs the model's tokenizer")
-        return load_sft(cfg.data, tokenizer, cfg.run.seed)
-    return load_rl(cfg.data, cfg.run.seed, tokenizer)
-
-
 def collate(examples: list[SFTExample], pad_id: int) -> dict:
     """Right-pad to the batch's longest row; padding gets attention 0 and label -100."""
     import torch

@@ -50,6 +50,7 @@ from .essa_state import SearchLog
 from .loop import (Progress, RunContext, every, finish, pick_checkpoint, read_state, save_checkpoint,
                    seed_everything, set_rng_state)
 from .multilora import batched_lora
+from .planner import arch_of
 from .rewards import build_reward
 from .rollouts import generate
 from .runfolder import RunDir, atomic_write_text
@@ -236,7 +237,7 @@ def train(ctx: RunContext) -> dict:
     device = model_lib.resolve_device(cfg.model)
     free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else None
     longest = data.report.token_lengths.get("max") or None
-    eff = decide(cfg, device, model_lib.arch_of(model), gpu_free=free, prompt_tokens=longest)
+    eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=longest)
     record(ctx.run, cfg, eff)
     evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch)
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation

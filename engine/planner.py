@@ -51,7 +51,7 @@ from pathlib import Path
 from .effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PROJECTIONS, decide, essa_candidates_per_batch,
                         optimizer_name)
 from .errors import ModelError
-from .settings import EMBEDDED_MODEL, Config, warm_start_config
+from .settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 
 GiB = 1024**3
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
@@ -162,6 +162,13 @@ def arch_from_config(c: dict) -> Arch:
     )
 
 
+def arch_of(model) -> Arch:
+    """The shape of a loaded model (PEFT-wrapped or not), from its config: what the engine
+    hands engine/effective.decide once the weights are in memory."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return arch_from_config(base.config.to_dict())
+
+
 def _hub_cached_config(name: str) -> Path | None:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -183,8 +190,6 @@ def read_model_config(name: str) -> dict:
             raise ModelError(f"{name}: not a Hugging Face model folder (no config.json)")
         return json.loads(f.read_text())
     if p.suffix == ".gguf":
-        from .model import cache_dir  # light: model.py imports torch only inside its functions
-
         hits = sorted((cache_dir() / "gguf").glob(f"{p.stem}-*/config.json"))
         if hits:
             return json.loads(hits[-1].read_text())
@@ -733,12 +738,3 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
                          ).to_dict(),
     )
     return plan
-
-
-def summary(plan: dict) -> str:
-    """One line per part, for the CLI and the app."""
-    lines = [f"{k:>18s}: {_gib(plan[k])}" for k in plan["parts"] if plan[k]]
-    lines.append(f"{'total':>18s}: {_gib(plan['total'])}")
-    lines.append(plan["verdict"])
-    return "\n".join(lines)
-

@@ -3,7 +3,7 @@
 One entry point, `generate`, over any causal LM (PEFT LoRA or plain, NF4 or not, CPU or
 CUDA). Two decode loops sit behind it:
 
-- the plain loop (here): the model's own forward with a growing `DynamicCache`, exactly
+- the plain loop (`decoding.py`): the model's own forward with a growing `DynamicCache`, exactly
   what `model.generate` does, so greedy outputs match it token for token. It keeps every
   row until all rows are done (finished rows are fed pad and masked out): the batch
   dimension never changes order, so per-row adapters (ESSA's batched candidates) stay
@@ -23,11 +23,13 @@ LoRA is never merged: the adapters read their live trainable weights.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from .decoding import Sampler, decode_plain, make_generator
 
 
 @dataclass
@@ -40,6 +42,9 @@ class RolloutBatch:
     texts: list[str]  # decoded completions (special tokens skipped)
     prompt_index: list[int]  # which input prompt each row belongs to (the G rows of one prompt are adjacent)
     truncated: list[bool]  # hit max_new_tokens without EOS
+    # how the rows were decoded (fast loop or not, CUDA graph, bf16 copy, capture time, why
+    # a graph could not be captured): for benches and the run log
+    info: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -83,106 +88,6 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor
 
 
 # --------------------------------------------------------------------------- sampling
-
-
-@dataclass
-class Sampler:
-    """Picks the next token from last-position logits [B, V]; shared by both loops."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
-    generator: torch.Generator | None = None
-
-    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        logits = logits.float()
-        scaled = logits / self.temperature
-        if self.top_p < 1.0:
-            scaled = top_p_filter(scaled, self.top_p)
-        logp = torch.log_softmax(scaled, dim=-1)
-        if self.greedy:
-            # argmax of the raw logits, as model.generate(do_sample=False) does
-            tok = logits.argmax(dim=-1)
-        else:
-            # Gumbel-max: argmax p / E, E ~ Exp(1), is an exact categorical draw without
-            # multinomial's host sync; -inf (outside the nucleus) gives p = 0, never chosen.
-            e = torch.empty_like(logp).exponential_(generator=self.generator)
-            tok = (logp.exp() / e).argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-def top_p_filter(scaled: Tensor, top_p: float) -> Tensor:
-    """Set logits outside the nucleus to -inf (the HF TopPLogitsWarper rule: drop the
-    low-probability tail whose mass is <= 1 - top_p, always keep the top token)."""
-    sorted_logits, sorted_idx = torch.sort(scaled, descending=False, dim=-1)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cum <= (1 - top_p)
-    remove[..., -1] = False
-    return scaled.masked_fill(remove.scatter(-1, sorted_idx, remove), float("-inf"))
-
-
-def make_generator(device, seed: int | None) -> torch.Generator | None:
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-    return g
-
-
-# --------------------------------------------------------------------------- plain loop
-
-
-def inner_model(model):
-    """The transformers model under a PEFT wrapper (LoRA modules stay injected in it)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@torch.no_grad()
-def decode_plain(model, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, sampler: Sampler,
-                 eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """(completion_ids [B, T], logprobs [B, T]) with the model's own forward and a
-    DynamicCache; positions and masks are built as model.generate builds them."""
-    from transformers import DynamicCache
-
-    core = inner_model(model)
-    B, P = prompt_ids.shape
-    dev = prompt_ids.device
-    cache = DynamicCache(config=core.config) if _cache_takes_config() else DynamicCache()
-    attn = prompt_mask.clone()
-    pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    toks, lps = [], []
-    inp, step_pos = prompt_ids, pos
-    for t in range(max_new_tokens):
-        out = core(input_ids=inp, attention_mask=attn, position_ids=step_pos, use_cache=True, logits_to_keep=1,
-                   **{cache_kw(core): cache})
-        tok, lp = sampler(out.logits[:, -1, :])
-        tok = tok.masked_fill(done, pad_id)
-        lps.append(lp.masked_fill(done, 0.0))
-        toks.append(tok)
-        done = done | (tok == eos_id)
-        # one host sync per token: the plain loop is the CPU/reference path
-        if bool(done.all()):
-            break
-        inp = tok[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, attn.new_ones(B, 1)], dim=1)
-    return torch.stack(toks, 1), torch.stack(lps, 1)
-
-
-def cache_kw(core) -> str:
-    """transformers >= 5.2x names the cache argument `cache` (`past_key_values` is deprecated)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(core.forward).parameters else "past_key_values"
-
-
-def _cache_takes_config() -> bool:
-    import inspect
-
-    from transformers import DynamicCache
-
-    return "config" in inspect.signature(DynamicCache.__init__).parameters
 
 
 # --------------------------------------------------------------------------- entry point
@@ -277,16 +182,9 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     completion, cmask, logprobs, truncated = finish(completion, logprobs, eos_id, pad_id)
     prompt_ids, prompt_mask = left_pad(rows, pad_id, device)
     texts = tokenizer.batch_decode(completion.masked_fill(cmask == 0, pad_id).tolist(), skip_special_tokens=True)
-    global last_info
-    last_info = info
     return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion,
                         completion_mask=cmask, logprobs=logprobs, texts=texts, prompt_index=prompt_index,
-                        truncated=truncated)
-
-
-# What the last generate() call used (fast loop or not, CUDA graph, bf16 copy, capture
-# time, why a graph could not be captured): for benches and the run log.
-last_info: dict = {}
+                        truncated=truncated, info=info)
 
 
 def _pad_right(x: Tensor, T: int, value) -> Tensor:

@@ -27,6 +27,11 @@ EMBEDDED_RL_DATA = "embedded:arith-rl"
 METHODS = ("sft", "fgrpo", "essa")
 
 
+def cache_dir() -> Path:
+    """Where converted models live (GGUF files become Hugging Face folders there)."""
+    return Path(os.environ.get("EDGETUNE_CACHE", Path.home() / ".cache" / "edgetune"))
+
+
 def setting(default: Any, help: str, section: str = "") -> Any:
     """A settings field with its help text (what the app shows beside the widget) and the
     section of its group it belongs to."""

@@ -44,6 +44,7 @@ from .lm_loss import causal_lm_loss, label_count
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
                    save_checkpoint, save_stop_checkpoint, seed_everything)
 from .packing import collate_packed
+from .planner import arch_of
 
 
 def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]:
@@ -123,7 +124,7 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    eff = decide(cfg, device, model_lib.arch_of(model))
+    eff = decide(cfg, device, arch_of(model))
     record(ctx.run, cfg, eff)
     liger = apply_liger(model, "on") if eff.liger else f"off (model.liger {cfg.model.liger} on {device})"
     print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log

@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 from edgetune.engine import effective, planner, settings
-from edgetune.engine import model as model_lib
 
 GiB = 2**30
 LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -48,7 +47,7 @@ def _engine_arch(hub_id: str):
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(**planner.KNOWN_CONFIGS[hub_id])
-    return model_lib.arch_of(SimpleNamespace(config=cfg))
+    return planner.arch_of(SimpleNamespace(config=cfg))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
