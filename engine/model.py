@@ -342,6 +342,9 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
         p = Path(ls.init_from)
         if not (p / "adapter_config.json").is_file():
             raise ModelError(f"lora.init_from: no adapter_config.json in {ls.init_from}")
+        from .export import check_adapter_fits
+
+        check_adapter_fits(model, p)  # an adapter of another base: one line naming that base
         return PeftModel.from_pretrained(model, str(p), is_trainable=True)
     try:
         return get_peft_model(model, lora_config(ls))
@@ -352,9 +355,6 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
 def checkpointing_for(cfg) -> bool | int:
     """What add_lora gets for `model.gradient_checkpointing`: the setting itself, or for
     `auto` the planner's layer count for this run's budget (decided before the weights
-        from .export import check_adapter_fits
-
-        check_adapter_fits(model, p)  # an adapter of another base: one line naming that base
     load, so the free memory read is the card's)."""
     gc = cfg.model.gradient_checkpointing
     if gc != "auto":

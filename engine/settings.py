@@ -518,8 +518,6 @@ def preset_description(path: str | os.PathLike) -> str:
     return text[: end.end()] if end else text
 
 
-def load_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
 def yaml_problem(path, e: yaml.YAMLError) -> str:
     """One line: file, line and column, and what the parser found there."""
     mark = getattr(e, "problem_mark", None)
@@ -530,6 +528,8 @@ def yaml_problem(path, e: yaml.YAMLError) -> str:
     return " ".join(text.split())
 
 
+def load_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
     if not p.is_file():
         presets = list_presets()
         if str(path) in presets:
