@@ -267,7 +267,7 @@ def table(result: dict) -> str:
              f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
              f"Held-out greedy success (pass@{k} from {2 * k} samples at the preset's temperature in "
-             "brackets for the RL methods), then training wall time. Items of the held-out split never "
+             "brackets; not measured for SFT), then training wall time. Items of the held-out split never "
              f"appear in train (checked by content). The kept-aside task ({KEPT_ASIDE}) is not used to "
              "choose defaults.", ""]
     head = ["task", "train / held-out"] + [LABELS[c] for c in COLUMNS]
