@@ -126,6 +126,15 @@ def watch(run, start: int = 0, quiet: bool = False) -> int:
                                      for k, v in ev.get("metrics", {}).items()}))
             seen["status"] = 0
 
+    def kill() -> int:
+        bar.close()
+        print("\nkilling the worker...", file=sys.stderr)
+        run.kill()
+        last = run.dir.last_checkpoint()
+        print(f"killed; `edgetune resume {run.name}` continues from its step-{last[0]} checkpoint"
+              if last else "killed before any checkpoint: a resume starts over from step 0", file=sys.stderr)
+        return 130
+
     stopping = False
     try:
         while True:
@@ -136,22 +145,21 @@ def watch(run, start: int = 0, quiet: bool = False) -> int:
                 break
             except KeyboardInterrupt:
                 if stopping:
-                    bar.close()
-                    print("\nkilling the worker...", file=sys.stderr)
-                    run.kill()
-                    last = run.dir.last_checkpoint()
-                    print(f"killed; `edgetune resume {run.name}` continues from its step-{last[0]} checkpoint"
-                          if last else "killed before any checkpoint: a resume starts over from step 0",
-                          file=sys.stderr)
-                    return 130
+                    return kill()
                 stopping = True
-                tqdm.write("stopping after the current step or evaluation batch (Ctrl-C again to kill)...",
-                           file=sys.stderr)
-                run.stop()
-                show_phase("stopping")
+                try:
+                    tqdm.write("stopping after the current step or evaluation batch (Ctrl-C again to kill)...",
+                               file=sys.stderr)
+                    run.stop()
+                    show_phase("stopping")
+                except KeyboardInterrupt:  # the second Ctrl-C came while the first was being handled
+                    return kill()
     finally:
         bar.close()
-    run.wait(30)  # the worker writes its last event a moment before it exits: return when it is gone
+    try:
+        run.wait(30)  # the worker writes its last event a moment before it exits: return when it is gone
+    except KeyboardInterrupt:  # a Ctrl-C while the worker winds down still means "kill it now"
+        return kill()
     if seen["status"] == 1 and run.status() == "crashed":
         print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
     return seen["status"]

@@ -95,7 +95,8 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp
     msgs = [e["message"] for e in after if e["type"] == "warning"] + \
            [e["message"] for e in events if e["type"] == "warning" and e["i"] < started["i"]]
     assert any(str(state) in m for m in msgs), msgs
-    assert _losses(after) == {k: v for k, v in full_losses.items() if k > 2}
+    # full_losses come from an in-process run; a worker's fp32 sums may differ in the 7th digit
+    assert _losses(after) == pytest.approx({k: v for k, v in full_losses.items() if k > 2}, rel=1e-6)
 
 
 class _Payload:
