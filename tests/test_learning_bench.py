@@ -126,27 +126,3 @@ def test_sft_learns_a_task_the_presets_never_use(tmp_path):
     m = run_bench(tmp_path, "--tasks", "chain_sum", "--methods", "base,sft", "--eval-prompts", "30", "--eval-k", "1")
     assert m["base"]["prompts"] == m["sft"]["prompts"] == 30
     assert m["sft"]["success_rate"] >= m["base"]["success_rate"] + 0.5
-
-
-@pytest.mark.slow
-def test_fgrpo_learns_a_task_the_presets_never_use(tmp_path):
-    """fgrpo-quickstart with only the data and the reward (rg:chain_sum) changed, 8 steps.
-    Measured once on 2 shared CPU cores, 40 held-out questions: 12.5% -> 47.5% (products,
-    the kept-aside task: 37.5% -> 60%). Longer than the other slow tests (8 RL steps)."""
-    m = run_bench(tmp_path, "--tasks", "chain_sum", "--methods", "base,fgrpo", "--fgrpo-steps", "8",
-                  "--eval-prompts", "30", "--eval-k", "1")
-    assert m["fgrpo"]["success_rate"] >= m["base"]["success_rate"] + 0.15
-    assert [p["step"] for p in m["fgrpo"]["curve"]] == list(range(1, 9))
-
-
-@pytest.mark.slow
-def test_essa_keeps_what_its_warm_start_learned(tmp_path):
-    """essa-quickstart on chain_sum: the 6-step SFT warm start learns the task (measured
-    12.5% -> 65% on 40 held-out questions) and the search does not lose it (65% -> 65%).
-    That the search adds 8 points is a target not reached yet (bench/RESULTS.md), so it is
-    not asserted here."""
-    m = run_bench(tmp_path, "--tasks", "chain_sum", "--methods", "base,essa", "--essa-generations", "4",
-                  "--eval-prompts", "30", "--eval-k", "1")
-    assert m["essa_warm_start"]["success_rate"] >= m["base"]["success_rate"] + 0.3
-    assert m["essa"]["success_rate"] >= m["essa_warm_start"]["success_rate"] - 0.1
-    assert len(m["essa"]["curve"]) == 4
