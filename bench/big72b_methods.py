@@ -132,49 +132,44 @@ def build():
 
 
 def fgrpo_step(base):
-    from edgetune.engine.fgrpo import policy_update, sebp_lifted
+    from edgetune.engine.fgrpo import policy_update
     from edgetune.engine.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.loop import make_optimizer, make_scheduler
     from edgetune.engine.model import add_lora
     from edgetune.engine.rollouts import generate
     from edgetune.engine.settings import FGRPOSettings, LoraSettings
+    from edgetune.kernels import sebp as sebp_lib
 
     model = add_lora(base, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
-    sebp = None
-    if DEV == "cuda":
-        from edgetune.kernels import sebp as sebp_kernels
-
-        sebp = sebp_kernels
-        sebp.patch(model)
-    s = FGRPOSettings(num_generations=FG["group"], prompts_per_step=FG["prompts"], max_new_tokens=FG["new_tokens"],
-                      temperature=0.9, loss_type="dapo", gamma=1.0, lr=1e-5, steps=1, micro_batch_size=8)
-    opt = make_optimizer(model.parameters(), "auto", s.lr, 0.0, DEV)
-    sched = make_scheduler(opt, 0, s.steps)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, ARCH["vocab_size"], (FG["prompt_len"],), generator=g).tolist()
-               for _ in range(FG["prompts"])]
-    reset_peak()
-    t = time.perf_counter()
-    with sebp_lifted(model, sebp):
-        roll = generate(model, IdTokenizer(), prompts, num_generations=s.num_generations,
-                        max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0)
-    sync()
-    gen_s = time.perf_counter() - t
-    gen_peak = peaks()
-    r = (torch.rand(roll.completion_ids.shape[0], generator=g) < 0.4).float().to(roll.logprobs.device)
-    adv = group_advantages(r, s.num_generations, s.scale_rewards) * focal_weights(r, s.num_generations, s.gamma,
-                                                                                   success=r.bool())
-    upd = policy_update(model, roll, adv, s, opt, sched, sebp)
-    sync()
-    gen_tokens = int(roll.completion_mask.sum())
-    R["fgrpo"] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
-                  "train_s": round(upd["train_s"], 2), "train_tokens": upd["train_tokens"],
-                  "step_s": round(time.perf_counter() - t, 2), "loss": upd["loss"], "grad_norm": upd["grad_norm"],
-                  "rollout_path": roll.info, "generation_peak": gen_peak, **peaks()}
-    log(f"fgrpo {R['fgrpo']}")
-    R["planner"].append(C.compare("72B F-GRPO step", planned("fgrpo", FG_SETS), R["fgrpo"].get("peak_alloc")))
-    if sebp is not None:
-        sebp.unpatch(model)
+    with sebp_lib.enabled(model, DEV == "cuda") as sebp:
+        s = FGRPOSettings(num_generations=FG["group"], prompts_per_step=FG["prompts"], max_new_tokens=FG["new_tokens"],
+                          temperature=0.9, loss_type="dapo", gamma=1.0, lr=1e-5, steps=1, micro_batch_size=8)
+        opt = make_optimizer(model.parameters(), "auto", s.lr, 0.0, DEV)
+        sched = make_scheduler(opt, 0, s.steps)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, ARCH["vocab_size"], (FG["prompt_len"],), generator=g).tolist()
+                   for _ in range(FG["prompts"])]
+        reset_peak()
+        t = time.perf_counter()
+        with sebp.lifted():
+            roll = generate(model, IdTokenizer(), prompts, num_generations=s.num_generations,
+                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0)
+        sync()
+        gen_s = time.perf_counter() - t
+        gen_peak = peaks()
+        r = (torch.rand(roll.completion_ids.shape[0], generator=g) < 0.4).float().to(roll.logprobs.device)
+        adv = group_advantages(r, s.num_generations, s.scale_rewards) * focal_weights(r, s.num_generations, s.gamma,
+                                                                                       success=r.bool())
+        upd = policy_update(model, roll, adv, s, opt, sched, sebp)
+        sync()
+        gen_tokens = int(roll.completion_mask.sum())
+        R["fgrpo"] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens,
+                      "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
+                      "train_s": round(upd["train_s"], 2), "train_tokens": upd["train_tokens"],
+                      "step_s": round(time.perf_counter() - t, 2), "loss": upd["loss"], "grad_norm": upd["grad_norm"],
+                      "rollout_path": roll.info, "generation_peak": gen_peak, **peaks()}
+        log(f"fgrpo {R['fgrpo']}")
+        R["planner"].append(C.compare("72B F-GRPO step", planned("fgrpo", FG_SETS), R["fgrpo"].get("peak_alloc")))
     del opt, sched, roll, adv
     for p in model.parameters():
         p.grad = None

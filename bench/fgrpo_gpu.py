@@ -41,12 +41,13 @@ def main() -> dict:
     if a.tiny:
         a.prompts, a.group, a.prompt_len, a.new_tokens, a.steps = 2, 4, 8, 8, 2
 
-    from edgetune.engine.fgrpo import policy_update, sebp_lifted
+    from edgetune.engine.fgrpo import policy_update
     from edgetune.engine.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.loop import make_optimizer, make_scheduler
     from edgetune.engine.model import add_lora
     from edgetune.engine.rollouts import generate
     from edgetune.engine.settings import FGRPOSettings, LoraSettings
+    from edgetune.kernels import sebp as sebp_lib
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -55,12 +56,6 @@ def main() -> dict:
     model = build_nf4_model(arch, dev, dtype)
     model = add_lora(model, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
     build_s = time.time() - t0
-    sebp = None
-    if dev == "cuda":
-        from edgetune.kernels import sebp as sebp_kernels
-
-        sebp = sebp_kernels
-        sebp.patch(model)
     s = FGRPOSettings(num_generations=a.group, prompts_per_step=a.prompts, max_new_tokens=a.new_tokens,
                       temperature=0.9, loss_type="dapo", gamma=1.0, lr=1e-5, steps=a.steps, micro_batch_size=8)
     opt = make_optimizer(model.parameters(), "auto", s.lr, 0.0, dev)
@@ -72,26 +67,27 @@ def main() -> dict:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     rows = []
-    for step in range(a.steps):
-        t = time.time()
-        with sebp_lifted(model, sebp):  # as engine/fgrpo.py's loop: the packed fast path needs it
-            roll = generate(model, tok, prompts, num_generations=s.num_generations,
-                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=step)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        gen_s = time.time() - t
-        r = (torch.rand(roll.completion_ids.shape[0], generator=g) < 0.4).float().to(roll.logprobs.device)
-        w = focal_weights(r, s.num_generations, s.gamma, success=r.bool())
-        adv = group_advantages(r, s.num_generations, s.scale_rewards) * w
-        upd = policy_update(model, roll, adv, s, opt, sched, sebp)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        gen_tokens = int(roll.completion_mask.sum())
-        rows.append({"step": step, "gen_s": round(gen_s, 3), "train_s": round(upd["train_s"], 3),
-                     "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
-                     "train_tokens_per_s": round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
-                     "dropped": upd["dropped"], "loss": upd["loss"], "grad_norm": upd["grad_norm"]})
-        print(json.dumps(rows[-1]), flush=True)
+    with sebp_lib.enabled(model, dev == "cuda") as sebp:
+        for step in range(a.steps):
+            t = time.time()
+            with sebp.lifted():  # as engine/fgrpo.py's loop: the packed fast path needs it
+                roll = generate(model, tok, prompts, num_generations=s.num_generations,
+                                max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=step)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            gen_s = time.time() - t
+            r = (torch.rand(roll.completion_ids.shape[0], generator=g) < 0.4).float().to(roll.logprobs.device)
+            w = focal_weights(r, s.num_generations, s.gamma, success=r.bool())
+            adv = group_advantages(r, s.num_generations, s.scale_rewards) * w
+            upd = policy_update(model, roll, adv, s, opt, sched, sebp)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            gen_tokens = int(roll.completion_mask.sum())
+            rows.append({"step": step, "gen_s": round(gen_s, 3), "train_s": round(upd["train_s"], 3),
+                         "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
+                         "train_tokens_per_s": round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
+                         "dropped": upd["dropped"], "loss": upd["loss"], "grad_norm": upd["grad_norm"]})
+            print(json.dumps(rows[-1]), flush=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "arch": "tiny" if a.tiny else "Qwen2.5-7B (random init)", "build_s": round(build_s, 1),
            "rows": a.prompts * a.group, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,

@@ -33,7 +33,6 @@ optimizer, scheduler and RNG state, so a resumed run continues as an uninterrupt
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import replace
@@ -43,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from edgetune.kernels import sebp as sebp_lib
+
 from . import data as data_lib
 from . import model as model_lib
 from . import phases
@@ -51,13 +52,12 @@ from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   save_checkpoint, save_stop_checkpoint, seed_everything)
+                   micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
 from .passk import mean_pass_at_k
 from .planner import arch_of
 from .rewards import Reward, build_reward
 from .rollouts import RolloutBatch, generate
 from .settings import Config, FGRPOSettings
-from .sft import micro_batch_indices
 
 # Distinct streams for the seeds of training rollouts and held-out evaluation.
 _TRAIN_STREAM, _EVAL_STREAM = 1_000_003, 7_919
@@ -75,8 +75,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                         temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
     """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
     logits divided by `temperature` as at sampling time. Prompts are left-padded, so
-    positions come from the attention mask, as during decoding. With `sebp` (the kernels
-    module, model patched) the backward skips the padding rows of the trimmed batch."""
+    positions come from the attention mask, as during decoding. With `sebp` (the handle of
+    kernels/sebp.enabled) the backward skips the padding rows of the trimmed batch."""
     B, P = prompt_ids.shape
     T = completion_ids.shape[1]
     # Trim columns that are padding in every row of this batch: less work, same values.
@@ -86,7 +86,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     attn = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     if sebp is not None:  # the rows of the batch as trimmed here: SEBP matches them by shape
-        sebp.set_active_rows(model, attn.bool())
+        sebp.set_active_rows(attn.bool())
     _, decoder, head = backbone_and_head(model)
     hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
     p = P - first
@@ -201,22 +201,6 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
 # --------------------------------------------------------------------------- one step
 
 
-@contextlib.contextmanager
-def sebp_lifted(model, sebp):
-    """Generation with SEBP's patch taken off the model, put back after. The rollouts'
-    fastest path (engine/fast_decode.py: packed qkv / gate-up over a bf16 copy) refuses
-    LoRA layers whose forward is patched; SEBP only matters for the update's backward, and
-    patching is a loop over the modules, so lifting it costs nothing."""
-    if sebp is None:
-        yield
-        return
-    sebp.unpatch(model)
-    try:
-        yield
-    finally:
-        sebp.patch(model)
-
-
 def _rows_of(roll: RolloutBatch, idx: torch.Tensor) -> tuple:
     return (roll.prompt_ids[idx], roll.prompt_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
 
@@ -306,19 +290,12 @@ def train(ctx: RunContext) -> dict:
         state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
         start_step, metrics = state["step"], dict(state.get("metrics", {}))
 
-    sebp = None
-    if eff.sebp:
-        from edgetune.kernels import sebp as sebp_kernels
-
-        sebp = sebp_kernels
-        sebp.patch(model)
-
     def held_out_eval(step: int, key: str, phase: str | None = None) -> None:
         tick = None
         if phase is not None:
             unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
             tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
-        with sebp_lifted(model, sebp):
+        with sebp.lifted():  # generation: the model's own forwards (fast_decode)
             m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick)
         if m is None:  # stopped during the evaluation
             return
@@ -327,67 +304,65 @@ def train(ctx: RunContext) -> dict:
                 metrics[f"{k}_{key}"] = v
         ctx.emit("eval", step=step, **m)
 
-    if start_step == 0 and held_out:
-        held_out_eval(0, "start", "initial_eval")
+    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+        if start_step == 0 and held_out:
+            held_out_eval(0, "start", "initial_eval")
 
-    phases.emit(ctx.emit, "training")
-    progress = Progress(s.steps, start_step)
-    step, stopped, warned = start_step, False, 0
-    while step < s.steps:
-        if ctx.should_stop():
-            stopped = True
-            break
-        t_step = time.time()
-        rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
-        with sebp_lifted(model, sebp):
-            roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
-                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
-        gen_s = time.time() - t_step
-        row_of = [rows[i] for i in roll.prompt_index]
-        sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)
-        bad = [e for e in sc.errors if e]
-        if bad and warned < 3:
-            warned += 1
-            more = " (further reward warnings are not shown)" if warned == 3 else ""
-            ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(sc.errors)} completions: "
-                                        f"{bad[0]}{more}")
-        r = torch.tensor(sc.rewards, dtype=torch.float32, device=roll.logprobs.device)
-        ok = torch.tensor(sc.success, device=r.device)
-        g = focal_weights(r, G, s.gamma, success=ok)
-        adv = group_advantages(r, G, s.scale_rewards) * g
-        upd = policy_update(model, roll, adv, s, optimizer, scheduler, sebp)
-        step += 1
+        phases.emit(ctx.emit, "training")
+        progress = Progress(s.steps, start_step)
+        step, stopped, warned = start_step, False, 0
+        while step < s.steps:
+            if ctx.should_stop():
+                stopped = True
+                break
+            t_step = time.time()
+            rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
+            with sebp.lifted():  # generation: the model's own forwards (fast_decode)
+                roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
+                                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
+            gen_s = time.time() - t_step
+            row_of = [rows[i] for i in roll.prompt_index]
+            sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)
+            bad = [e for e in sc.errors if e]
+            if bad and warned < 3:
+                warned += 1
+                more = " (further reward warnings are not shown)" if warned == 3 else ""
+                ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(sc.errors)} completions: "
+                                            f"{bad[0]}{more}")
+            r = torch.tensor(sc.rewards, dtype=torch.float32, device=roll.logprobs.device)
+            ok = torch.tensor(sc.success, device=r.device)
+            g = focal_weights(r, G, s.gamma, success=ok)
+            adv = group_advantages(r, G, s.scale_rewards) * g
+            upd = policy_update(model, roll, adv, s, optimizer, scheduler, sebp)
+            step += 1
 
-        p_hat = success_share(ok, G)
-        lengths = roll.completion_mask.sum(1).float()
-        gen_tokens = int(lengths.sum())
-        metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
-        if every(cfg.run.log_every, step) or step == s.steps:
-            ctx.emit("step", **progress.fields(step), reward_mean=float(r.mean()),
-                     reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
-                     all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
-                     focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
-                     loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
-                     grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
-                     completion_len=float(lengths.mean()), truncated=sum(roll.truncated) / len(roll.truncated),
-                     gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
-                     train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
-                     tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),
-                     gen_s=round(gen_s, 2), train_s=round(upd["train_s"], 2))
-        if every(s.sample_every, step):
-            ctx.emit("sample", step=step, prompt=_prompt_text(rows[0]["prompt"]), completion=roll.texts[0],
-                     reward=sc.rewards[0], answer=str(rows[0].get("answer", "")))
-        if held_out and every(s.eval_every, step) and step < s.steps:
-            held_out_eval(step, "last")
-        if every(cfg.run.checkpoint_every, step) and step < s.steps:
-            save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
-    save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
-    if held_out and not stopped:
-        held_out_eval(step, "end", "final_eval")
-    if sebp is not None:
-        sebp.set_active_rows(model, None)
-        sebp.unpatch(model)
+            p_hat = success_share(ok, G)
+            lengths = roll.completion_mask.sum(1).float()
+            gen_tokens = int(lengths.sum())
+            metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
+            if every(cfg.run.log_every, step) or step == s.steps:
+                ctx.emit("step", **progress.fields(step), reward_mean=float(r.mean()),
+                         reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
+                         all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
+                         focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
+                         loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
+                         grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
+                         completion_len=float(lengths.mean()), truncated=sum(roll.truncated) / len(roll.truncated),
+                         gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
+                         train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
+                         tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),
+                         gen_s=round(gen_s, 2), train_s=round(upd["train_s"], 2))
+            if every(s.sample_every, step):
+                ctx.emit("sample", step=step, prompt=_prompt_text(rows[0]["prompt"]), completion=roll.texts[0],
+                         reward=sc.rewards[0], answer=str(rows[0].get("answer", "")))
+            if held_out and every(s.eval_every, step) and step < s.steps:
+                held_out_eval(step, "last")
+            if every(cfg.run.checkpoint_every, step) and step < s.steps:
+                save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
+        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
+        if held_out and not stopped:
+            held_out_eval(step, "end", "final_eval")
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

@@ -51,6 +51,20 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]:
+    """Example indices of micro-batch k: epochs of seeded permutations, laid end to end."""
+    out = []
+    pos = k * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        perm = torch.randperm(n, generator=g).tolist()
+        take = perm[offset : offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
 # --------------------------------------------------------------------------- progress
 
 

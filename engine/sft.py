@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from edgetune.kernels import sebp as sebp_lib
+
 from . import data as data_lib
 from . import model as model_lib
 from . import phases
@@ -42,23 +44,9 @@ from .effective import decide, record
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss, label_count
 from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   save_checkpoint, save_stop_checkpoint, seed_everything)
+                   micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
 from .packing import collate_packed
 from .planner import arch_of
-
-
-def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]:
-    """Example indices of micro-batch k: epochs of seeded permutations, laid end to end."""
-    out = []
-    pos = k * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(pos, n)
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        perm = torch.randperm(n, generator=g).tolist()
-        take = perm[offset : offset + batch_size - len(out)]
-        out += take
-        pos += len(take)
-    return out
 
 
 def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
@@ -66,12 +54,13 @@ def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
     the same, so the gradient is that of the mean loss over the step's label tokens whatever
     the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
     different numbers of tokens; dividing each micro-batch's mean by grad_accum would
-    over-weigh the tokens of a short one). Returns (that mean loss, label tokens)."""
+    over-weigh the tokens of a short one). Returns (that mean loss, label tokens).
+    `sebp`: the handle of kernels/sebp.enabled (or None)."""
     total = sum(label_count(b["labels"]) for b in batches)
     loss_sum = 0.0
     for batch in batches:
         if sebp is not None:
-            sebp.set_active_rows(model, batch["attention_mask"].bool())
+            sebp.set_active_rows(batch["attention_mask"].bool())
         with model_lib.autocast(model):
             loss, n = causal_lm_loss(model, batch)
         (loss * (n / max(total, 1))).backward()
@@ -143,13 +132,6 @@ def train(ctx: RunContext) -> dict:
     if ctx.resume is not None:
         start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
 
-    sebp = None
-    if eff.sebp:
-        from edgetune.kernels import sebp as sebp_kernels
-
-        sebp = sebp_kernels
-        sebp.patch(model)
-
     pad_id = tok.pad_token_id
     collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
     progress = Progress(s.steps, start_step)
@@ -160,50 +142,48 @@ def train(ctx: RunContext) -> dict:
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
         return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
 
-    if start_step == 0 and data.eval and s.eval_every:
-        loss0 = held_out("initial_eval")
-        if loss0 is not None:  # None: stopped during the evaluation
-            metrics["eval_loss_start"] = loss0
-            ctx.emit("eval", step=0, eval_loss=loss0)
+    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+        if start_step == 0 and data.eval and s.eval_every:
+            loss0 = held_out("initial_eval")
+            if loss0 is not None:  # None: stopped during the evaluation
+                metrics["eval_loss_start"] = loss0
+                ctx.emit("eval", step=0, eval_loss=loss0)
 
-    phases.emit(ctx.emit, "training")
-    model.train()
-    step, stopped = start_step, False
-    while step < s.steps:
-        if ctx.should_stop():
-            stopped = True
-            break
-        t_step = time.time()
-        batches = []
-        for j in range(s.grad_accum):
-            k = step * s.grad_accum + j
-            rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
-            batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
-        step_loss, _ = accumulate(model, batches, sebp)
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        metrics["loss"] = step_loss
-        if every(cfg.run.log_every, step) or step == s.steps:
-            ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
-                     grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
-        final = bool(data.eval and s.eval_every and step == s.steps)
-        if data.eval and every(s.eval_every, step) or final:
-            loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,
-                                                                 s.eval_batches)
-            if loss is not None:
-                metrics["eval_loss"] = loss
-                ctx.emit("eval", step=step, eval_loss=loss)
-        if every(cfg.run.checkpoint_every, step) and step < s.steps:
-            save_checkpoint(ctx, step, model, optimizer, scheduler)
-    save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
-    if sebp is not None:
-        sebp.set_active_rows(model, None)
-        sebp.unpatch(model)
+        phases.emit(ctx.emit, "training")
+        model.train()
+        step, stopped = start_step, False
+        while step < s.steps:
+            if ctx.should_stop():
+                stopped = True
+                break
+            t_step = time.time()
+            batches = []
+            for j in range(s.grad_accum):
+                k = step * s.grad_accum + j
+                rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
+                batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
+            step_loss, _ = accumulate(model, batches, sebp)
+            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            metrics["loss"] = step_loss
+            if every(cfg.run.log_every, step) or step == s.steps:
+                ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
+                         grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
+            final = bool(data.eval and s.eval_every and step == s.steps)
+            if data.eval and every(s.eval_every, step) or final:
+                loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,
+                                                                     s.eval_batches)
+                if loss is not None:
+                    metrics["eval_loss"] = loss
+                    ctx.emit("eval", step=step, eval_loss=loss)
+            if every(cfg.run.checkpoint_every, step) and step < s.steps:
+                save_checkpoint(ctx, step, model, optimizer, scheduler)
+        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

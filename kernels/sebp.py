@@ -23,18 +23,21 @@ Trade-offs:
   rows inside the GEMM loads. On a plain CPU the same math runs through index_select
   (a gathered copy, which costs memory the GPU path avoids, but no GPU path exists).
 
-Use (the engine):
+Use (the engine, engine/sft.py and engine/fgrpo.py):
 
-    handle = patch(model)          # once, after add_lora (patching first would leave the
-                                   # LoRA product on PEFT's dense path)
-    for each micro-batch:
-        set_active_rows(handle, attention_mask.bool())    # [batch, seq], on the model's device
-        hidden = decoder(input_ids, attention_mask).last_hidden_state
-        loss = sparse_lm_head_loss(hidden, lm_head.weight, labels, chunk_rows=2048)
-        loss.backward()            # (model(..., labels=...).loss works too, dense lm_head;
-                                   #  the engine wraps this in engine/lm_loss.causal_lm_loss)
-    set_active_rows(handle, None)  # e.g. before generation / eval: dense everywhere
-    unpatch(model)                 # restores the original forwards exactly
+    with sebp.enabled(model, on) as h:    # after add_lora (patching first would leave the
+                                          # LoRA product on PEFT's dense path); on=False: no-op
+        for each micro-batch:
+            h.set_active_rows(attention_mask.bool())    # [batch, seq], on the model's device
+            hidden = decoder(input_ids, attention_mask).last_hidden_state
+            loss = sparse_lm_head_loss(hidden, lm_head.weight, labels, chunk_rows=2048)
+            loss.backward()       # (model(..., labels=...).loss works too, dense lm_head;
+                                  #  the engine wraps this in engine/lm_loss.causal_lm_loss)
+        with h.lifted():          # generation between updates: the model's own forwards
+            ...
+    # the original forwards are back, also when the block raised
+
+(`patch` / `set_active_rows` / `unpatch` are the lower-level pieces `enabled` is made of.)
 
 Labels must be -100 on padding (and wherever no loss is wanted); a padding row with a
 real label would have a non-zero gradient that SEBP drops. Layers fall back to their own
@@ -50,6 +53,7 @@ to bf16 rounding of the rank-r intermediate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -369,6 +373,74 @@ def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
     if not isinstance(handle, Handle):
         raise ValueError("set_active_rows: the model is not patched (call sebp.patch(model) first)")
     handle.rows = None if mask is None else ActiveRows.from_mask(mask)
+
+
+class Enabled:
+    """What `enabled()` yields: SEBP switched on or off for one training run, one object
+    the training loops hold whatever the setting. When off every method is a no-op."""
+
+    def __init__(self, model, on: bool, backend: str = "auto"):
+        self.model = model
+        self.on = bool(on)
+        self.backend = backend
+        self._patch: Handle | None = None
+        if self.on:
+            self._apply()
+
+    def _apply(self) -> None:
+        if isinstance(getattr(self.model, _ATTR, None), Handle):
+            raise ValueError("sebp.enabled: the model is already patched (one SEBP handle per model)")
+        self._patch = patch(self.model)
+        self._patch.backend = self.backend
+
+    def _remove(self) -> None:
+        if self._patch is not None:
+            unpatch(self.model)
+            self._patch = None
+
+    @property
+    def patched(self) -> bool:
+        return self._patch is not None
+
+    def set_active_rows(self, mask: torch.Tensor | None) -> None:
+        """This micro-batch's [batch, seq] rows with a gradient (see `set_active_rows`);
+        nothing when SEBP is off or lifted."""
+        if self._patch is not None:
+            self._patch.rows = None if mask is None else ActiveRows.from_mask(mask)
+
+    @contextlib.contextmanager
+    def lifted(self):
+        """The model's own forwards inside the block (generation: the rollouts' packed fast
+        path refuses patched layers), SEBP back after it, with no active rows set. Patching
+        is a loop over the modules: lifting costs nothing next to a generation."""
+        if self._patch is None:
+            yield self
+            return
+        self._remove()
+        try:
+            yield self
+        finally:
+            self._apply()
+
+
+@contextlib.contextmanager
+def enabled(model, on: bool = True, backend: str = "auto"):
+    """SEBP for the duration of a `with` block, the one way the engine switches it:
+
+        with sebp.enabled(model, eff.sebp) as h:
+            for each micro-batch:
+                h.set_active_rows(batch["attention_mask"].bool())
+                ... forward, backward ...
+            with h.lifted():
+                ... generate ...
+
+    Patch after add_lora. The patch comes off at the end of the block, also when the
+    block raises; with `on` False nothing is patched and the handle does nothing."""
+    h = Enabled(model, on, backend)
+    try:
+        yield h
+    finally:
+        h._remove()
 
 
 # --------------------------------------------------------------------------- lm_head

@@ -5,6 +5,7 @@ whole-model tests use the pure-PyTorch path of the same math, which is itself ch
 against the Triton path per layer.
 """
 
+import contextlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -260,6 +261,67 @@ def step(model, batch, use_sebp, lm_head_sparse=False):
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     loss.backward()
     return loss.detach(), lora_grads(model)
+
+
+def test_enabled_handle_on_off_lifted_and_removed_on_exception(tiny_dir, monkeypatch):
+    """The one handle the training loops use: on gives the plain model's gradients through
+    the sparse backward, off and lifted are the plain model itself, and the original
+    forwards are back after the block, also when it raises (inside `lifted` too)."""
+    model = load_nf4_lora(tiny_dir)
+    ids, attn, labels = sft_batch(torch.Generator().manual_seed(17))
+    calls = []
+    orig = sebp._sparse_backward
+    monkeypatch.setattr(sebp, "_sparse_backward", lambda *a, **k: calls.append(1) or orig(*a, **k))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
+        return lora_grads(model)
+
+    def own_forwards():
+        return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+    plain_forwards = own_forwards()
+    ref = grads()
+    with sebp.enabled(model, True, backend="torch") as h:
+        assert h.on and h.patched and len(model._sebp_handle) == 2 * 7
+        h.set_active_rows(attn.bool())
+        g_on = grads()
+        assert len(calls) == 2 * 7
+        with h.lifted():
+            assert not h.patched and not hasattr(model, "_sebp_handle") and own_forwards() == plain_forwards
+            h.set_active_rows(attn.bool())  # nothing to set while lifted
+            g_lifted = grads()
+        assert len(calls) == 2 * 7 and h.patched and model._sebp_handle.backend == "torch"
+        assert model._sebp_handle.rows is None  # back with no rows: a stale mask never applies
+        h.set_active_rows(attn.bool())
+        g_again = grads()
+        assert len(calls) == 2 * 2 * 7
+        with pytest.raises(ValueError, match="already patched"):
+            with sebp.enabled(model, True):
+                pass
+    assert not hasattr(model, "_sebp_handle") and own_forwards() == plain_forwards
+    with sebp.enabled(model, False) as h:
+        assert not h.on and not h.patched and not hasattr(model, "_sebp_handle")
+        h.set_active_rows(attn.bool())
+        with h.lifted():
+            pass
+        g_off = grads()
+    assert len(calls) == 2 * 2 * 7
+    for name in ref:
+        assert ref[name].abs().sum() > 0
+        assert torch.equal(g_lifted[name], ref[name]) and torch.equal(g_off[name], ref[name])
+        assert rel(g_on[name], ref[name]) <= 1e-5 and rel(g_again[name], ref[name]) <= 1e-5, name
+
+    for lift in (False, True):
+        with pytest.raises(RuntimeError, match="boom"):
+            with sebp.enabled(model, True) as h:
+                h.set_active_rows(attn.bool())
+                with h.lifted() if lift else contextlib.nullcontext():
+                    raise RuntimeError("boom")
+        assert not hasattr(model, "_sebp_handle") and own_forwards() == plain_forwards
+    n = len(calls)
+    assert torch.equal(grads()[next(iter(ref))], ref[next(iter(ref))]) and len(calls) == n
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
