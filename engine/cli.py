@@ -222,7 +222,9 @@ def cmd_runs(a) -> int:
     for r in api.list_runs(a.runs_dir):
         s = r.summary()
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
-        print(f"{s['name']:32s} {s['status']:9s} {s['method'] or '':6s} step {s['step']}/{s['total']}  {metrics}")
+        damaged = s.get("damaged_event_lines") or 0
+        note = f"  ({damaged} damaged line{'s' if damaged != 1 else ''} in events.jsonl, skipped)" if damaged else ""
+        print(f"{s['name']:32s} {s['status']:9s} {s['method'] or '':6s} step {s['step']}/{s['total']}  {metrics}{note}")
     return 0
 
 

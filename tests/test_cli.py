@@ -108,6 +108,25 @@ def test_presets_and_runs_listing(tmp_path):
     assert p.returncode == 0
 
 
+def test_runs_listing_counts_damaged_event_lines(tmp_path):
+    """A run whose events.jsonl has damaged lines (a crash mid-write) says how many were
+    skipped; an intact one says nothing of it."""
+    for name in ("clean", "hurt"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text("method: sft\n")
+        lines = [json.dumps({"i": 0, "time": 1, "type": "started", "method": "sft"}),
+                 json.dumps({"i": 1, "time": 2, "type": "step", "step": 1, "total": 3, "loss": 0.5})]
+        if name == "hurt":
+            lines[1:1] = ['{"i": 1, "time": 2, "ty', "\x00\x00garbage"]
+        (run / "events.jsonl").write_text("\n".join(lines) + "\n")
+    p = edgetune("runs", "--runs-dir", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines()}
+    assert "step 1/3" in rows["hurt"] and "(2 damaged lines in events.jsonl, skipped)" in rows["hurt"]
+    assert "step 1/3" in rows["clean"] and "damaged" not in rows["clean"]
+
+
 # --------------------------------------------------------------------------- talking like its peers
 
 
