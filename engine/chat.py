@@ -54,7 +54,7 @@ class _Chat:
         if path in self.adapters:
             self.model.set_adapter(self.adapters[path])
             return self.model
-        from .export import check_adapter_fits
+        from .adapter import check_adapter_fits
 
         check_adapter_fits(self.model, path)  # an adapter of another base: one line naming that base
         name = f"a{len(self.adapters)}"

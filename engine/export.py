@@ -80,51 +80,6 @@ def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metr
     return out
 
 
-def adapter_base(adapter: str | Path) -> str:
-    """The base model an adapter was trained on, as it recorded it."""
-    a = Path(adapter)
-    try:
-        info = json.loads((a / "edgetune.json").read_text()) if (a / "edgetune.json").is_file() else {}
-        return info.get("base_path") or json.loads((a / "adapter_config.json").read_text()).get(
-            "base_model_name_or_path") or "(not recorded)"
-    except (OSError, ValueError, AttributeError):
-        return "(not recorded)"
-
-
-def check_adapter_fits(model, adapter: str | Path) -> None:
-    """Refuse, in one line naming the base it expects, an adapter whose LoRA factors do not
-    fit this model's layers (trained on another base). Reads only the weights' shapes."""
-    from safetensors import safe_open
-
-    from .errors import ModelError
-
-    f = Path(adapter) / "adapter_model.safetensors"
-    if not f.is_file():
-        return  # another format: PEFT's own loading decides
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    modules = dict(base.named_modules())
-    problem = None
-    with safe_open(str(f), framework="pt") as w:
-        for key in w.keys():
-            name, _, kind = key.rpartition(".lora_")
-            if kind not in ("A.weight", "B.weight"):
-                continue
-            mod = modules.get(name.removeprefix("base_model.model."))
-            shape = w.get_slice(key).get_shape()
-            if mod is None:
-                problem = f"it has LoRA weights for {name.removeprefix('base_model.model.')}, which this model lacks"
-            elif kind == "A.weight" and getattr(mod, "in_features", shape[1]) != shape[1]:
-                problem = f"{name.removeprefix('base_model.model.')} takes {mod.in_features} inputs here, {shape[1]} there"
-            elif kind == "B.weight" and getattr(mod, "out_features", shape[0]) != shape[0]:
-                problem = f"{name.removeprefix('base_model.model.')} gives {mod.out_features} outputs here, {shape[0]} there"
-            if problem:
-                break
-    if problem:
-        here = getattr(getattr(base, "config", None), "_name_or_path", "") or "the loaded model"
-        raise ModelError(f"{adapter}: trained on another base model ({adapter_base(adapter)}), not on {here}: "
-                         f"{problem}; load it with model.name set to its base")
-
-
 def _adapter_of(run_or_adapter: str | Path) -> Path:
     p = Path(run_or_adapter)
     if (p / "adapter_config.json").is_file():

@@ -342,7 +342,7 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
         p = Path(ls.init_from)
         if not (p / "adapter_config.json").is_file():
             raise ModelError(f"lora.init_from: no adapter_config.json in {ls.init_from}")
-        from .export import check_adapter_fits
+        from .adapter import check_adapter_fits
 
         check_adapter_fits(model, p)  # an adapter of another base: one line naming that base
         return PeftModel.from_pretrained(model, str(p), is_trainable=True)

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from .runfolder import atomic_dir
+from .settings import cache_dir
 
 SOURCE_PATTERNS = ("*.safetensors", "*.bin", "*.json")
 
@@ -46,8 +47,6 @@ def key(source: str | Path, quant: dict, dtype: str) -> str | None:
 
 
 def entry(name: str) -> Path:
-    from .model import cache_dir
-
     return cache_dir() / "quantized" / name
 
 

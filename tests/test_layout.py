@@ -58,3 +58,97 @@ def test_a_real_kernels_package_wins_over_our_folder(tmp_path):
                        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("True"), p.stdout
+
+
+# --------------------------------------------------------------------------- import graph
+
+PACKAGES = {"engine": "edgetune.engine", "kernels": "edgetune.kernels", "app": "edgetune.app"}
+
+
+def _modules() -> dict:
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for f in sorted((ROOT / folder).glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = (f, pkg)
+    return out
+
+
+def _imports(path: Path, pkg: str, known) -> list[tuple[str, str]]:
+    """(imported module, enclosing function or "") for every import in the file, lazy ones
+    (inside functions) included: a cycle through a lazy import is still a cycle."""
+    import ast
+
+    found = []
+
+    def visit(node, where):
+        for ch in ast.iter_child_nodes(node):
+            inner = ch.name if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            names = []
+            if isinstance(ch, ast.Import):
+                names = [a.name for a in ch.names]
+            elif isinstance(ch, ast.ImportFrom):
+                base = pkg.split(".")[: len(pkg.split(".")) - ch.level + 1] if ch.level else []
+                mod = ".".join(base + ([ch.module] if ch.module else []))
+                names = [mod] + [f"{mod}.{a.name}" for a in ch.names]
+            found.extend((n, where) for n in names if n in known)
+            visit(ch, inner)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def _graph():
+    mods = _modules()
+    return {name: _imports(f, pkg, mods) for name, (f, pkg) in mods.items()}
+
+
+def _cycles(edges: dict) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_graph_has_no_cycle_and_no_upward_import():
+    graph = _graph()
+    assert len(graph) > 40 and "edgetune.engine.model" in graph
+    assert ("edgetune.engine.settings", "") in graph["edgetune.engine.model"]  # the walk sees imports
+    edges = {m: {n for n, _ in imps if n != m and n in graph} for m, imps in graph.items()}
+    assert _cycles(edges) == []
+    for mod, imps in graph.items():
+        if mod.startswith("edgetune.kernels"):
+            assert not [n for n, _ in imps if not n.startswith("edgetune.kernels")], mod
+        if mod.startswith("edgetune.engine"):
+            up = [(n, where) for n, where in imps if n.startswith("edgetune.app")]
+            # the one way down from the engine to the app: the `edgetune ui` command starts it
+            allowed = [("edgetune.app.main", "cmd_ui")] if mod == "edgetune.engine.cli" else []
+            assert up == allowed, (mod, up)
