@@ -6,7 +6,8 @@
     each generation:
         xs = es.ask()                             # population of offset vectors
         rows = the generation's mini-batch        # shared by every candidate
-        fitness[i] = mean reward of candidate i's completions on rows
+        fitness[i] = mean reward of candidate i's completions on rows (or, essa.fitness,
+                     the gold answer's log-probability: engine/essa_fitness.py)
         es.tell(xs, -fitness)                     # CMA-ES minimises
 
 Population evaluation, `essa.evaluation`:
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from . import data as data_lib
+from . import essa_fitness
 from . import model as model_lib
 from . import phases
 from .effective import decide, record
@@ -97,16 +99,29 @@ class Evaluator:
         return generate(self.model, self.tok, prompts, max_new_tokens=s.max_new_tokens, greedy=s.greedy,
                         temperature=s.temperature, seed=seed, system_prompt=self.system_prompt, fast=fast)
 
-    def _score(self, texts, rows, truncated) -> float:
-        rewards, _ = self.reward(texts, rows, truncated)
-        return float(np.mean(rewards)) if rewards else 0.0
+    def _fitness(self, rows, seed, fast, k: int = 1, kind: str | None = None) -> list[float]:
+        """Fitness (`essa.fitness`, or `kind`) of the k candidates whose rows are the k
+        candidate-major blocks of rows (k > 1: inside batched_lora)."""
+        kind, n = kind or self.s.fitness, len(rows)
+        rewards = gold = None
+        if kind != "gold_logprob":
+            out = self._generate([r["prompt"] for r in rows] * k, seed, fast)
+            rewards = [self.reward(out.texts[j * n:(j + 1) * n], rows, out.truncated[j * n:(j + 1) * n])[0]
+                       for j in range(k)]
+        if kind != "reward":
+            batch = essa_fitness.gold_batch(self.tok, rows, self.s.gold_template, self.system_prompt,
+                                            next(self.model.parameters()).device)
+            lp = essa_fitness.gold_logprob(self.model, batch, copies=k)
+            gold = [lp[j * n:(j + 1) * n] for j in range(k)]
+        return [essa_fitness.combine(kind, None if rewards is None else rewards[j], None if gold is None else gold[j])
+                for j in range(k)]
 
     @torch.inference_mode()
-    def one(self, x, rows: list[dict], seed: int | None = None) -> float:
-        """Mean reward of candidate x on rows (written into the LoRA weights, which keep it)."""
+    def one(self, x, rows: list[dict], seed: int | None = None, kind: str | None = None) -> float:
+        """Fitness of candidate x on rows (written into the LoRA weights, which keep it);
+        kind="reward": its mean reward, whatever `essa.fitness` says."""
         self.space.write(x)
-        out = self._generate([r["prompt"] for r in rows], seed, self.fast)
-        return self._score(out.texts, rows, out.truncated)
+        return self._fitness(rows, seed, self.fast, 1, kind)[0]
 
     def population(self, xs, rows: list[dict], seed: int | None = None, on_candidate=None) -> list[float]:
         """Fitness of every candidate; on_candidate(index, fitness, seconds) as each is known."""
@@ -122,7 +137,6 @@ class Evaluator:
 
     @torch.inference_mode()
     def _batched(self, xs, rows, seed, on_candidate) -> list[float]:
-        prompts = [r["prompt"] for r in rows]
         n, p = len(xs), len(rows)
         k = self.k if self.k > 0 else n
         fits: list[float] = []
@@ -136,11 +150,10 @@ class Evaluator:
             # The plain decode loop: a captured CUDA graph (rollouts' fast loop) would keep
             # reading the first chunk's stacked factors.
             with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
-                out = self._generate(prompts * kk, seed, fast=False)
+                chunk_fits = self._fitness(rows, seed, False, kk)
             secs = (time.time() - t) / kk
             for j in range(kk):
-                sl = slice(j * p, (j + 1) * p)
-                fits.append(self._score(out.texts[sl], rows, out.truncated[sl]))
+                fits.append(chunk_fits[j])
                 if on_candidate:
                     on_candidate(start + j, fits[-1], secs)
         return fits
@@ -261,13 +274,13 @@ def train(ctx: RunContext) -> dict:
         if not held_out:
             return float("nan")
         if phase is None:
-            return evaluator.one(x, held_out)
+            return evaluator.one(x, held_out, kind="reward")
         n = max(1, s.prompts_per_generation)
         tick = phases.counter(ctx.emit, phase, len(held_out), "prompts", ctx.should_stop)
         total = 0.0
         for i in range(0, len(held_out), n):
             part = held_out[i:i + n]
-            total += evaluator.one(x, part) * len(part)
+            total += evaluator.one(x, part, kind="reward") * len(part)
             if tick(i + len(part)):
                 return None
         return total / len(held_out)

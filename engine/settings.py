@@ -333,6 +333,18 @@ class ESSASettings:
         32,
         "The most tokens a completion may have.",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    fitness: str = setting(
+        "reward",
+        "reward = mean reward of the candidate's completions; gold_logprob = mean log-probability "
+        "per token of each prompt's answer written as gold_template, teacher-forced (continuous, no "
+        "decoding: candidates rarely tie); reward+gold_logprob = the reward, ties broken by the "
+        "gold answer's probability (engine/essa_fitness.py).",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+    gold_template: str = setting(
+        "Answer: {answer}",
+        "How the gold answer is written for the gold_logprob fitness ({answer} = the row's answer): "
+        "the way the warm start's demonstrations state it.",
+        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     greedy: bool = setting(
         True,
         "Greedy decoding of the candidates' completions (false: sampling at temperature).",
@@ -605,6 +617,7 @@ CHOICES = {
     "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
     "fgrpo.scale_rewards": ("group", "batch", "none"),
     "essa.evaluation": ("sequential", "batched"),
+    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob"),
     "essa.export": ("mean", "best"),
 }
 
@@ -728,3 +741,6 @@ def validate(cfg: Config) -> None:
                          cfg.essa.warm_start_steps, POSITIVE)
         if not cfg.essa.greedy:
             _check_range("essa.temperature", cfg.essa.temperature, POSITIVE)
+        if cfg.essa.fitness != "reward" and "{answer}" not in cfg.essa.gold_template:
+            raise ConfigError(f"essa.gold_template must contain {{answer}} (fitness {cfg.essa.fitness}), "
+                              f"got {cfg.essa.gold_template!r}")

@@ -1,0 +1,130 @@
+"""ESSA's continuous fitness (essa.fitness: gold_logprob / reward+gold_logprob) on a tiny
+random Llama with the embedded model's tokenizer, in fp32 on the CPU: the gold answer's
+log-probability is what a plain forward gives, batched equals sequential, candidates that
+tie on the reward are told apart, and a run's held-out evaluation stays the reward."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from edgetune.engine import essa, essa_fitness
+from edgetune.engine.rewards import build_reward
+from edgetune.engine.settings import resolve
+from inline_run import run_inline
+
+ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_model_dir):
+    """(folder with: model -> the tiny Llama, warm -> an adapter with non-zero factors, rl.jsonl)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("essa-fitness")
+    (root / "model").symlink_to(tiny_model_dir)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(root / "warm")
+    rl = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl))
+    return root
+
+
+def config(tiny, tmp_path, **essa_overrides):
+    return resolve(overrides={
+        "method": "essa",
+        "model": {"name": str(tiny / "model"), "quant": "none", "dtype": "fp32"},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"path": str(tiny / "rl.jsonl"), "eval_fraction": 0.2},
+        "run": {"runs_dir": str(tmp_path), "seed": 3, "checkpoint_every": 0},
+        "essa": {"warm_start": str(tiny / "warm"), "population": 4, "generations": 3, "prompts_per_generation": 3,
+                 "max_new_tokens": 4, "reward": "last_number", "eval_every": 0, "eval_prompts": 4,
+                 "sigma0": 0.5, "fitness": "gold_logprob", **essa_overrides},
+    })
+
+
+def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
+    cfg = config(tiny, tmp_path)
+    model, tok, _ = essa.load_model(cfg, tiny / "warm")
+    batch = essa_fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
+    got = essa_fitness.gold_logprob(model, batch)
+    from edgetune.engine.rollouts import render_prompts
+
+    for row, g in zip(ROWS, got):
+        prompt = render_prompts(tok, [row["prompt"]])[0]
+        gold = tok(f"Answer: {row['answer']}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + gold])).logits[0].float()
+        lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(gold)[:, None])
+        assert g == pytest.approx(float(lp.mean()), abs=1e-4)
+    # Padding does not leak: one row alone scores what it scores in the batch.
+    alone = essa_fitness.gold_logprob(model, essa_fitness.gold_batch(tok, ROWS[2:], "Answer: {answer}", "", "cpu"))
+    assert alone[0] == pytest.approx(got[2], abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gold_logprob", "reward+gold_logprob"])
+def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kind):
+    cfg = config(tiny, tmp_path, fitness=kind)
+    model, tok, _ = essa.load_model(cfg, tiny / "warm")
+    space = essa.SVDSpace(model)
+    reward = build_reward("last_number")
+    xs = np.random.default_rng(0).normal(scale=0.05, size=(5, space.dim))
+    seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, ROWS)
+    cfg.essa.evaluation = "batched"
+    for k in (5, 2):
+        got = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=k).population(xs, ROWS)
+        assert got == pytest.approx(seq, abs=1e-4)
+    # A random tiny model never writes the right sum: every reward is 0, yet the small
+    # perturbations get distinct fitnesses.
+    cfg.essa.evaluation = "sequential"
+    ev = essa.Evaluator(model, tok, space, reward, cfg.essa)
+    rewards = [ev.one(x, ROWS, kind="reward") for x in xs]
+    assert set(rewards) == {0.0}
+    assert len(set(seq)) == 5
+    if kind == "reward+gold_logprob":  # the tie-breaker stays under one prompt's worth
+        assert all(0 < f < 1 / len(ROWS) for f in seq)
+    else:
+        assert all(f < 0 for f in seq)
+
+
+def test_reward_comes_first_in_the_combined_fitness():
+    # 2 of 3 right beats 1 of 3 right however likely the gold answers are.
+    low = essa_fitness.combine("reward+gold_logprob", [1, 1, 0], [-50.0] * 3)
+    high = essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [0.0] * 3)
+    assert low > high
+    assert essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [-1.0] * 3) < high
+    assert essa_fitness.combine("reward", [1, 0], None) == 0.5
+    assert essa_fitness.combine("gold_logprob", None, [-1.0, -3.0]) == -2.0
+    assert math.isinf(essa_fitness.combine("gold_logprob", None, []))
+
+
+def test_a_run_ranks_by_gold_logprob_and_evaluates_the_reward(tiny, tmp_path):
+    cfg = config(tiny, tmp_path)
+    run, metrics, events = run_inline(essa.train, cfg, tmp_path / "run")
+    assert events[-1]["type"] == "finished"
+    fits = [e["fitness"] for e in events if e["type"] == "candidate"]
+    assert len(fits) == 3 * 4 and all(f < 0 for f in fits) and len(set(fits)) == len(fits)
+    evals = [e["reward"] for e in events if e["type"] == "eval"]
+    assert evals and all(0.0 <= r <= 1.0 for r in evals)  # held-out: the reward, not the fitness
+    assert metrics["best_fitness"] == max(fits)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("essa.fitness=logprob", "essa.fitness"),
+    ("essa.gold_template=Answer:", "essa.gold_template"),
+])
+def test_bad_fitness_settings_name_the_setting(override, message):
+    from edgetune.engine.errors import ConfigError
+
+    sets = [override] if "fitness" in override else [override, "essa.fitness=gold_logprob"]
+    with pytest.raises(ConfigError, match=message):
+        resolve(preset="essa-quickstart", overrides=sets)
