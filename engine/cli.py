@@ -259,8 +259,33 @@ def cmd_data(a) -> int:
     return 0
 
 
+def decided_rows(est: dict) -> list[tuple[str, str]]:
+    """What the run will do for every `auto` setting (engine/effective.py), in words."""
+    eff = est.get("effective") or {}
+    if not eff:
+        return []
+    on = {True: "on", False: "off"}
+    layers = (est.get("model") or {}).get("layers")
+    ck = eff.get("checkpointed_layers")
+    checkpointing = (f"all {layers} decoder layers" if ck is None or ck == layers else
+                     "off" if ck == 0 else f"the first {ck} of {layers} decoder layers")
+    rows = [("device", eff["device"]),
+            ("dtype", eff["dtype"] + (" (autocast)" if eff["autocast"] else "")),
+            ("attention", eff["attn_implementation"]),
+            ("gradient checkpointing", checkpointing)]
+    if est.get("method") == "essa":
+        rows.append(("candidates per batch", str(eff["candidates_per_batch"])))
+    else:
+        rows += [("optimizer", eff["optimizer"] + (" (fused)" if eff["fused_optimizer"] else "")),
+                 ("sebp", on[eff["sebp"]]), ("liger", on[eff["liger"]])]
+        if est.get("method") == "sft":
+            rows.append(("packing", on[eff["packing"]]))
+    rows.append(("loss chunk", f"{eff['loss_chunk_rows']} rows"))
+    return rows
+
+
 def estimate_table(est: dict) -> str:
-    """The planner's parts in GiB, as the page shows them."""
+    """The planner's parts in GiB, as the page shows them, then the decided settings."""
     rows = [(k.replace("_", " "), est.get(k) or 0) for k in est.get("parts", [])] + [("total", est.get("total") or 0)]
     width = max(len(k) for k, _ in rows)
     lines = [est.get("verdict", ""), ""]
@@ -271,6 +296,11 @@ def estimate_table(est: dict) -> str:
     if not est.get("gpu_total"):
         lines.append("(no GPU visible here: the parts are those of a CUDA card; a CPU run computes in fp32 "
                      "without a CUDA context, so its memory differs)")
+    decided = decided_rows(est)
+    if decided:
+        w = max(len(k) for k, _ in decided)
+        lines += ["", "decided (every auto setting, as the run will do it):"]
+        lines += [f"  {k:{w}s}  {v}" for k, v in decided]
     lines += [f"note: {n}" for n in est.get("notes") or []]
     return "\n".join(lines)
 
@@ -427,6 +457,13 @@ def main(argv=None) -> int:
     except EdgetuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader left (`edgetune estimate --json | head -1`): stop quietly, as cat does;
+        # stdout goes to /dev/null so that flushing it at exit raises nothing either
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
 
 
 if __name__ == "__main__":

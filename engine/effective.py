@@ -8,14 +8,19 @@ Start, so the three cannot disagree. It imports no torch (the app's process call
 
 `arch` is the model's shape as engine/planner.Arch describes it (model_type, layers,
 hidden, intermediate, kv_dim, projections()); None where it is not known yet, which only
-the Liger and ESSA decisions need.
+the Liger, ESSA and checkpointing decisions need.
+
+`model.gradient_checkpointing: auto` needs the memory a run would take with k layers
+checkpointed: the planner has that model of memory and hands it to `checkpoint_split`
+here as a function (engine/planner.checkpoint_split does, before the weights load); the
+policy - which k, what budget - is decided here only.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .runfolder import atomic_write_text
 
@@ -30,6 +35,14 @@ LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+GiB = 2**30
+
+# gradient_checkpointing: auto with no model.memory_budget_gib plans to the card's free
+# memory minus this share of it (at least BUDGET_MARGIN_MIN): room for the planner's error
+# (within 15%, mostly over) and for other processes that start on the card during the run.
+BUDGET_MARGIN_SHARE = 0.10
+BUDGET_MARGIN_MIN = 1 * GiB
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,9 @@ class Effective:
     packing: bool  # SFT rows laid end to end (engine/packing.py)
     loss_chunk_rows: int
     candidates_per_batch: int  # ESSA: candidates sharing one forward pass (1 = one after another)
+    # decoder layers (the first ones) that recompute their activations in the backward
+    # (model.gradient_checkpointing); None = all of them, their number not known here
+    checkpointed_layers: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,12 +147,71 @@ def essa_candidates_per_batch(cfg, device: str, arch, dtype: str, gpu_free: int 
     return max(1, min(s.population, int(0.5 * gpu_free // per_candidate)))
 
 
+def budget_bytes(cfg, gpu_free: int | None) -> int | None:
+    """The memory a run may plan to: model.memory_budget_gib, else free memory minus the margin."""
+    if cfg.model.memory_budget_gib:
+        return int(cfg.model.memory_budget_gib * GiB)
+    if gpu_free is None:
+        return None
+    return int(gpu_free - max(BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE * gpu_free))
+
+
+def checkpoint_split(cfg, layers: int, gpu_free: int | None = None,
+                     planned_total: Callable[[int], int] | None = None, min_layers: int = 0) -> dict:
+    """How many of the first decoder layers a run checkpoints (model.gradient_checkpointing):
+    true all, false none; auto the fewest k >= min_layers whose `planned_total(k)` (bytes,
+    the planner's prediction) fits `budget_bytes(cfg, gpu_free)`, and all of them when no
+    budget or no prediction is known or none fits. The first layers are the ones
+    checkpointed: their recompute comes last in the backward, when the later layers' kept
+    activations are already freed. Keys: layers, checkpointed, budget, planned_total, note."""
+    gc = cfg.model.gradient_checkpointing
+    if gc != "auto":
+        return {"layers": layers, "checkpointed": layers if gc else 0, "budget": None, "planned_total": None,
+                "note": f"gradient checkpointing {'on' if gc else 'off'}"}
+    budget = budget_bytes(cfg, gpu_free)
+    chosen, total = layers, None
+    if budget is not None and planned_total is not None:
+        for k in range(min_layers, layers + 1):
+            t = planned_total(k)
+            if t <= budget:
+                chosen, total = k, t
+                break
+    if budget is None or planned_total is None:
+        note = f"gradient checkpointing auto: no GPU memory known, all {layers} layers checkpointed"
+    elif total is None:
+        note = (f"gradient checkpointing auto: even all {layers} layers checkpointed exceed the "
+                f"{budget / GiB:.1f} GiB budget; all are checkpointed")
+    else:
+        src = "model.memory_budget_gib" if cfg.model.memory_budget_gib else "free GPU memory minus a margin"
+        which = f"{chosen} of {layers} decoder layers checkpointed (the first {chosen})" if chosen else \
+            f"none of the {layers} decoder layers checkpointed"
+        note = (f"gradient checkpointing auto: {which}, {layers - chosen} keep their activations: "
+                f"{total / GiB:.1f} GiB planned of the {budget / GiB:.1f} GiB budget ({src})")
+    return {"layers": layers, "checkpointed": chosen, "budget": budget, "planned_total": total, "note": note}
+
+
+def checkpointed_layers(cfg, arch, checkpointed: int | None) -> int | None:
+    """Effective.checkpointed_layers: ESSA's search has no backward (none; its warm start
+    is an SFT run of its own); else `checkpointed`, the split already made (the planner's,
+    or what the engine loaded the model with); else what `checkpoint_split` decides with
+    no memory known (auto: all)."""
+    if cfg.method == "essa":
+        return 0
+    if checkpointed is not None:
+        return checkpointed
+    if arch is None:
+        return 0 if cfg.model.gradient_checkpointing is False else None
+    return checkpoint_split(cfg, arch.layers)["checkpointed"]
+
+
 def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
-           prompt_tokens: int | None = None) -> Effective:
+           prompt_tokens: int | None = None, checkpointed: int | None = None) -> Effective:
     """The effective settings of `cfg` on `device` ("cpu", "cuda", "cuda:N": already
     resolved from model.device) for a model of shape `arch`. ESSA's batched evaluation
     sizes itself to `gpu_free` (bytes free on the card once the model is loaded) and
-    `prompt_tokens` (the longest prompt; default data.max_seq_len, what the planner knows)."""
+    `prompt_tokens` (the longest prompt; default data.max_seq_len, what the planner knows).
+    `checkpointed`: the layers `checkpoint_split` chose for this run (see
+    `checkpointed_layers`)."""
     m = cfg.model
     cuda = device.startswith("cuda")
     dtype = compute_dtype(m.dtype, device)
@@ -151,6 +226,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
         optimizer=optimizer, fused_optimizer=cuda and optimizer == "adamw", packing=packing,
         loss_chunk_rows=LOSS_CHUNK_ROWS,
         candidates_per_batch=essa_candidates_per_batch(cfg, device, arch, dtype, gpu_free, prompt_tokens),
+        checkpointed_layers=checkpointed_layers(cfg, arch, checkpointed),
     )
 
 

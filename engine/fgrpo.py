@@ -272,7 +272,7 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    eff = decide(cfg, device, arch_of(model))
+    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
     phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)

@@ -323,6 +323,14 @@ def checkpoint_first_layers(model, n: int | None) -> int:
     return sum(m.gradient_checkpointing for m in layers)
 
 
+def checkpointed_layers(model) -> int:
+    """How many decoder layers of a loaded model recompute their activations in the
+    backward (what a run records as effective.checkpointed_layers)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+
+
 def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True):
     """Wrap the base in a trainable PEFT LoRA model (fresh, or from `ls.init_from`).
     `gradient_checkpointing`: True / False, or how many of the first decoder layers to
@@ -354,8 +362,9 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
 
 def checkpointing_for(cfg) -> bool | int:
     """What add_lora gets for `model.gradient_checkpointing`: the setting itself, or for
-    `auto` the planner's layer count for this run's budget (decided before the weights
-    load, so the free memory read is the card's)."""
+    `auto` engine/effective.checkpoint_split's layer count for this run's budget, with the
+    planner's prediction of memory (decided before the weights load, so the free memory
+    read is the card's)."""
     gc = cfg.model.gradient_checkpointing
     if gc != "auto":
         return bool(gc)

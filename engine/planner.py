@@ -50,6 +50,7 @@ from pathlib import Path
 
 from .effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PROJECTIONS, decide, essa_candidates_per_batch,
                         optimizer_name)
+from .effective import checkpoint_split as effective_checkpoint_split
 from .errors import ModelError
 from .settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 
@@ -573,50 +574,21 @@ def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: l
 
 # --------------------------------------------------------------------------- checkpointing split
 
-# gradient_checkpointing: auto with no model.memory_budget_gib plans to the card's free
-# memory minus this share of it (at least BUDGET_MARGIN_MIN): room for the planner's error
-# (within 15%, mostly over) and for other processes that start on the card during the run.
-BUDGET_MARGIN_SHARE = 0.10
-BUDGET_MARGIN_MIN = 1 * GiB
-
-
-def budget_bytes(cfg: Config, gpu_free: int | None) -> int | None:
-    """The memory a run may plan to: model.memory_budget_gib, else free memory minus the margin."""
-    if cfg.model.memory_budget_gib:
-        return int(cfg.model.memory_budget_gib * GiB)
-    if gpu_free is None:
-        return None
-    return int(gpu_free - max(BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE * gpu_free))
-
-
 def _split(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
-    """Fewest checkpointed decoder layers whose planned total fits the budget. The first
-    layers are the ones checkpointed: their recompute comes last in the backward, when
-    the later layers' kept activations are already freed."""
-    n = ctx.arch.layers
-    budget = budget_bytes(cfg, gpu_free)
-    chosen, total = n, None
-    if budget is not None:
-        for k in range(1 if ctx.offload else 0, n + 1):  # offloading needs a checkpointed layer
-            c = copy.copy(ctx)
-            c.checkpointing, c.ckpt_layers = True, k
-            c.offload = ctx.offload and k > 0
-            t = _plan_ctx(cfg, c, ctx.device, gpu_free, [])[0]["total"]
-            if t <= budget:
-                chosen, total = k, t
-                break
-    if budget is None:
-        note = f"gradient checkpointing auto: no GPU memory known, all {n} layers checkpointed"
-    elif total is None:
-        note = (f"gradient checkpointing auto: even all {n} layers checkpointed exceed the "
-                f"{_gib(budget)} budget; all are checkpointed")
-    else:
-        src = "model.memory_budget_gib" if cfg.model.memory_budget_gib else "free GPU memory minus a margin"
-        which = f"{chosen} of {n} decoder layers checkpointed (the first {chosen})" if chosen else \
-            f"none of the {n} decoder layers checkpointed"
-        note = (f"gradient checkpointing auto: {which}, {n - chosen} keep their activations: "
-                f"{_gib(total)} planned of the {_gib(budget)} budget ({src})")
-    return {"layers": n, "checkpointed": chosen, "budget": budget, "planned_total": total, "note": note}
+    """engine/effective.checkpoint_split with this planner's prediction of the total for
+    k checkpointed layers (offloading needs a checkpointed layer). A CPU run plans to
+    model.memory_budget_gib only: a card's free memory is not its budget."""
+    if not ctx.device.startswith("cuda"):
+        gpu_free = None
+
+    def planned_total(k: int) -> int:
+        c = copy.copy(ctx)
+        c.checkpointing, c.ckpt_layers = True, k
+        c.offload = ctx.offload and k > 0
+        return _plan_ctx(cfg, c, ctx.device, gpu_free, [])[0]["total"]
+
+    return effective_checkpoint_split(cfg, ctx.arch.layers, gpu_free, planned_total,
+                                      min_layers=1 if ctx.offload else 0)
 
 
 def checkpoint_split(cfg: Config, device: str | None = None, gpu_free: int | None = None) -> dict:
@@ -624,11 +596,8 @@ def checkpoint_split(cfg: Config, device: str | None = None, gpu_free: int | Non
     gradient_checkpointing true / false; for auto, the fewest that fit the budget
     (model.memory_budget_gib, or the card's free memory minus a margin, read here when
     `gpu_free` is None). Keys: layers, checkpointed, budget, planned_total, note."""
-    gc = cfg.model.gradient_checkpointing
-    if gc != "auto":
-        n = arch_from_config(read_model_config(cfg.model.name)).layers
-        return {"layers": n, "checkpointed": n if gc else 0, "budget": None, "planned_total": None,
-                "note": f"gradient checkpointing {'on' if gc else 'off'}"}
+    if cfg.model.gradient_checkpointing != "auto":
+        return effective_checkpoint_split(cfg, arch_from_config(read_model_config(cfg.model.name)).layers)
     if device is None:
         device = "cuda" if cfg.model.device == "auto" else cfg.model.device
     if gpu_free is None and not cfg.model.memory_budget_gib and device.startswith("cuda"):
@@ -734,7 +703,7 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
                "checkpointed_layers": n_checkpointed(ctx)},
         # what the run will decide for every `auto` setting (engine/effective.py), on the device
         # it will get: model.device, or auto = a CUDA card when one is known here, else the CPU
-        effective=decide(cfg, run_device, a, essa_free_after_load(ctx, gpu_free) if run_device == device else None
-                         ).to_dict(),
+        effective=decide(cfg, run_device, a, essa_free_after_load(ctx, gpu_free) if run_device == device else None,
+                         checkpointed=n_checkpointed(ctx)).to_dict(),
     )
     return plan

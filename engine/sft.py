@@ -113,7 +113,7 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
     device = model_lib.resolve_device(cfg.model)
-    eff = decide(cfg, device, arch_of(model))
+    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
     liger = apply_liger(model, "on") if eff.liger else f"off (model.liger {cfg.model.liger} on {device})"
     print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from edgetune.engine import effective
 from edgetune.engine import model as model_lib
 from edgetune.engine import planner
 from edgetune.engine.errors import ConfigError
@@ -62,7 +63,7 @@ def test_split_is_the_fewest_layers_that_fit_the_budget(q7b):
 def test_budget_defaults_to_free_memory_minus_a_margin(q7b):
     cfg = resolve(overrides=[f"model.name={q7b}", *PACKED_7B, "model.gradient_checkpointing=auto"])
     big = planner.checkpoint_split(cfg, device="cuda", gpu_free=140 * GiB)
-    assert big["checkpointed"] == 0 and big["budget"] == int(140 * GiB * (1 - planner.BUDGET_MARGIN_SHARE))
+    assert big["checkpointed"] == 0 and big["budget"] == int(140 * GiB * (1 - effective.BUDGET_MARGIN_SHARE))
     small = planner.checkpoint_split(cfg, device="cuda", gpu_free=20 * GiB)
     assert 0 < small["checkpointed"] < 28 and small["budget"] == 18 * GiB
     # too little memory for any split: everything is checkpointed and the note says it does not fit
@@ -148,3 +149,7 @@ def test_engine_load_checkpoints_the_planned_layers(tiny_model_dir):
     assert planner.checkpoint_split(cfg, device="cpu")["checkpointed"] == 1
     model, _, _ = model_lib.load(cfg)
     assert [layer.gradient_checkpointing for layer in model.get_base_model().model.layers] == [True, False]
+    # what a run records (effective.checkpointed_layers) is what the planner shows
+    assert model_lib.checkpointed_layers(model) == 1
+    est = planner.estimate(cfg, device="cpu", detect_gpu=False, gpu_free=100 * GiB)  # not a CPU run's budget
+    assert est["effective"]["checkpointed_layers"] == est["model"]["checkpointed_layers"] == 1

@@ -147,6 +147,30 @@ def test_estimate_prints_a_gib_table_and_json_on_request():
     raw = json.loads(edgetune("estimate", "--preset", "sft-quickstart", "--json").stdout)
     shown = float(re.search(r"^total\s+(\S+)$", p.stdout, re.M).group(1))
     assert abs(shown - raw["total"] / 2**30) < 0.01
+    # the decided values, the same the run records in config.yaml's `effective` block
+    eff = raw["effective"]
+    assert re.search(rf"^  device\s+{eff['device']}$", p.stdout, re.M)
+    assert re.search(rf"^  optimizer\s+{eff['optimizer']}", p.stdout, re.M)
+    auto = edgetune("estimate", "--preset", "sft-quickstart", "--set", "model.device=cuda",
+                    "--set", "model.gradient_checkpointing=auto", "--set", "model.memory_budget_gib=1.5", "--json")
+    auto = json.loads(auto.stdout)
+    k, n = auto["effective"]["checkpointed_layers"], auto["model"]["layers"]
+    assert 0 < k < n and auto["model"]["checkpointed_layers"] == k
+    p = edgetune("estimate", "--preset", "sft-quickstart", "--set", "model.device=cuda",
+                 "--set", "model.gradient_checkpointing=auto", "--set", "model.memory_budget_gib=1.5")
+    assert re.search(rf"^  gradient checkpointing\s+the first {k} of {n} decoder layers$", p.stdout, re.M), p.stdout
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """`edgetune estimate --json | head -1`: the reader leaves before the writer is done."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: the first write fails with EPIPE
+    try:
+        p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "estimate", "--preset", "sft-quickstart",
+                            "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert p.returncode == 141 and p.stderr == "", p.stderr
 
 
 def _fake_finished_run(runs, name="r1"):

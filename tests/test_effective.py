@@ -16,6 +16,8 @@ METHODS = {
     "sft": ["method=sft"],
     "sft packed": ["method=sft", "sft.packing=true"],
     "sft 8-bit, no SEBP": ["method=sft", "sft.optimizer=paged_adamw_8bit", "sft.sebp=off"],
+    "sft auto checkpointing": ["method=sft", "model.gradient_checkpointing=auto", "sft.batch_size=8",
+                               "data.max_seq_len=2048"],
     "fgrpo": ["method=fgrpo"],
     "essa sequential": ["method=essa", "essa.warm_start=/w", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"],
     "essa batched": ["method=essa", "essa.warm_start=/w", "essa.evaluation=batched", "essa.population=32",
@@ -60,12 +62,22 @@ def test_planner_and_engine_decide_the_same(device, size, method):
     ctx, _ = planner.make_ctx(cfg, device, "auto")
     # the engine measures the free memory once its model is loaded; the planner predicts it
     after_load = planner.essa_free_after_load(ctx, free) if device == "cuda" else None
-    engine = effective.decide(cfg, device, _engine_arch(MODELS[size]), gpu_free=after_load)
+    # the layers the engine checkpoints are chosen before the weights load (engine/model.checkpointing_for)
+    split = planner.checkpoint_split(cfg, device=device, gpu_free=free)["checkpointed"]
+    engine = effective.decide(cfg, device, _engine_arch(MODELS[size]), gpu_free=after_load, checkpointed=split)
     assert plan["effective"] == engine.to_dict()
     for key, value in EXPECTED.get((device, method), {}).items():
         assert plan["effective"][key] == value, (key, plan["effective"])
     if method.startswith("essa"):
         assert plan["candidates_per_batch"] == engine.candidates_per_batch
+    layers = _engine_arch(MODELS[size]).layers
+    if method.startswith("essa"):
+        assert engine.checkpointed_layers == 0  # no backward in the search
+    elif method != "sft auto checkpointing" or device == "cpu":
+        assert engine.checkpointed_layers == layers  # true, or auto with no budget known: all
+    else:
+        assert plan["effective"]["checkpointed_layers"] == plan["model"]["checkpointed_layers"]
+        assert 0 <= engine.checkpointed_layers <= layers
 
 
 def test_batched_essa_on_a_card_takes_what_half_the_free_memory_holds():
@@ -95,6 +107,7 @@ def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     arch = planner.arch_from_config(planner.read_model_config(str(tiny_model_dir)))
     assert written["effective"] == effective.decide(cfg, "cpu", arch).to_dict()
     assert written["sft"]["sebp"] == "auto" and written["effective"]["sebp"] is False
+    assert written["effective"]["checkpointed_layers"] == 0  # model.gradient_checkpointing false
     # the record is not a setting: the file resolves back to the same settings
     assert settings.from_dict(written).to_dict() == cfg.to_dict()
     assert settings.resolve(config=run.config_path).to_dict() == cfg.to_dict()
