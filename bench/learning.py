@@ -28,6 +28,7 @@ Writes bench/results/<date>-cpu/learning/learning.json, learning.md and learning
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -288,6 +289,8 @@ def table(result: dict) -> str:
                     s += f", {m['train_s'] / 60:.1f} min"
                 cells.append(s)
         lines.append("| " + " | ".join(cells) + " |")
+    if result.get("not_finished"):
+        lines += ["", f"Not finished by the deadline (stopped): {', '.join(result['not_finished'])}."]
     lines += ["", "Commands of each run (train, then eval) are in the JSON beside this file."]
     return "\n".join(lines) + "\n"
 
@@ -354,8 +357,78 @@ def machine() -> str:
         load = os.getloadavg()[0]
     except OSError:
         load = float("nan")
+    gpu = ""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        gpu = ", ".join(n.strip() for n in names if n.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
     return (f"{platform.machine()} CPU, {os.cpu_count()} cores (load average {load:.1f} at the end), "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, Python {platform.python_version()}")
+            + (f"GPU: {gpu}, " if gpu else "")
+            + f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, Python {platform.python_version()}")
+
+
+def child_args(a, task: str, method: str, out: Path, work: Path) -> list[str]:
+    """This script for one (task, method), with every other option of this run."""
+    args = [sys.executable, str(Path(__file__).resolve()), "--tasks", task, "--methods", method,
+            "--out", str(out), "--work", str(work)]
+    for name in ("train_items", "eval_prompts", "eval_k", "eval_tokens", "sft_steps", "fgrpo_steps",
+                 "warm_start_steps", "essa_generations", "seed", "max_run_s"):
+        args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
+    return args + sets(a.train_set) + [x for v in a.eval_set for x in ("--eval-set", v)]
+
+
+# the slowest first, so that the last to finish starts early
+_ORDER = {"essa": 0, "grpo": 1, "fgrpo": 2, "sft": 3, "base": 4}
+
+
+def run_parallel(a, out: Path, work: Path, log) -> dict:
+    """Every (task, method) in its own process, `--jobs` at a time (each writes its own
+    report under work/parts/); at `--deadline-s` the ones still running are stopped with
+    their child processes. The parts are merged into one report in `out`."""
+    import signal
+
+    jobs = sorted(((t, m) for t in a.tasks for m in a.methods), key=lambda tm: (_ORDER[tm[1]], a.tasks.index(tm[0])))
+    parts = work / "parts"
+    t0, running, done = time.time(), {}, []
+    pending = list(jobs)
+    while pending or running:
+        while pending and len(running) < a.jobs:
+            t, m = pending.pop(0)
+            logf = open(work / f"job-{t}-{m}.log", "w", encoding="utf-8")
+            proc = subprocess.Popen(child_args(a, t, m, parts / f"{t}-{m}", work / f"{t}-{m}"), stdout=logf,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            running[(t, m)] = (proc, logf)
+            log(f"started {t} {m}")
+        for key, (proc, logf) in list(running.items()):
+            if proc.poll() is not None:
+                logf.close()
+                del running[key]
+                done.append(key)
+                log(f"{key[0]} {key[1]}: exited {proc.returncode} after {time.time() - t0:.0f} s")
+        if a.deadline_s and time.time() - t0 > a.deadline_s and running:
+            for key, (proc, logf) in running.items():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                log(f"{key[0]} {key[1]}: stopped at the deadline ({a.deadline_s:.0f} s)")
+            for proc, logf in running.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=20)
+                logf.close()
+            running.clear()
+            pending.clear()
+        time.sleep(1)
+    files = [str(parts / f"{t}-{m}" / "learning.json") for t, m in
+             sorted(jobs, key=lambda tm: (a.tasks.index(tm[0]), METHODS.index(tm[1])))
+             if (parts / f"{t}-{m}" / "learning.json").is_file()]
+    if not files:
+        raise SystemExit(f"no (task, method) finished: see the job logs in {work}")
+    result = merge(files)
+    missing = [f"{t} {m}" for t, m in jobs if str(parts / f"{t}-{m}" / "learning.json") not in files]
+    result["not_finished"] = missing
+    write_report(result, out)
+    return result
 
 
 def main(argv=None) -> int:
@@ -377,6 +450,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra setting for every evaluation")
     p.add_argument("--max-run-s", type=float, default=900, help="wall-clock limit of one command")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="run every (task, method) as its own process, this many at a time (0 = one after another)")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="with --jobs: stop what still runs after this many seconds and merge what finished")
     p.add_argument("--out", default="", help="default: bench/results/<date>-cpu/learning")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="only write one report from these learning.json files")
     p.add_argument("--work", default="", help="data files and run folders (default: a new temporary folder)")
@@ -402,6 +479,14 @@ def main(argv=None) -> int:
         print(f"[{dt.datetime.now(dt.timezone.utc).strftime('%H:%M:%S')}] {msg}", flush=True)
 
     log(f"work folder {work}")
+    if a.jobs > 0:
+        result = run_parallel(a, out, work, log)
+        result["command"] = "python " + printable(["bench/learning.py", *(argv if argv is not None else sys.argv[1:])])
+        result["machine"] = machine()
+        write_report(result, out)
+        log(f"wrote {out}")
+        print(table(result))
+        return 0
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "machine": machine(),
               "command": "python " + printable(["bench/learning.py", *(argv if argv is not None else sys.argv[1:])]),
               "args": {k: v for k, v in vars(a).items()}, "kept_aside": KEPT_ASIDE, "tasks": []}
