@@ -237,11 +237,16 @@ def open_run(path: str | os.PathLike) -> Run:
 
 
 def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
-           as_zip: bool = False, force: bool = False) -> Path:
-    """`out` must be new or an empty folder; `force` replaces only a previous export."""
+           as_zip: bool = False, force: bool = False, isolated: bool = False) -> Path:
+    """`out` must be new or an empty folder; `force` replaces only a previous export.
+    `isolated`: export in a fresh Python process, so that a merge (which loads torch and
+    the full base model) leaves the caller torch-free and its memory as it was; errors
+    come back as the same one-line errors."""
     from .export import export as _export
+    from .export import export_isolated
 
-    return _export(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
+    fn = export_isolated if isolated else _export
+    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
 
 
 def estimate(cfg: Config) -> dict:

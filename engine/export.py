@@ -155,6 +155,54 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
     return out
 
 
+def export_isolated(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
+                    force: bool = False, timeout: float | None = None) -> Path:
+    """`export()` in a fresh Python process (`python -m edgetune.engine.export`): the
+    caller imports no torch and keeps none of the base model's memory. An error of the
+    user's (EdgetuneError) is raised here again with its class and one-line message."""
+    import subprocess
+    import sys
+
+    from . import errors
+
+    request = {"run_or_adapter": str(run_or_adapter), "out": str(out), "merged": merged, "as_zip": as_zip,
+               "force": force}
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "edgetune.engine.export"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=os.getcwd())
+    except subprocess.TimeoutExpired:
+        raise RunError(f"{out}: the export took longer than {timeout:.0f} s") from None
+    try:
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RunError(f"{out}: the export failed: {last}") from None
+    if not answer.get("ok"):
+        kind = getattr(errors, answer.get("kind", ""), None)
+        if not (isinstance(kind, type) and issubclass(kind, errors.EdgetuneError)):
+            kind = RunError
+        raise kind(answer.get("error", "the export failed"))
+    return Path(answer["out"])
+
+
+def _main() -> int:
+    """One export requested as JSON on stdin; the answer is one JSON line on stdout."""
+    import sys
+
+    from .errors import EdgetuneError
+
+    request = json.loads(sys.stdin.read())
+    try:
+        out = export(request["run_or_adapter"], request["out"], merged=request.get("merged", False),
+                     as_zip=request.get("as_zip", False), force=request.get("force", False))
+    except EdgetuneError as e:
+        print(json.dumps({"ok": False, "error": str(e), "kind": type(e).__name__}))
+        return 2
+    print(json.dumps({"ok": True, "out": str(out)}))
+    return 0
+
+
 def zip_adapter(src: Path, zip_path: Path, marker: str | None = None) -> Path:
     zip_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=zip_path.parent, prefix=f".{zip_path.name}.", suffix=".tmp")
@@ -195,3 +243,9 @@ def _merge_into(adapter: Path, out: Path) -> None:
 
 def run_adapter_dir(run: str | Path) -> Path:
     return RunDir(run).adapter
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main())

@@ -382,3 +382,106 @@ def test_essa_warm_start_shows_its_own_phases():
     assert live.progress(events)["phase"] == "warm start (SFT) · step 3/6"
     events += [_ev(5, "phase", phase="initial_eval", done=16, total=30, unit="prompts")]
     assert live.progress(events)["phase"] == "initial eval 16/30 prompts"
+
+
+# --------------------------------------------------------------------------- the page's handlers
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    from edgetune.app.ui import build_app
+
+    demo = build_app(tmp_path_factory.mktemp("page") / "runs")
+    yield demo.edgetune_page
+    demo.edgetune_chat.close()
+
+
+def test_the_form_fills_and_reads_back_by_component(page):
+    """A preset fills every setting's widget and the method's column, keyed by component;
+    the same dict read back is the preset's config (no list order to keep in step)."""
+    cfg = form.preset_config("essa-quickstart", str(page.runs_dir))
+    filled = page.fill_from(cfg)
+    assert set(filled) == set(page.form_outputs) and len(page.fields) == len(page.specs)
+    assert filled[page.fields["essa.population"]] == cfg.essa.population
+    assert filled[page.method_radio] == BY_KEY["essa"].label
+    assert [c for c, v in filled.items() if c in page.method_cols.values() and v.visible] == \
+        [page.method_cols["essa"]]
+    values = {c: v for c, v in filled.items() if c in page.form_inputs}
+    assert page.config(values).to_dict() == cfg.to_dict()
+    loaded = page.method_tab.apply_preset("fgrpo-quickstart")
+    assert loaded[page.fields["fgrpo.steps"]] == S.resolve(preset="fgrpo-quickstart").fgrpo.steps
+    assert "Loaded preset **fgrpo-quickstart**" in loaded[page.method_tab.info]
+    assert "Decided for this run" in loaded[page.model_tab.estimate]
+    values[page.fields["sft.lr"]] = -1.0
+    bad = page.model_tab.do_estimate(values)
+    assert list(bad) == [page.model_tab.estimate] and "sft.lr must be positive" in bad[page.model_tab.estimate]
+
+
+def test_the_live_view_draws_a_run_folder_by_component(page):
+    """draw() of a run folder written by hand: what it returns is among the timer's outputs;
+    plots and logs only when the events changed; a message goes when its run moves on."""
+    run = page.runs_dir / "sft-by-hand"
+    run.mkdir()
+    (run / "config.yaml").write_text(S.resolve(preset="sft-quickstart").to_yaml())
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in SFT_EVENTS))
+    train = page.train_tab
+    first = train.draw(str(run), {}, {})
+    assert set(first) <= set(train.live_outputs)
+    assert 'data-step="2"' in first[train.progress] and "sft-by-hand" in first[page.banner]
+    assert "step 2/10: loss 2" in first[train.logs] and first[train.plots[0]].visible
+    assert first[page.runs_tab.table]["run"].tolist() == ["sft-by-hand"]
+    assert "no saved adapter yet" in first[page.chat_tab.info] and "no adapter yet" in first[page.export_tab.info]
+    again = train.draw(str(run), first[page.seen], {"path": str(run), "status": "crashed"})
+    assert train.logs not in again and train.plots[0] not in again and train.msg not in again
+    moved = train.draw(str(run), first[page.seen], {"path": "elsewhere", "status": "running"})
+    assert moved[train.msg] == "" and moved[page.msg_at] == {}
+    opened = page.runs_tab.do_open("sft-by-hand")
+    assert opened[page.attached] == str(run) and "Opened" in opened[train.msg]
+    assert page.export_tab.do_folder({page.attached: str(run), page.export_tab.out_dir: "",
+                                      page.export_tab.merged: False})[page.export_tab.msg].startswith("✗")
+
+
+def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, tiny_model_dir):
+    """The app's merged export: api.export(..., isolated=True) merges in its own process;
+    the merged weights are the base's plus the adapter's B·A, and errors come back as
+    the same one-line errors."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from edgetune.engine.export import write_adapter
+    from edgetune.engine.model import load_tokenizer, lora_config
+
+    cfg = S.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none"},
+                       "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj"]}, "run": {"runs_dir": str(tmp_path)}})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(cfg.lora))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    adapter = write_adapter(tmp_path / "adapter", model, load_tokenizer(str(tiny_model_dir)), cfg,
+                            str(tiny_model_dir), {})
+    code = textwrap.dedent(f"""
+        import sys
+        from edgetune.engine import api
+        from edgetune.engine.errors import RunError
+        print("OUT", api.export({str(adapter)!r}, {str(tmp_path / 'out')!r}, merged=True, isolated=True))
+        try:
+            api.export({str(adapter)!r}, {str(tmp_path / 'out')!r}, merged=True, isolated=True)
+        except RunError as e:
+            print("REFUSED", e)
+        print("HEAVY", [m for m in ("torch", "transformers", "peft") if m in sys.modules])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"OUT {tmp_path / 'out'}" in out.stdout and "HEAVY []" in out.stdout
+    assert "REFUSED" in out.stdout and "not empty" in out.stdout
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    want = base.model.layers[0].self_attn.q_proj.weight + delta
+    got = merged.model.layers[0].self_attn.q_proj.weight
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    assert not torch.allclose(got.float(), base.model.layers[0].self_attn.q_proj.weight, atol=0.1)
+

@@ -1,0 +1,154 @@
+"""What every tab of the page shares: the settings form (one widget per setting, spread
+over the Model, Data and Method tabs), the run the page shows, and the engine handles
+(the chat worker, the workers this app started).
+
+Handlers take their inputs as a set of components (Gradio then hands them one dict
+keyed by component) and return dicts keyed by component, so no handler depends on the
+order in which widgets were listed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+import psutil
+
+from edgetune.engine import api
+
+from . import form
+from .methods import BY_KEY, BY_LABEL, METHODS
+
+QUICKSTART = "sft-quickstart"
+
+
+def message(text: str, kind: str = "info") -> str:
+    mark = {"info": "", "ok": "✓ ", "error": "✗ "}[kind]
+    return f"{mark}{text}"
+
+
+def _reaper(workers: list, lock: threading.Lock, every: float = 2.0) -> None:
+    """Collect the exit status of the workers this app started, so a finished worker
+    does not stay behind as a defunct process until the app exits."""
+    while True:
+        time.sleep(every)
+        with lock:
+            workers[:] = [r for r in workers if r.process is not None and r.process.poll() is None]
+
+
+class Page:
+    """Built once per app; the tabs add their widgets to it while the page is laid out."""
+
+    def __init__(self, runs_dir: Path):
+        self.runs_dir = runs_dir
+        self.uploads = runs_dir / ".uploads"
+        self.specs = form.field_specs()
+        self.spec_of = {s.key: s for s in self.specs}
+        self.chat = api.chat_session(log_path=runs_dir / ".chat-worker.log")
+        self.host_total = psutil.virtual_memory().total
+        self.start_cfg = form.preset_config(QUICKSTART, str(runs_dir))
+        self.start_values = dict(zip([s.key for s in self.specs],
+                                     form.values_from_config(self.start_cfg, self.specs)))
+        self.fields: dict[str, gr.components.Component] = {}  # setting key -> its widget
+        self._workers: list = []  # runs this app started: reaped when they end
+        self._workers_lock = threading.Lock()
+        threading.Thread(target=_reaper, args=(self._workers, self._workers_lock), name="edgetune-reaper",
+                         daemon=True).start()
+        # Laid out by ui.build_app and the tabs:
+        self.attached = self.seen = self.msg_at = None  # gr.State: run folder shown, last drawing, message origin
+        self.banner = self.tabs = self.method_radio = None
+        self.method_cols: dict[str, gr.Column] = {}
+        self.model_tab = self.data_tab = self.method_tab = None
+        self.train_tab = self.runs_tab = self.chat_tab = self.export_tab = None
+
+    # ------------------------------------------------------------------ settings widgets
+
+    def widget(self, spec: form.FieldSpec, value):
+        common = dict(label=spec.name, info=spec.help[:180] or None, elem_id=spec.elem_id,
+                      scale=2 if spec.name in ("path", "name") else 1)
+        if spec.choices:
+            return gr.Dropdown(choices=list(spec.choices), value=value, **common)
+        if spec.kind == "bool":
+            return gr.Checkbox(value=bool(value), **common)
+        if spec.kind == "int":
+            return gr.Number(value=value, precision=0, **common)
+        if spec.kind == "float":
+            return gr.Number(value=value, **common)
+        return gr.Textbox(value=value, max_lines=1, **common)
+
+    def group_fields(self, group: str, skip=(), basic_cols: int = 4) -> None:
+        """A settings group's basic fields in rows, the rest folded in an 'Advanced' accordion."""
+        mine = [s for s in self.specs if s.group == group and s.name not in skip]
+        basic = [s for s in mine if s.basic]
+        for i in range(0, len(basic), basic_cols):
+            with gr.Row():
+                for s in basic[i:i + basic_cols]:
+                    self.fields[s.key] = self.widget(s, self.start_values[s.key])
+        advanced = [s for s in mine if not s.basic]
+        if advanced:
+            with gr.Accordion(f"Advanced {group} settings", open=False, elem_id=f"advanced-{group}"):
+                for i in range(0, len(advanced), 3):
+                    with gr.Row():
+                        for s in advanced[i:i + 3]:
+                            self.fields[s.key] = self.widget(s, self.start_values[s.key])
+
+    @property
+    def form_inputs(self) -> set:
+        """The method and every setting's widget: a handler given these (as a set) reads
+        them with `config()`."""
+        return {self.method_radio, *self.fields.values()}
+
+    @property
+    def form_outputs(self) -> list:
+        """What `fill_from()` writes."""
+        return [self.method_radio, *self.fields.values(), *self.method_cols.values()]
+
+    def config(self, values: dict):
+        """The form's widget values ({component: value}) -> a validated Config (raises
+        ConfigError with a one-line message)."""
+        keys = list(self.fields)
+        return form.config_from_values(BY_LABEL[values[self.method_radio]].key,
+                                       [values[self.fields[k]] for k in keys],
+                                       [self.spec_of[k] for k in keys], str(self.runs_dir))
+
+    def fill_from(self, cfg) -> dict:
+        """Every setting's widget (and the method's column) showing `cfg`."""
+        keys = list(self.fields)
+        values = form.values_from_config(cfg, [self.spec_of[k] for k in keys])
+        out = {self.method_radio: BY_KEY[cfg.method].label}
+        out.update({self.fields[k]: v for k, v in zip(keys, values)})
+        out.update({col: gr.Column(visible=key == cfg.method) for key, col in self.method_cols.items()})
+        return out
+
+    # ------------------------------------------------------------------ runs
+
+    def adopt(self, run):
+        """A run this app started: reaped when its worker ends."""
+        with self._workers_lock:
+            self._workers.append(run)
+        return run
+
+    def run_of(self, path: str):
+        return api.open_run(path) if path and Path(path).is_dir() else None
+
+    def default_run(self) -> str:
+        """The run a fresh page attaches to: the one training, else the newest."""
+        active = api.active_run(self.runs_dir)
+        if active is not None:
+            return str(active.path)
+        runs = api.list_runs(self.runs_dir)
+        return str(runs[0].path) if runs else ""
+
+    def said(self, path: str) -> dict:
+        """Where a message was made: the Train tab clears it when that run's state moves on."""
+        run = self.run_of(path)
+        return {"path": path, "status": run.status() if run else "none"}
+
+    def banner_text(self, path: str) -> str:
+        run = self.run_of(path)
+        if run is None:
+            return "_No run yet: pick a preset on the Method tab, then Start on the Train tab._"
+        return f"Showing run **{run.name}** · {run.status()}"
+

@@ -1,0 +1,70 @@
+"""7 · Export: the run's adapter as a .zip download, or into a folder on disk (optionally
+with a merged bf16 model). Every export goes through the engine API; a merge loads torch
+and the full base model, so the API does it in its own process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from edgetune.engine import api
+from edgetune.engine.errors import EdgetuneError
+
+from .page import message
+
+
+class ExportTab:
+    def __init__(self, page):
+        self.page = page
+        self.info = gr.Markdown("", elem_id="export-info")
+        with gr.Row():
+            self.zip_btn = gr.Button("Make adapter .zip", variant="primary", elem_id="export-zip-btn")
+            self.download = gr.DownloadButton("Download adapter .zip", visible=False, elem_id="download-btn")
+        with gr.Row():
+            self.out_dir = gr.Textbox(label="Or export to a folder on disk", placeholder="/path/to/my-adapter",
+                                      elem_id="export-path", scale=3)
+            self.merged = gr.Checkbox(label="also a merged bf16 model (needs RAM for the full model)",
+                                      elem_id="export-merged", scale=1)
+            self.folder_btn = gr.Button("Export to folder", elem_id="export-folder-btn", scale=1)
+        self.msg = gr.Markdown("", elem_id="export-message")
+
+    def describe(self, path: str) -> str:
+        run = self.page.run_of(path)
+        if run is None:
+            return "No run open."
+        s = run.summary()
+        if not s["has_adapter"]:
+            return f"Run **{run.name}** ({s['status']}) has no adapter yet: stop it or let it finish."
+        return f"Run **{run.name}** ({s['status']}): adapter in `{run.dir.adapter}` (PEFT format + model card)."
+
+    def do_zip(self, path: str) -> dict:
+        run = self.page.run_of(path)
+        if run is None:
+            return {self.download: gr.DownloadButton(visible=False), self.msg: message("No run open.", "error")}
+        try:
+            out = api.export(run.path, run.path / "exports" / f"{run.name}-adapter.zip", as_zip=True,
+                             force=True)  # replaces only the zip an earlier click made
+        except EdgetuneError as e:
+            return {self.download: gr.DownloadButton(visible=False), self.msg: message(str(e), "error")}
+        return {self.download: gr.DownloadButton(value=str(out), visible=True),
+                self.msg: message(f"Adapter zipped: `{out}`", "ok")}
+
+    def do_folder(self, values: dict) -> dict:
+        run = self.page.run_of(values[self.page.attached])
+        out, with_merged = values[self.out_dir], bool(values[self.merged])
+        if run is None or not (out or "").strip():
+            return {self.msg: message("Open a run and give a folder.", "error")}
+        dest = Path(out).expanduser()
+        try:
+            api.export(run.path, dest, merged=with_merged, isolated=with_merged)
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error")}
+        if with_merged:
+            return {self.msg: message(f"Exported to `{dest}` (the merged bf16 model is in `{dest / 'merged'}`)", "ok")}
+        return {self.msg: message(f"Exported to `{dest}`", "ok")}
+
+    def wire(self) -> None:
+        p = self.page
+        self.zip_btn.click(self.do_zip, p.attached, [self.download, self.msg])
+        self.folder_btn.click(self.do_folder, {p.attached, self.out_dir, self.merged}, [self.msg])

@@ -1,0 +1,43 @@
+"""1 · Model: the model settings and the memory estimate of the whole form."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from edgetune.engine import api
+from edgetune.engine.errors import EdgetuneError
+
+from . import panels
+
+
+def estimate_text(cfg) -> str:
+    """The planner's estimate of `cfg` as the panel shows it. The planner reads config.json
+    and asks nvidia-smi: no torch, so it runs in the app's process."""
+    try:
+        return panels.estimate_markdown({"ok": True, "estimate": api.estimate(cfg)})
+    except ImportError:
+        return panels.estimate_markdown({"ok": False, "error": "the memory planner is not installed"})
+    except EdgetuneError as e:
+        return panels.estimate_markdown({"ok": False, "error": str(e)})
+
+
+class ModelTab:
+    def __init__(self, page):
+        self.page = page
+        gr.Markdown("The embedded default is SmolLM2-135M-Instruct (works offline). Or give a local "
+                    "Hugging Face folder, a hub id, or a `.gguf` file.")
+        page.group_fields("model", basic_cols=2)
+        self.estimate_btn = gr.Button("Estimate memory", elem_id="estimate-btn")
+        self.estimate = gr.Markdown("_Press “Estimate memory” for the predicted peak of these settings "
+                                    "(weights, LoRA, optimizer, activations, rollout KV cache)._",
+                                    elem_id="estimate")
+
+    def do_estimate(self, values: dict) -> dict:
+        try:
+            cfg = self.page.config(values)
+        except EdgetuneError as e:
+            return {self.estimate: f"**Settings problem:** {e}"}
+        return {self.estimate: estimate_text(cfg)}
+
+    def wire(self) -> None:
+        self.estimate_btn.click(self.do_estimate, self.page.form_inputs, [self.estimate])

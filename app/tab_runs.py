@@ -1,0 +1,53 @@
+"""5 · Runs: the table of runs in the runs folder, and opening one in the Train tab."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from edgetune.engine import api
+
+from . import panels
+from .page import message
+
+
+class RunsTab:
+    def __init__(self, page):
+        self.page = page
+        self.table = gr.Dataframe(panels.runs_frame([]), label=f"Runs in {page.runs_dir}", interactive=False,
+                                  elem_id="runs-table", wrap=True)
+        with gr.Row():
+            self.select = gr.Dropdown(choices=[], label="Run", elem_id="run-select", scale=3)
+            self.open_btn = gr.Button("Open in the Train tab", elem_id="open-run-btn", scale=1)
+            self.refresh_btn = gr.Button("Refresh", elem_id="refresh-runs-btn", scale=1)
+
+    def frame(self):
+        return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
+
+    def choices(self, selected: str = "") -> gr.Dropdown:
+        """The run picker, on `selected` (a run folder) when it is listed, else the newest."""
+        names = [r.name for r in api.list_runs(self.page.runs_dir)]
+        value = Path(selected).name if selected and Path(selected).name in names else (names[0] if names else None)
+        return gr.Dropdown(choices=names, value=value)
+
+    @property
+    def outputs(self) -> list:
+        return [self.table, self.select]
+
+    def refresh(self, selected: str = "") -> dict:
+        return {self.table: self.frame(), self.select: self.choices(selected)}
+
+    def do_open(self, name: str) -> dict:
+        p = self.page
+        if not name:
+            return {p.train_tab.msg: message("Pick a run.", "error")}
+        path = str(p.runs_dir / name)
+        return {p.attached: path, p.train_tab.msg: message(f"Opened **{name}**.", "ok"),
+                p.tabs: gr.Tabs(selected="train"), p.msg_at: p.said(path)}
+
+    def wire(self) -> None:
+        p = self.page
+        self.refresh_btn.click(self.refresh, p.attached, self.outputs)
+        self.open_btn.click(self.do_open, self.select, [p.attached, p.train_tab.msg, p.tabs, p.msg_at]) \
+            .then(p.train_tab.draw, p.train_tab.live_inputs, p.train_tab.live_outputs)

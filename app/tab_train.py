@@ -1,0 +1,140 @@
+"""4 · Train: Start / Stop / Resume, and the live view of the run the page shows.
+
+Everything the view shows about a run is read from the run folder on every timer tick
+(events.jsonl, memory.json), so a reloaded page, a second browser tab or a restarted
+app re-attaches to the same run and replays its history.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gradio as gr
+
+from edgetune.engine import api, phases
+from edgetune.engine.errors import EdgetuneError
+
+from . import live
+from .methods import BY_KEY, MAX_PLOTS, METHODS
+from .page import message
+
+
+class TrainTab:
+    def __init__(self, page):
+        self.page = page
+        with gr.Row():
+            self.start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
+            self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
+            self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
+        self.msg = gr.Markdown("", elem_id="train-message")
+        self.progress = gr.HTML(live.progress_html([], "none"), elem_id="train-progress")
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.plots = [gr.Plot(label=f"plot {i + 1}", show_label=False, elem_id=f"plot-{i}", visible=i == 0,
+                                      format="png")
+                              for i in range(MAX_PLOTS)]
+            with gr.Column(scale=2):
+                gr.Markdown("**Memory** (live, from the worker's memory.json)")
+                self.memory = gr.HTML(live.memory_html(None, page.host_total, False), elem_id="memory-panel")
+                self.samples = gr.Markdown("", elem_id="samples")
+        self.logs = gr.Textbox(label="Recent events (newest first)", lines=12, max_lines=12, autoscroll=False,
+                               elem_id="log-lines", interactive=False)
+
+    # ------------------------------------------------------------------ live view
+
+    @property
+    def live_inputs(self) -> list:
+        """draw()'s arguments: the run folder shown, what was last drawn, where the message was made."""
+        return [self.page.attached, self.page.seen, self.page.msg_at]
+
+    @property
+    def live_outputs(self) -> list:
+        """Everything draw() may update."""
+        p = self.page
+        return [self.progress, *self.plots, self.memory, self.logs, self.samples, self.msg, p.banner, p.seen,
+                p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info]
+
+    def draw(self, path: str, last: dict, msg: dict) -> dict:
+        """The Train tab for one run (plots only when its events changed), the banner, and
+        what other tabs show of the run (the runs table, the Try-it and Export notes)."""
+        p = self.page
+        run = p.run_of(path)
+        if run is None:
+            return {self.progress: live.progress_html([], "none"),
+                    self.memory: live.memory_html(None, p.host_total, False),
+                    p.banner: p.banner_text(path), p.seen: last}
+        events = list(run.events())
+        status = run.status()
+        try:
+            mem = json.loads(run.dir.memory_path.read_text())
+        except FileNotFoundError:
+            mem = None
+        except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
+            mem = last.get("mem")
+        key = {"path": path, "n": len(events), "status": status}
+        out = {self.progress: live.progress_html(events, status),
+               self.memory: live.memory_html(mem, p.host_total, run.alive()),
+               p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
+        if {k: last.get(k) for k in key} != key:
+            method = BY_KEY.get(run.config().get("method"), METHODS[0])
+            frames = live.plot_frames(events, method)
+            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
+                        if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
+            out[self.logs] = live.log_lines(events)
+            out[self.samples] = live.samples_markdown(events) if method.samples else ""
+            # The runs table follows every event (its step column moves with the run).
+            out[p.runs_tab.table] = p.runs_tab.frame()
+        if status != last.get("status") or path != last.get("path"):
+            # The Try-it / Export notes follow the run's status (an adapter appears when it stops).
+            out[p.chat_tab.info] = p.chat_tab.describe(path)
+            out[p.export_tab.info] = p.export_tab.describe(path)
+        # A message belongs to the action that made it: it goes when the page shows another
+        # run or that run's state moves on (starting -> running is still the same state).
+        if msg and (msg.get("path") != path or (
+                msg.get("status") != status and (msg.get("status"), status) != ("starting", "running"))):
+            out[self.msg] = ""
+            out[p.msg_at] = {}
+        return out
+
+    # ------------------------------------------------------------------ actions
+
+    def do_start(self, values: dict) -> dict:
+        p = self.page
+        path = values[p.attached]
+        try:
+            run = p.adopt(api.start(p.config(values)))
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
+        return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),
+                p.attached: str(run.path), p.msg_at: {"path": str(run.path), "status": "starting"}}
+
+    def do_stop(self, path: str) -> dict:
+        p = self.page
+        run = p.run_of(path)
+        if run is None or run.status() not in ("running", "starting"):
+            return {self.msg: message("No run is training.", "error"), p.msg_at: p.said(path)}
+        run.stop()
+        return {self.msg: message(f"Stopping **{run.name}** after the current step; the adapter will be saved."),
+                p.msg_at: p.said(path)}
+
+    def do_resume(self, path: str) -> dict:
+        p = self.page
+        run = p.run_of(path)
+        if run is None:
+            return {self.msg: message("Open a run first (Runs tab).", "error"), p.msg_at: p.said(path)}
+        last = run.dir.last_checkpoint()
+        try:
+            run = p.adopt(api.resume(run.path))
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
+        return {self.msg: message(phases.resume_words(f"**{run.name}**", last), "ok"), p.attached: str(run.path),
+                p.msg_at: {"path": str(run.path), "status": "starting"}}
+
+    def wire(self) -> None:
+        p = self.page
+        acted = [self.msg, p.attached, p.msg_at]
+        self.start_btn.click(self.do_start, p.form_inputs | {p.attached}, acted) \
+            .then(self.draw, self.live_inputs, self.live_outputs) \
+            .then(p.runs_tab.refresh, p.attached, p.runs_tab.outputs)
+        self.stop_btn.click(self.do_stop, p.attached, [self.msg, p.msg_at])
+        self.resume_btn.click(self.do_resume, p.attached, acted).then(self.draw, self.live_inputs, self.live_outputs)
