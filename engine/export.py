@@ -59,24 +59,33 @@ def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict) -> Path:
-    """Save adapter + tokenizer + model card into `out`, all or nothing."""
+def name_the_base(folder: Path, cfg: Config, base_path: str, **info) -> str:
+    """Make an adapter folder PEFT just saved name its base as any machine finds it; every
+    adapter folder a run writes goes through here (the final adapter and each checkpoint).
+
+    PEFT records in adapter_config.json the folder the base was loaded from (for a GGUF or
+    the embedded model, a cache folder of this machine); that becomes `base_model_id`'s
+    name. Where this machine loaded the base from stays in edgetune.json (`base_path`),
+    which a merge on this machine reads first. Returns the name."""
     from .model import base_model_id
 
     base_id, _ = base_model_id(cfg.model.name, base_path)
+    config_path = folder / "adapter_config.json"
+    adapter_cfg = json.loads(config_path.read_text())
+    adapter_cfg["base_model_name_or_path"] = base_id
+    config_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True))
+    (folder / "edgetune.json").write_text(json.dumps({"base_model": base_id, "base_path": base_path,
+                                                      "method": cfg.method, **info}, indent=2))
+    return base_id
+
+
+def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict) -> Path:
+    """Save adapter + tokenizer + model card into `out`, all or nothing."""
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
-        # PEFT records the folder the base was loaded from (for a GGUF or the embedded
-        # model, a cache folder of this machine): name the base as any machine finds it.
-        config_path = tmp / "adapter_config.json"
-        adapter_cfg = json.loads(config_path.read_text())
-        adapter_cfg["base_model_name_or_path"] = base_id
-        config_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True))
+        name_the_base(tmp, cfg, base_path, metrics=metrics)
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(cfg, base_path, metrics))
-        # base_path: where this machine loaded the base from (a merge here reloads it).
-        (tmp / "edgetune.json").write_text(json.dumps({"base_model": base_id, "base_path": base_path,
-                                                         "method": cfg.method, "metrics": metrics}, indent=2))
     return out
 
 

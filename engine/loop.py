@@ -158,9 +158,14 @@ STATE_FILE = "training_state.pt"
 
 
 def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler=None, **extra) -> Path:
+    from .export import name_the_base
+    from .model import resolve_model_path
+
     path = ctx.run.checkpoint(step)
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
+        # Named like the final adapter's base, so a checkpoint folder loads elsewhere too.
+        name_the_base(tmp, ctx.cfg, resolve_model_path(ctx.cfg.model.name), step=step)
         state = {"step": step, "rng": rng_state(), **extra}
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()

@@ -55,3 +55,45 @@ def test_local_folder_base_and_the_card_snippet_runs_elsewhere(tiny_model_dir, t
     run = subprocess.run([sys.executable, "-c", code], cwd=moved, capture_output=True, text=True, timeout=300,
                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_checkpoint_names_its_base_like_the_final_adapter(tiny_model_dir, tmp_path):
+    """A checkpoint folder is an adapter too (export, lora.init_from and essa.warm_start take
+    one): its adapter_config.json names the base as the final adapter's does, never this
+    machine's path, and a merge here still finds the base through edgetune.json."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from edgetune.engine.export import export
+    from edgetune.engine.loop import RunContext, load_checkpoint, save_checkpoint
+    from edgetune.engine.model import lora_config
+    from edgetune.engine.runfolder import RunDir
+
+    cfg = settings.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none"},
+                              "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path)}})
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(cfg.lora))
+    ckpt = save_checkpoint(RunContext(cfg=cfg, run=run, emit=lambda *a, **k: None), 3, model)
+    final = _adapter(tiny_model_dir, str(tiny_model_dir), tmp_path / "adapter", tmp_path)
+    named = json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == tiny_model_dir.name and str(tiny_model_dir) not in (ckpt / "adapter_config.json").read_text()
+    info = json.loads((ckpt / "edgetune.json").read_text())
+    assert info["base_path"] == str(tiny_model_dir) and info["step"] == 3 and info["base_model"] == named
+    # still a checkpoint: the training state loads back
+    assert load_checkpoint(ckpt, model)["step"] == 3
+    # elsewhere: the folder alone with the base under the name it gives
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = export(ckpt, elsewhere / "ckpt")
+    (elsewhere / named).symlink_to(tiny_model_dir, target_is_directory=True)
+    code = ("import json; from transformers import AutoModelForCausalLM; from peft import PeftModel; "
+            "base = json.load(open('ckpt/adapter_config.json'))['base_model_name_or_path']; "
+            "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), 'ckpt'); print('LOADED', base)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=moved.parent, capture_output=True, text=True,
+                          timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert done.returncode == 0 and f"LOADED {named}" in done.stdout, done.stderr[-2000:]
+    # here: a merged export of the checkpoint finds the base where it was loaded from
+    merged = export(ckpt, tmp_path / "merged-export", merged=True)
+    assert (merged / "merged" / "config.json").is_file()
