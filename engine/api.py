@@ -146,9 +146,12 @@ def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
     return next((r for r in list_runs(runs_dir) if r.status() in ACTIVE), None)
 
 
-def _spawn(run: RunDir, resume: bool, lock_fd: int) -> subprocess.Popen:
+def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess.Popen:
+    """gpus > 1: the worker is a launcher that runs torchrun with one rank a GPU (on a
+    machine without CUDA, that many CPU processes over gloo: for tests)."""
     log = open(run.log_path, "a")
-    cmd = [sys.executable, "-m", "edgetune.engine.worker", str(run.path)] + (["--resume"] if resume else [])
+    cmd = [sys.executable, "-m", "edgetune.engine.worker", str(run.path)] + (["--resume"] if resume else []) + \
+        (["--nproc", str(gpus)] if gpus > 1 else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
@@ -186,8 +189,20 @@ def _locked(runs_dir: Path) -> int:
     return fd
 
 
-def start(cfg: Config, name: str | None = None) -> Run:
-    """Create `runs/<name>/` with the resolved config and start its worker."""
+def start(cfg: Config, name: str | None = None, gpus: int = 1) -> Run:
+    """Create `runs/<name>/` with the resolved config and start its worker; `gpus` > 1
+    trains data-parallel on that many GPUs of this machine (engine/distributed.py)."""
+    run, fd = create(cfg, name)
+    try:
+        return Run(run.path, _spawn(run, resume=False, lock_fd=fd, gpus=gpus))
+    finally:
+        os.close(fd)
+
+
+def create(cfg: Config, name: str | None = None) -> tuple[RunDir, int]:
+    """The new run folder with its config, and the runs folder's lock (an fd the caller
+    closes once the worker holds it). `start` is this and a worker; under torchrun the
+    CLI's rank 0 calls it and trains in its own process."""
     preflight(cfg)
     runs_dir = Path(cfg.run.runs_dir)
     auto = f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -205,14 +220,17 @@ def start(cfg: Config, name: str | None = None) -> Run:
             atomic_write_text(run.config_path, cfg.to_yaml())
         except OSError as e:
             raise RunError(f"{run.path}: cannot create the run folder ({e.strerror})") from None
-        return Run(run.path, _spawn(run, resume=False, lock_fd=fd))
-    finally:
+        return run, fd
+    except BaseException:
         os.close(fd)
+        raise
 
 
-def resume(path: str | os.PathLike) -> Run:
+def resume(path: str | os.PathLike, gpus: int | None = None) -> Run:
     """Continue a stopped, failed or crashed run from its last intact checkpoint (or from
-    the start when it has none); new events are appended to the same events.jsonl."""
+    the start when it has none); new events are appended to the same events.jsonl.
+    `gpus`: ranks to continue on (checkpoints hold nothing rank-specific); None = as many
+    as the run's last start had."""
     r = Run(path)
     r.dir.require()
     fd = _locked(r.path.parent)
@@ -225,7 +243,10 @@ def resume(path: str | os.PathLike) -> Run:
         busy = active_run(r.path.parent)
         if busy is not None:
             raise RunError(f"run '{busy.name}' is still training (one run at a time per runs folder): stop it first")
-        return Run(r.path, _spawn(r.dir, resume=True, lock_fd=fd))
+        if gpus is None:
+            started = [e for e in read_events(r.dir.events_path) if e["type"] == "started"]
+            gpus = int(started[-1].get("world_size", 1)) if started else 1
+        return Run(r.path, _spawn(r.dir, resume=True, lock_fd=fd, gpus=gpus))
     finally:
         os.close(fd)
 
@@ -249,11 +270,12 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
 
 
-def estimate(cfg: Config) -> dict:
-    """Predicted peak memory of a configuration (engine/planner.py)."""
+def estimate(cfg: Config, gpus: int = 1) -> dict:
+    """Predicted peak memory of a configuration (engine/planner.py); `gpus` > 1: of each
+    GPU of a data-parallel run on that many."""
     from .planner import estimate as _estimate
 
-    return _estimate(cfg)
+    return _estimate(cfg, gpus=gpus)
 
 
 @dataclass

@@ -180,13 +180,96 @@ def _run_arg(value: str, runs_dir: str = "runs") -> str:
 
 def cmd_train(a) -> int:
     from . import api
+    from . import distributed
 
+    if distributed.launched():  # one of several ranks that torchrun started
+        return _train_as_rank(a)
+    if a.nnodes > 1:
+        return _exec_torchrun(a)
+    if a.gpus < 1:
+        raise EdgetuneError(f"--gpus must be at least 1, got {a.gpus}")
     cfg = _config(a)
-    run = api.start(cfg, name=a.name)
-    print(f"run folder: {run.path}")
+    run = api.start(cfg, name=a.name, gpus=a.gpus)
+    print(f"run folder: {run.path}" + (f" ({a.gpus} ranks)" if a.gpus > 1 else ""))
     if a.detach:
         return 0
     return watch(run)
+
+
+def _exec_torchrun(a) -> int:
+    """Several machines: this machine's share of the ranks under torchrun, which meets the
+    other machines at --rdzv-endpoint; every rank runs `edgetune train` (below)."""
+    import os
+
+    if not a.rdzv_endpoint:
+        raise EdgetuneError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every machine)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={a.nnodes}", f"--nproc-per-node={a.gpus}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id={a.rdzv_id}"]
+    if a.node_rank is not None:
+        cmd.append(f"--node-rank={a.node_rank}")
+    cmd += ["-m", "edgetune.engine.cli", "train"]
+    for flag, value in (("--preset", a.preset), ("--config", a.config), ("--name", a.name),
+                        ("--runs-dir", a.runs_dir)):
+        if value:
+            cmd += [flag, value]
+    for s in a.set or []:
+        cmd += ["--set", s]
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    os.execv(sys.executable, cmd)
+    return 1  # not reached
+
+
+def _train_as_rank(a) -> int:
+    """`torchrun ... -m edgetune.engine.cli train ...`: every rank trains in its own
+    process (no worker is spawned); rank 0 makes the run folder and prints the steps."""
+    import threading
+
+    from . import api, worker
+    from . import distributed as dist
+    from .events import follow
+
+    dist.init()
+    made = fd = None
+    if dist.is_main():
+        try:
+            run, fd = api.create(_config(a), name=a.name)
+            made = ("ok", str(run.path))
+        except EdgetuneError as e:
+            made = ("error", str(e))
+    made = dist.broadcast_object(made)
+    if made[0] == "error":
+        dist.shutdown()
+        if fd is None and dist.is_main():
+            raise EdgetuneError(made[1])
+        return 2
+    path = made[1]
+    done = threading.Event()
+    main = dist.is_main()  # (worker.run leaves the process group at its end)
+    if main:
+        print(f"run folder: {path} ({dist.world()} ranks)", flush=True)
+
+        def show():
+            for ev in follow(f"{path}/events.jsonl", alive=lambda: not done.is_set()):
+                if ev["type"] == "step":
+                    nums = ", ".join(f"{k} {ev[k]:.4g}" for k in ("loss", "reward_mean", "best") if k in ev)
+                    print(f"step {ev['step']}/{ev.get('total')}: {nums}", flush=True)
+                elif ev["type"] in ("error", "warning"):
+                    print(f"{ev['type']}: {ev['message']}", file=sys.stderr, flush=True)
+                elif ev["type"] in ("finished", "stopped"):
+                    print(f"{ev['type']}: adapter in {ev.get('adapter')}", flush=True)
+
+        shower = threading.Thread(target=show, daemon=True)
+        shower.start()
+    try:
+        return worker.run(path, owns_pid=main)
+    finally:
+        done.set()
+        if main:
+            shower.join(10)  # the last events printed
+        if fd is not None:
+            import os
+
+            os.close(fd)
 
 
 def cmd_resume(a) -> int:
@@ -198,7 +281,7 @@ def cmd_resume(a) -> int:
 
     before = list(api.open_run(a.run).events())
     start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
-    run = api.resume(a.run)
+    run = api.resume(a.run, gpus=a.gpus)
     print(resume_words(run.name, last))
     return 0 if a.detach else watch(run, start=start)
 
@@ -308,7 +391,7 @@ def estimate_table(est: dict) -> str:
 def cmd_estimate(a) -> int:
     from . import api
 
-    est = api.estimate(_config(a))
+    est = api.estimate(_config(a), gpus=a.gpus)
     print(json.dumps(est, indent=2) if a.json else estimate_table(est))
     return 0
 
@@ -391,12 +474,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name")
     t.add_argument("--runs-dir")
     t.add_argument("--detach", action="store_true", help="start and return; follow it later")
+    t.add_argument("--gpus", "--nproc", dest="gpus", type=int, default=1,
+                   help="GPUs of this machine to train on, data-parallel (torchrun, NCCL); on a machine "
+                        "without CUDA, that many CPU processes (gloo), for tests")
+    t.add_argument("--nnodes", type=int, default=1, help="machines (run the same command on each; needs "
+                                                         "--rdzv-endpoint)")
+    t.add_argument("--node-rank", type=int, help="this machine's index (default: torchrun assigns one)")
+    t.add_argument("--rdzv-endpoint", help="HOST:PORT of the first machine, where the machines meet")
+    t.add_argument("--rdzv-id", default="edgetune", help="a name shared by the machines of one run")
     t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
     r.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--runs-dir", default="runs", help="where run names are looked up")
+    r.add_argument("--gpus", "--nproc", dest="gpus", type=int,
+                   help="GPUs to continue on (any number: checkpoints hold nothing rank-specific); default "
+                        "as many as the run's last start")
     r.set_defaults(fn=cmd_resume)
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")
@@ -427,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     es = sub.add_parser("estimate", help="predict peak memory of a configuration")
     config_args(es)
     es.add_argument("--json", action="store_true", help="the planner's raw numbers (bytes) as JSON")
+    es.add_argument("--gpus", type=int, default=1, help="the peak of each GPU of a data-parallel run on that many")
     es.set_defaults(fn=cmd_estimate)
 
     ev = sub.add_parser("eval", help="pass@1 / pass@k of an adapter on the held-out prompts")

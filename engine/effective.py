@@ -239,5 +239,9 @@ def config_yaml(cfg, eff: Effective) -> str:
 
 
 def record(run_dir, cfg, eff: Effective) -> None:
-    """Rewrite the run's config.yaml with the decided values (atomically)."""
+    """Rewrite the run's config.yaml with the decided values (atomically; rank 0 only)."""
+    from . import distributed
+
+    if not distributed.is_main():
+        return
     atomic_write_text(run_dir.config_path, config_yaml(cfg, eff))

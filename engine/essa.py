@@ -32,6 +32,7 @@ ordinary PEFT adapter.
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import random
 import time
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from . import data as data_lib
+from . import distributed as dist
 from . import essa_fitness
 from . import model as model_lib
 from . import phases
@@ -185,11 +187,14 @@ def warm_start(ctx: RunContext) -> Path | None:
         return p
     sub = _WarmStartDir(ctx.run.path / "warm_start", ctx.run)
     done = sub.path / "COMPLETE"
-    if done.is_file() and (sub.adapter / "adapter_config.json").is_file():
-        return sub.adapter  # a resumed ESSA run keeps its warm start
+    # Rank 0 decides from its run folder; the other ranks get its answer and a copy of
+    # the folders they read (engine/distributed.py).
+    if dist.broadcast_object(done.is_file() and (sub.adapter / "adapter_config.json").is_file()):
+        return dist.share_folder(sub.adapter)  # a resumed ESSA run keeps its warm start
     cfg = warm_start_config(ctx.cfg)
-    sub.path.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(sub.config_path, cfg.to_yaml())
+    if dist.is_main():
+        sub.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(sub.config_path, cfg.to_yaml())
 
     last_type = []
 
@@ -199,16 +204,41 @@ def warm_start(ctx: RunContext) -> Path | None:
 
     from . import sft
 
-    last = pick_checkpoint(sub, lambda m: ctx.emit("warning", message=m))
-    sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=last[1] if last else None,
+    last = dist.broadcast_object(pick_checkpoint(sub, lambda m: ctx.emit("warning", message=m))
+                                 if dist.is_main() else None)
+    sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=dist.share_folder(last[1]) if last else None,
                          stop_flag=ctx.stop_flag))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if last_type != ["finished"]:
         return None
-    atomic_write_text(done, "sft finished\n")
-    return sub.adapter
+    if dist.is_main():
+        atomic_write_text(done, "sft finished\n")
+    return dist.share_folder(sub.adapter)
+
+
+def population_fitness(evaluator: "Evaluator", xs, rows, seed, on_candidate=None) -> list[float]:
+    """Fitness of every candidate of a generation. On several ranks each scores its share
+    (engine/distributed.shard: uneven splits work) and one all_gather of (index, fitness,
+    seconds) gives every rank the whole list; the same gather checks that every rank asked
+    the same population (their CMA-ES states would have drifted apart otherwise)."""
+    if not dist.enabled():
+        return evaluator.population(xs, rows, seed, on_candidate)
+    mine = dist.shard(len(xs))
+    local: list = []
+    evaluator.population([xs[i] for i in mine], rows, seed,
+                         lambda j, f, secs: local.append((mine[j], float(f), float(secs))))
+    digest = hashlib.sha1(np.ascontiguousarray(np.asarray(xs, dtype=np.float64)).tobytes()).hexdigest()
+    parts = dist.all_gather_object((digest, local))
+    if any(d != parts[0][0] for d, _ in parts):
+        raise RuntimeError("ranks asked different CMA-ES populations (their search states differ)")
+    results = sorted(r for _, part in parts for r in part)
+    assert [i for i, _, _ in results] == list(range(len(xs)))
+    if on_candidate:
+        for i, f, secs in results:
+            on_candidate(i, f, secs)
+    return [f for _, f, _ in results]
 
 
 def load_model(cfg, adapter: Path):
@@ -306,7 +336,7 @@ def train(ctx: RunContext) -> dict:
         def on_candidate(i, f, secs, g=gen):
             ctx.emit("candidate", generation=g + 1, index=i, fitness=f, seconds=round(secs, 3))
 
-        fits = evaluator.population(xs, rows, sample_seed, on_candidate)
+        fits = population_fitness(evaluator, xs, rows, sample_seed, on_candidate)
         log.tell(es, xs, [-f for f in fits])
         i_best = int(np.argmax(fits))
         if fits[i_best] > best_f:

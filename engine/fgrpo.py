@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from edgetune.kernels import sebp as sebp_lib
 
 from . import data as data_lib
+from . import distributed as dist
 from . import model as model_lib
 from . import phases
 from .effective import LOSS_CHUNK_ROWS, decide, record
@@ -59,8 +60,9 @@ from .rewards import Reward, build_reward
 from .rollouts import RolloutBatch, generate
 from .settings import Config, FGRPOSettings
 
-# Distinct streams for the seeds of training rollouts and held-out evaluation.
-_TRAIN_STREAM, _EVAL_STREAM = 1_000_003, 7_919
+# Distinct streams for the seeds of training rollouts and held-out evaluation, and for
+# the rollouts of each rank (rank 0's seed is that of a one-process run).
+_TRAIN_STREAM, _EVAL_STREAM, _RANK_STREAM = 1_000_003, 7_919, 1_000_000_007
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -207,20 +209,26 @@ def _rows_of(roll: RolloutBatch, idx: torch.Tensor) -> tuple:
 
 def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings, optimizer, scheduler,
                   sebp=None) -> dict:
-    """num_iterations optimizer steps on one rollout batch; returns token-weighted metrics."""
-    N = adv.numel()
+    """num_iterations optimizer steps on one rollout batch; returns token-weighted metrics.
+
+    On several ranks `roll` and `adv` are this rank's rows: the loss is normalised by the
+    rows and completion tokens of all ranks, and the gradients are summed over the ranks
+    before each optimizer step, so the update is the one of the whole batch."""
+    N_here = adv.numel()
+    N = int(dist.all_reduce_sum(N_here))
     mask = roll.completion_mask
-    num_tokens = float(mask.sum())
+    num_tokens = dist.all_reduce_sum(float(mask.sum()))
     # beta = 0: zero-advantage rows give exactly zero gradient (see the module docstring).
-    keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N, device=adv.device)
-    out = {"dropped": N - int(keep.numel()), "loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "ratio": 1.0,
+    keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N_here, device=adv.device)
+    kept = int(dist.all_reduce_sum(keep.numel()))
+    out = {"dropped": N - kept, "loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "ratio": 1.0,
            "grad_norm": 0.0, "train_tokens": 0, "train_s": 0.0}
-    if keep.numel() == 0:  # nothing to learn from: no update, but the schedule keeps time
+    if kept == 0:  # nothing to learn from: no update, but the schedule keeps time
         for _ in range(s.num_iterations):
             scheduler.step()
         return out
     t = time.time()
-    mb = s.micro_batch_size if s.micro_batch_size > 0 else N
+    mb = s.micro_batch_size if s.micro_batch_size > 0 else max(N_here, 1)
     chunks = [keep[i : i + mb] for i in range(0, keep.numel(), mb)]
     ref = {}
     if s.beta != 0:
@@ -247,10 +255,15 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
                 sums[k] += m[k] * m["tokens"]
             sums["tokens"] += m["tokens"]
             out["train_tokens"] += int(rows[1].sum() + rows[3].sum())
+        dist.all_reduce_grads(params)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm or float("inf"))))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+    if dist.enabled():  # each rank's loss is its share of the whole batch's: they add up
+        parts = dist.all_gather_object([loss_total, out["train_tokens"], *sums.values()])
+        loss_total, out["train_tokens"], *rest = [sum(v) for v in zip(*parts)]
+        sums = dict(zip(sums, rest))
     denom = max(sums["tokens"], 1.0)
     out.update(loss=loss_total / s.num_iterations, kl=sums["kl"] / denom, clip_ratio=sums["clip_ratio"] / denom,
                ratio=sums["ratio"] / denom, grad_norm=sum(norms) / len(norms), train_s=time.time() - t)
@@ -268,6 +281,9 @@ def train(ctx: RunContext) -> dict:
         ctx.emit("warning", message=f"cispo caps the ratio at fgrpo.epsilon_high={s.epsilon_high} (an absolute "
                                     "value, e.g. 5.0, not a clip width): most tokens will be capped")
 
+    if s.prompts_per_step < dist.world():
+        raise ConfigError(f"fgrpo.prompts_per_step ({s.prompts_per_step}) must be at least the number of ranks "
+                          f"({dist.world()}): each rank samples whole groups of its own prompts")
     reward = build_reward(s.reward, s.reward_file)  # a bad reward fails before the model loads
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = model_lib.load(cfg)
@@ -282,6 +298,7 @@ def train(ctx: RunContext) -> dict:
     held_out = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
     G, sys_prompt = s.num_generations, cfg.data.system_prompt
 
+    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, 0.0, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
     start_step = 0
@@ -317,29 +334,36 @@ def train(ctx: RunContext) -> dict:
                 break
             t_step = time.time()
             rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
+            rows = [rows[i] for i in dist.shard(len(rows))]  # this rank's prompts (all of them on one)
             with sebp.lifted():  # generation: the model's own forwards (fast_decode)
                 roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                seed=cfg.run.seed * _TRAIN_STREAM + step, system_prompt=sys_prompt)
+                                seed=cfg.run.seed * _TRAIN_STREAM + step + dist.rank() * _RANK_STREAM,
+                                system_prompt=sys_prompt)
             gen_s = time.time() - t_step
             row_of = [rows[i] for i in roll.prompt_index]
             sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)
-            bad = [e for e in sc.errors if e]
+            # Every rank gets the whole step's scores (a few numbers per completion): the
+            # advantages are computed over all of them, then each rank takes its rows.
+            parts = dist.all_gather_object((sc.rewards, sc.success, roll.truncated, sc.errors))
+            first = sum(len(p[0]) for p in parts[:dist.rank()])
+            all_rewards, all_success, all_truncated, all_errors = (sum((list(p[k]) for p in parts), [])
+                                                                   for k in range(4))
+            bad = [e for e in all_errors if e]
             if bad and warned < 3:
                 warned += 1
                 more = " (further reward warnings are not shown)" if warned == 3 else ""
-                ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(sc.errors)} completions: "
+                ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(all_errors)} completions: "
                                             f"{bad[0]}{more}")
-            r = torch.tensor(sc.rewards, dtype=torch.float32, device=roll.logprobs.device)
-            ok = torch.tensor(sc.success, device=r.device)
+            r = torch.tensor(all_rewards, dtype=torch.float32, device=roll.logprobs.device)
+            ok = torch.tensor(all_success, device=r.device)
             g = focal_weights(r, G, s.gamma, success=ok)
             adv = group_advantages(r, G, s.scale_rewards) * g
-            upd = policy_update(model, roll, adv, s, optimizer, scheduler, sebp)
+            upd = policy_update(model, roll, adv[first:first + len(sc.rewards)], s, optimizer, scheduler, sebp)
             step += 1
 
             p_hat = success_share(ok, G)
-            lengths = roll.completion_mask.sum(1).float()
-            gen_tokens = int(lengths.sum())
+            gen_tokens = int(dist.all_reduce_sum(int(roll.completion_mask.sum())))
             metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
             if every(cfg.run.log_every, step) or step == s.steps:
                 ctx.emit("step", **progress.fields(step), reward_mean=float(r.mean()),
@@ -348,7 +372,8 @@ def train(ctx: RunContext) -> dict:
                          focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
                          loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
                          grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
-                         completion_len=float(lengths.mean()), truncated=sum(roll.truncated) / len(roll.truncated),
+                         completion_len=gen_tokens / max(len(all_rewards), 1),
+                         truncated=sum(all_truncated) / max(len(all_truncated), 1),
                          gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
                          train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
                          tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),

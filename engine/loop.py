@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import distributed as dist
 from . import memory
 from .effective import optimizer_name
 from .errors import CheckpointError
@@ -37,7 +38,9 @@ class RunContext:
     stop_flag: list = field(default_factory=lambda: [False])  # set by the worker's SIGTERM handler
 
     def should_stop(self) -> bool:
-        return self.stop_flag[0] or self.run.stop_requested()
+        """A stop asked for (STOP file, SIGTERM); on several ranks, asked on any rank, so
+        every rank stops after the same step (a collective: every rank calls it alike)."""
+        return dist.any_rank(self.stop_flag[0] or self.run.stop_requested())
 
 
 def seed_everything(seed: int) -> None:
@@ -74,13 +77,21 @@ class Progress:
 
     def __init__(self, total: int, start_step: int = 0):
         self.total, self.start_step, self.t0 = total, start_step, time.time()
+        self.last = self.t0
 
     def fields(self, step: int) -> dict:
         elapsed = time.time() - self.t0
         done = step - self.start_step
         eta = elapsed / done * (self.total - step) if done > 0 else None
-        return {"step": step, "total": self.total, "elapsed": round(elapsed, 2),
-                "eta": round(eta, 1) if eta is not None else None, **memory.snapshot()}
+        out = {"step": step, "total": self.total, "elapsed": round(elapsed, 2),
+               "eta": round(eta, 1) if eta is not None else None, **memory.snapshot()}
+        if dist.enabled():  # each rank's memory and time (a collective: every rank logs the same steps)
+            now = time.time()
+            mine = {"rank": dist.rank(), "gpu": out["gpu"], "host_rss": out["host_rss"],
+                    "step_s": round(now - self.last, 3)}
+            out["ranks"] = dist.all_gather_object(mine)
+            self.last = now
+        return out
 
 
 # --------------------------------------------------------------------------- optimisation
@@ -158,10 +169,14 @@ STATE_FILE = "training_state.pt"
 
 
 def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler=None, **extra) -> Path:
+    """Rank 0 writes (the ranks hold the same adapter and optimizer state); the others
+    return at once."""
     from .export import name_the_base
     from .model import resolve_model_path
 
     path = ctx.run.checkpoint(step)
+    if not dist.is_main():
+        return path
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
         # Named like the final adapter's base, so a checkpoint folder loads elsewhere too.
@@ -258,7 +273,8 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
     """Write the final adapter, then the terminal event (`stopped` or `finished`)."""
     from .export import write_adapter
 
-    write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics)
+    if dist.is_main():
+        write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics)
     fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
     ctx.emit("stopped" if stopped else "finished", **fields)
     return metrics

@@ -41,7 +41,11 @@ def resolve_device(ms: ModelSettings) -> str:
         if ms.device.startswith("cuda") and not torch.cuda.is_available():
             raise ModelError(f"model.device is '{ms.device}' but no CUDA GPU is visible")
         return ms.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        from . import distributed
+
+        return distributed.device("cuda")  # cuda:<local rank> when several ranks share the machine
+    return "cpu"
 
 
 def compute_dtype(ms: ModelSettings, device: str):
@@ -254,7 +258,9 @@ def load_base(ms: ModelSettings):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
-    if entry is not None and cached is None:
+    from . import distributed
+
+    if entry is not None and cached is None and distributed.is_main():  # one writer of the cache
         from . import quant_cache
 
         print(f"quantised base: {quant_cache.store(model, entry)}", file=sys.stderr, flush=True)

@@ -57,6 +57,7 @@ from .settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 GiB = 1024**3
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x
 ALLOCATOR_FIXED = 256 * 1024**2
+NCCL_BUFFERS = 512 * 1024**2  # NCCL's communicator and channel buffers on a rank of a data-parallel run
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
 # PEFT's prepare_model_for_kbit_training would cast every unquantised parameter
 # (embeddings, norms, biases, lm_head) to fp32 and make the residual stream fp32;
@@ -672,15 +673,36 @@ def verdict(cfg: Config, total: int, budget: int | None, device: str, gpu_free: 
             "smaller batch / shorter max_seq_len together, or a smaller model", False)
 
 
+def per_rank(cfg: Config, gpus: int) -> Config:
+    """The shapes one rank of a data-parallel run on `gpus` GPUs works on
+    (engine/distributed.py): SFT's step rows split across the ranks, in micro-batches of
+    at most sft.batch_size; F-GRPO's prompts split (whole groups per rank); ESSA's
+    candidates split, each rank scoring as one process does."""
+    import copy
+    import math
+
+    if gpus <= 1:
+        return cfg
+    out = copy.deepcopy(cfg)
+    s = out.sft
+    s.batch_size = max(1, min(s.batch_size, math.ceil(s.batch_size * s.grad_accum / gpus)))
+    out.fgrpo.prompts_per_step = max(1, math.ceil(out.fgrpo.prompts_per_step / gpus))
+    return out
+
+
 def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = None,
-             device: str | None = None, detect_gpu: bool = True) -> dict:
+             device: str | None = None, detect_gpu: bool = True, gpus: int = 1) -> dict:
     """Predicted peak GPU memory of `cfg`, in bytes per part, with a verdict.
 
     `gpu_total` / `gpu_free`: the card's memory; when both are None and `detect_gpu`,
     nvidia-smi is asked. `device`: plan for this device (default: cfg.model.device, with
     auto meaning cuda: the planner is about GPU memory).
     Keys: each part in `parts` (they sum to `total`), `allocated_peak` (what
-    torch.cuda.max_memory_allocated would show), `verdict`, `fits`, and details."""
+    torch.cuda.max_memory_allocated would show), `verdict`, `fits`, and details.
+    `gpus` > 1: the peak of each GPU of a data-parallel run (every GPU holds the whole
+    4-bit base; the batch is split; plus the gradient all-reduce buffer and NCCL's)."""
+    if gpus > 1:
+        cfg = per_rank(cfg, gpus)
     if device is None:
         device = "cuda" if cfg.model.device == "auto" else cfg.model.device
     if gpu_total is None and gpu_free is None and detect_gpu and device.startswith("cuda"):
@@ -688,6 +710,15 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
         if got is not None:
             gpu_free, gpu_total = got
     plan, ctx, notes = _plan(cfg, device, gpu_free)
+    if gpus > 1:
+        flat = lora_params(ctx) * 4 if cfg.method != "essa" else 0  # the flattened gradients all-reduced
+        plan["lora_grads"] += flat
+        plan["allocated_peak"] += flat
+        plan["cuda_context"] += NCCL_BUFFERS if device.startswith("cuda") else 0
+        plan["total"] = sum(int(plan[k]) for k in plan["parts"])
+        notes.append(f"per GPU of {gpus} (data-parallel): each holds the whole 4-bit base and adapter; "
+                     f"shape per GPU: {plan.get('shape', '')}")
+    plan["gpus"] = gpus
     budget = gpu_free if gpu_free is not None else gpu_total
     run_device = cfg.model.device
     if run_device == "auto":

@@ -85,6 +85,11 @@ class ModelSettings:
         "without quantising again; costs ~0.55 byte of disk per parameter (4.5 GB for a 7B model). "
         "false = quantise at every load, store nothing.")
     device: str = setting("auto", "auto = cuda when present, else cpu.")
+    shard: str = setting(
+        "none",
+        "How a run on several GPUs (edgetune train --gpus N) holds the base: none = every GPU holds the "
+        "whole 4-bit base and the batch is split (data-parallel). fsdp (the base sharded across the GPUs) "
+        "is not built yet and is refused.")
     trust_remote_code: bool = setting(
         False,
         "Run Python code shipped in the model's repository (some architectures need it); only for "
@@ -608,6 +613,7 @@ CHOICES = {
     "model.quant": ("nf4", "int8", "none"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
     "model.liger": AUTO_ON_OFF,
+    "model.shard": ("none",),
     "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
     "data.overlong": ("truncate", "drop"),
     "sft.optimizer": OPTIMIZERS,
@@ -723,6 +729,9 @@ def validate(cfg: Config) -> None:
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {cfg.model.gradient_checkpointing!r}")
+    if cfg.model.shard == "fsdp":
+        raise ConfigError("model.shard: fsdp (the 4-bit base sharded across GPUs) is not built yet; use none "
+                          "(every GPU holds the whole base, the batch is split)")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise _choice_error("model.device", cfg.model.device, ("auto", "cpu", "cuda", "cuda:0"))
     for group in (cfg.sft, cfg.fgrpo):  # null: how "auto" was written before it was a word

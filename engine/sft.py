@@ -38,6 +38,7 @@ import torch
 from edgetune.kernels import sebp as sebp_lib
 
 from . import data as data_lib
+from . import distributed as dist
 from . import model as model_lib
 from . import phases
 from .effective import decide, record
@@ -55,8 +56,12 @@ def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
     the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
     different numbers of tokens; dividing each micro-batch's mean by grad_accum would
     over-weigh the tokens of a short one). Returns (that mean loss, label tokens).
-    `sebp`: the handle of kernels/sebp.enabled (or None)."""
-    total = sum(label_count(b["labels"]) for b in batches)
+    `sebp`: the handle of kernels/sebp.enabled (or None).
+
+    On several ranks `batches` are this rank's share of the step: the label tokens are
+    counted over all ranks (one all_reduce) and the gradients summed over them (one more),
+    so every rank ends with the gradient of the whole step, as one process would."""
+    total = int(dist.all_reduce_sum(sum(label_count(b["labels"]) for b in batches)))
     loss_sum = 0.0
     for batch in batches:
         if sebp is not None:
@@ -65,7 +70,18 @@ def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
             loss, n = causal_lm_loss(model, batch)
         (loss * (n / max(total, 1))).backward()
         loss_sum += loss.item() * n
-    return loss_sum / max(total, 1), total
+    dist.all_reduce_grads(model.parameters())
+    return dist.all_reduce_sum(loss_sum) / max(total, 1), total
+
+
+def step_rows(n: int, batch_size: int, grad_accum: int, step: int, seed: int) -> list[list[int]]:
+    """This rank's micro-batches of optimizer step `step`: the step's rows (grad_accum
+    micro-batches of batch_size, as one process takes them) split evenly across ranks,
+    then cut into micro-batches of at most batch_size. One process gets the original
+    micro-batches back."""
+    rows = [i for j in range(grad_accum) for i in micro_batch_indices(n, batch_size, step * grad_accum + j, seed)]
+    mine = [rows[i] for i in dist.shard(len(rows))]
+    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
 
 
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
@@ -126,6 +142,7 @@ def train(ctx: RunContext) -> dict:
 
         offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
 
+    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
     start_step = 0
@@ -158,12 +175,11 @@ def train(ctx: RunContext) -> dict:
                 break
             t_step = time.time()
             batches = []
-            for j in range(s.grad_accum):
-                k = step * s.grad_accum + j
-                rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.batch_size, k, cfg.run.seed)]
+            for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed):
+                rows = [data.train[i] for i in idx]
                 batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
             step_loss, _ = accumulate(model, batches, sebp)
-            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+            tokens = int(dist.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches)))
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
             optimizer.step()

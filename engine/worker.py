@@ -4,6 +4,12 @@ Started by engine/api.py in its own process session, so the UI (or the CLI) neve
 the training stack, and a crash of either side loses nothing: everything the worker
 knows goes to the run folder. SIGTERM asks for a graceful stop (finish the step, save
 the adapter), like the STOP file.
+
+On several GPUs (`edgetune train --gpus N`) the process that engine/api.py starts is a
+launcher (`--nproc N`): it runs `torchrun`, which starts N copies of this module, one a
+GPU (engine/distributed.py). Rank 0 writes the run folder and watches the other ranks:
+one that dies ends the run with an `error` event that names it. The launcher writes the
+error itself when the ranks ended without one (rank 0 itself died).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import traceback
 import yaml
 
 from .errors import EdgetuneError
-from .events import EventWriter, read_events
+from .events import TERMINAL, EventWriter, read_events
 from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
 from .settings import from_dict
 
@@ -52,31 +58,168 @@ def method_module(method: str):
     return importlib.import_module(f".{METHOD_MODULES[method]}", __package__)
 
 
-def run(run_dir: str, resume: bool = False) -> int:
-    run = RunDir(run_dir).require()
-    clean_temporaries(run.path)  # what a write killed mid-way left (this process is the run's only writer)
-    emit = EventWriter(run.events_path)
-    atomic_write_text(run.pid_path, str(os.getpid()))
+class _NoEvents:
+    """The event writer of ranks other than 0: they report nothing themselves."""
+
+    count = 0
+
+    def emit(self, type: str, **fields) -> dict:
+        return {"type": type, **fields}
+
+    __call__ = emit
+
+    def close(self) -> None:
+        pass
+
+
+class _LockedEvents:
+    """Rank 0's writer shared with its rank watch (a side thread): one line at a time,
+    and nothing after the watch has ended the run."""
+
+    def __init__(self, writer: EventWriter):
+        self.writer, self.lock, self.closed, self.ended = writer, threading.Lock(), False, False
+
+    def emit(self, type: str, **fields) -> dict:
+        with self.lock:
+            if self.closed:
+                return {"type": type, **fields}
+            self.ended = self.ended or type in TERMINAL
+            return self.writer.emit(type, **fields)
+
+    __call__ = emit
+
+    def final(self, type: str, **fields) -> bool:
+        """Write a terminal event unless one was written; True when this call wrote it."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            if self.ended:
+                return False
+            self.writer.emit(type, **fields)
+            return True
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RankWatch:
+    """Rank 0 checks every second that the other ranks of its machine are alive; one that
+    is gone ends the run at once with an error naming it (the collectives of the others
+    would otherwise fail with a socket error, or wait on NCCL for minutes). Ranks on other
+    machines are left to torchrun, which ends the job when one of them fails."""
+
+    def __init__(self, emit: _LockedEvents, run: RunDir):
+        from . import distributed as dist
+        from .runfolder import pid_alive
+
+        self.emit, self.run, self.pid_alive = emit, run, pid_alive
+        me = {"rank": dist.rank(), "pid": os.getpid(), "host": os.uname().nodename}
+        self.peers = [p for p in dist.all_gather_object(me) if p["rank"] != 0 and p["host"] == me["host"]]
+        self.done = threading.Event()
+        if dist.is_main() and self.peers:
+            threading.Thread(target=self._loop, name="edgetune-rank-watch", daemon=True).start()
+
+    def dead(self) -> dict | None:
+        return next((p for p in self.peers if not self.pid_alive(p["pid"])), None)
+
+    def check(self) -> bool:
+        """End the run naming a dead rank, if there is one; True when one was found."""
+        p = self.dead()
+        if p is None:
+            return False
+        why = _rank_error(p["rank"])
+        self.emit.final("error", kind="killed",
+                        message=f"rank {p['rank']} (pid {p['pid']}) died{': ' + why if why else ''}; the run stopped "
+                                f"(its output is in {self.run.log_path}); edgetune resume {self.run.path} continues "
+                                "from the last checkpoint")
+        return True
+
+    def _loop(self) -> None:
+        while not self.done.wait(1.0):
+            if self.check():
+                os._exit(1)  # the collectives of this rank may never return: torchrun ends the others
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def _store():
+    import torch.distributed as tdist
+
+    return tdist.distributed_c10d._get_default_store()
+
+
+def _rank_error(rank: int) -> str:
+    """The one line a dead rank left in the process group's store before exiting."""
+    try:
+        store = _store()
+        key = f"edgetune/error/{rank}"
+        return store.get(key).decode() if store.check([key]) else ""
+    except Exception:
+        return ""
+
+
+def _leave_error(message: str) -> None:
+    from . import distributed as dist
+
+    try:
+        _store().set(f"edgetune/error/{dist.rank()}", message[:500])
+    except Exception:
+        pass
+
+
+def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int:
+    """Train the run in `run_dir`. Under torchrun (several ranks) every rank calls this;
+    rank 0 alone touches the run folder. `owns_pid`: write worker.pid (default: when
+    this is the only process of the run)."""
+    from . import distributed as dist
+
+    multi = dist.init()
+    main = dist.is_main()
+    run = RunDir(run_dir)
+    if main:
+        run.require()
+        clean_temporaries(run.path)  # what a write killed mid-way left (this process is the run's only writer)
+    emit = _LockedEvents(EventWriter(run.events_path)) if main else _NoEvents()
+    owns_pid = (not multi) if owns_pid is None else owns_pid
+    if owns_pid:
+        atomic_write_text(run.pid_path, str(os.getpid()))
     from .loop import RunContext, pick_checkpoint
 
-    ctx = None
-    beat = start_heartbeat(run)
+    ctx = watch = None
+    beat = start_heartbeat(run) if main else threading.Event()
     try:
-        cfg = from_dict(yaml.safe_load(run.config_path.read_text()))
+        if multi:
+            watch = RankWatch(emit, run)
+        text = run.config_path.read_text() if main else None
+        cfg = from_dict(yaml.safe_load(dist.broadcast_object(text)))
         ckpt = last = None
         if resume:
-            last = pick_checkpoint(run, lambda m: emit("warning", message=m))
-            ckpt = last[1] if last else None
-        run.clear_stop()
+            last = pick_checkpoint(run, lambda m: emit("warning", message=m)) if main else None
+            last = dist.broadcast_object(last)
+            ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
+        if main:
+            run.clear_stop()
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt)
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
         from .model import resolve_device
 
-        emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(), device=resolve_device(cfg.model),
-             resumed_from=last[0] if resume and last else None, pid=os.getpid())
+        extra = {"world_size": dist.world()} if multi else {}
+        emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
+             device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
+             pid=os.getpid(), **extra)
         method_module(cfg.method).train(ctx)
+        if multi:  # no rank leaves while rank 0 still writes (its watch would take that for a death)
+            watch.stop()
+            try:
+                dist.barrier()
+            except Exception:
+                pass
         return 0
     except EdgetuneError as e:
+        if multi and not main:
+            _leave_error(str(e))
         emit("error", message=str(e), kind="input")
         return 2
     except KeyboardInterrupt:
@@ -84,6 +227,11 @@ def run(run_dir: str, resume: bool = False) -> int:
         return 130
     except BaseException as e:  # a bug: keep the traceback in worker.log, one line in events
         traceback.print_exc()
+        if multi and not main:
+            _leave_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            return 1
+        if watch is not None and (watch.check() or _wait_for_dead_peer(watch)):
+            return 1  # a rank died: the collective failed because of it, and the error names it
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(e, torch.OutOfMemoryError) and ctx is not None:
             from .oom import advice
@@ -104,18 +252,86 @@ def run(run_dir: str, resume: bool = False) -> int:
         return 1
     finally:
         beat.set()
+        if watch is not None:
+            watch.stop()
         emit.close()
+        if owns_pid:
+            try:
+                run.pid_path.unlink()
+            except FileNotFoundError:
+                pass
+        if multi:
+            dist.shutdown()
+
+
+def _wait_for_dead_peer(watch: RankWatch, seconds: float = 3.0) -> bool:
+    """A failed collective is usually a peer that died a moment ago; give its process
+    the time to be gone (or a zombie) before calling the failure our own."""
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        time.sleep(0.2)
+        if watch.check():
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def launch(run_dir: str, resume: bool, nproc: int) -> int:
+    """The process engine/api.py starts for a run on several GPUs: torchrun with one
+    rank a GPU on this machine. SIGTERM asks the ranks for a graceful stop (the STOP
+    file); when they end without a terminal event (rank 0 died), the error is written
+    here."""
+    run = RunDir(run_dir).require()
+    atomic_write_text(run.pid_path, str(os.getpid()))
+    before = EventWriter(run.events_path)
+    first = before.count
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        before.emit("error", kind="input", message=f"--gpus {nproc}: this machine has {torch.cuda.device_count()} "
+                                                   "CUDA device(s)")
+        before.close()
+        run.pid_path.unlink(missing_ok=True)
+        return 2
+    before.close()
+    signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "-m", "edgetune.engine.worker", str(run.path)] + \
+          (["--resume"] if resume else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    import subprocess
+
+    try:
+        rc = subprocess.call(cmd, env=env, stdin=subprocess.DEVNULL)
+    except KeyboardInterrupt:
+        rc = 130
+    try:
+        events = read_events(run.events_path, first)
+        if not any(e["type"] in ("finished", "stopped", "error") for e in events):
+            w = EventWriter(run.events_path)
+            how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+            w.emit("error", kind="bug" if rc > 0 else "killed",
+                   message=f"the training processes ended without a word (torchrun: {how}; rank 0 died?); "
+                           f"see {run.log_path}")
+            w.close()
+    finally:
         try:
             run.pid_path.unlink()
         except FileNotFoundError:
             pass
+    return rc if rc >= 0 else 1
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="edgetune-worker")
     p.add_argument("run_dir")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (> 1: start them with torchrun)")
     a = p.parse_args(argv)
+    if a.nproc > 1:
+        return launch(a.run_dir, a.resume, a.nproc)
     return run(a.run_dir, a.resume)
 
 

@@ -1,0 +1,242 @@
+"""Training on several ranks (engine/distributed.py), on the CPU: two processes over gloo
+under torchrun, on the tiny random Llama (conftest.py).
+
+- SFT on 2 ranks (edgetune's own launcher) takes the same steps as one process with the
+  same global batch: losses, gradient norms and final LoRA weights within 1e-5; step
+  events carry both ranks' memory and time;
+- the SFT gradient and an F-GRPO update on fixed rollouts (tests/dist_driver.py) equal the
+  one-process ones;
+- ESSA under a plain `torchrun -m edgetune.engine.cli train` (population 5 split 3 + 2)
+  has the one-process fitness trajectory;
+- a stop reaches both ranks; the run resumes on one process and ends as an uninterrupted one;
+- a rank killed mid-run ends the run with an error that names it, and no process is left.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from edgetune.engine import api, settings
+from edgetune.engine import distributed as dist
+from edgetune.engine.events import read_events
+from inline_run import run_inline
+
+TESTS = Path(__file__).resolve().parent
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch, tmp_path):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("EDGETUNE_CACHE", os.environ.get("EDGETUNE_CACHE", str(tmp_path / "cache")))
+
+
+def sft_cfg(model_dir, runs, **sft):
+    return settings.from_dict({
+        "method": "sft",
+        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"path": "embedded:arith-sft", "max_rows": 48, "max_seq_len": 96},
+        "run": {"runs_dir": str(runs), "seed": 3, "checkpoint_every": 2},
+        # 3 x 2 rows a step: 3 + 3 on two ranks, in micro-batches that differ from one process's
+        "sft": {"lr": 1e-3, "steps": 4, "batch_size": 3, "grad_accum": 2, "warmup_steps": 1, "eval_every": 0,
+                **sft},
+    })
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tiny_model_dir, tmp_path_factory):
+    """The one-process run (in this process, as the worker would run it)."""
+    from edgetune.engine import sft
+
+    root = tmp_path_factory.mktemp("one")
+    cfg = sft_cfg(tiny_model_dir, root)
+    _, _, events = run_inline(sft.train, cfg, root / "one")
+    return events, root / "one" / "adapter" / "adapter_model.safetensors"
+
+
+def steps(events):
+    return {e["step"]: e for e in events if e["type"] == "step"}
+
+
+def assert_same_steps(ours: dict, ref: dict, keys=("loss", "grad_norm")):
+    assert ours.keys() <= ref.keys() and ours
+    for k in ours:
+        for key in keys:
+            assert ours[k][key] == pytest.approx(ref[k][key], rel=1e-5, abs=1e-6), (k, key)
+
+
+def assert_same_weights(a: Path, b: Path):
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    assert max(float(wa[k].abs().max()) for k in wa if "lora_B" in k) > 1e-3  # trained: B left zero
+
+
+def finish(run, timeout=300):
+    t0 = time.time()
+    while run.alive() and time.time() - t0 < timeout:
+        time.sleep(0.3)
+    assert not run.alive(), "the run did not end"
+    return read_events(run.dir.events_path)
+
+
+def test_shard_splits_unevenly():
+    assert [list(dist.shard(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [len(dist.shard(3, r, 4)) for r in range(4)] == [1, 1, 1, 0]
+    assert sum((list(dist.shard(17, r, 3)) for r in range(3)), []) == list(range(17))
+
+
+def test_sft_two_ranks_equal_one_process(tiny_model_dir, tmp_path, sft_reference):
+    ref_events, ref_adapter = sft_reference
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path), name="two", gpus=2)
+    events = finish(run)
+    assert events[-1]["type"] == "finished", events[-1]
+    started = next(e for e in events if e["type"] == "started")
+    assert started["world_size"] == 2
+    ours = steps(events)
+    assert sorted(ours) == [1, 2, 3, 4]
+    assert_same_steps(ours, steps(ref_events))
+    for ev in ours.values():  # each rank's memory and time
+        assert [r["rank"] for r in ev["ranks"]] == [0, 1]
+        assert all(r["host_rss"] > 0 and r["step_s"] > 0 for r in ev["ranks"])
+    assert_same_weights(run.path / "adapter" / "adapter_model.safetensors", ref_adapter)
+    assert (run.path / "checkpoints" / "step-2").is_dir() and not run.dir.pid_path.exists()
+
+
+def test_gradients_and_fgrpo_update_equal_one_process(tiny_model_dir, tmp_path):
+    """The SFT gradient of 8 rows (2 ranks x 4, micro-batches of 3) and two F-GRPO optimizer
+    steps on one fixed rollout batch (each rank the groups of its prompts, one group with
+    zero advantage) equal the one-process ones."""
+    sys.path.insert(0, str(TESTS))
+    import dist_driver
+
+    dist_driver.main(str(tmp_path), str(tiny_model_dir))  # one process, in this one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(TESTS / "dist_driver.py"), str(tmp_path), str(tiny_model_dir)],
+                   env=env, check=True, timeout=300, capture_output=True)
+    one = torch.load(tmp_path / "world-1.pt", weights_only=False)
+    two = torch.load(tmp_path / "world-2.pt", weights_only=False)
+    assert two["world"] == 2 and one["world"] == 1
+    assert two["sft"]["labels"] == one["sft"]["labels"]
+    assert two["sft"]["loss"] == pytest.approx(one["sft"]["loss"], rel=1e-6)
+    for k, g in one["sft"]["grads"].items():
+        assert float(g.abs().max()) > 0, k
+        assert torch.allclose(two["sft"]["grads"][k], g, atol=1e-5, rtol=0), k
+    for k, w in one["fgrpo"]["weights"].items():
+        assert torch.allclose(two["fgrpo"]["weights"][k], w, atol=1e-5, rtol=0), k
+    m1, m2 = one["fgrpo"]["metrics"], two["fgrpo"]["metrics"]
+    assert m1["dropped"] == m2["dropped"] == 4 and m1["train_tokens"] == m2["train_tokens"]
+    for key in ("loss", "grad_norm", "clip_ratio", "ratio"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+
+
+REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, completion)) % 97) / 96\n"
+
+
+def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_path):
+    """A plain `torchrun ... -m edgetune.engine.cli train` (no launcher of ours): rank 0
+    makes the run folder; population 5 is split 3 + 2; greedy fitness per candidate and
+    generation equals the one-process run's."""
+    from edgetune.engine import essa
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text(REWARD_PY)
+    cfg = {"method": "essa", "model": {"name": str(tiny_model_dir), "quant": "nf4", "gradient_checkpointing": False},
+           "lora": {"r": 4, "alpha": 8},
+           "data": {"path": str(tmp_path / "rl.jsonl"), "eval_fraction": 0.0, "max_seq_len": 64},
+           "run": {"runs_dir": str(tmp_path / "runs"), "seed": 1, "checkpoint_every": 0},
+           "sft": {"batch_size": 2, "lr": 1e-2},
+           "essa": {"warm_start_steps": 2, "warm_start_data": "embedded:arith-sft", "population": 5,
+                    "generations": 2, "prompts_per_generation": 3, "max_new_tokens": 6, "sigma0": 0.5,
+                    "reward": "file", "reward_file": str(tmp_path / "reward.py"), "eval_prompts": 0}}
+    (tmp_path / "essa.yaml").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "edgetune.engine.cli", "train", "--config", str(tmp_path / "essa.yaml"),
+                           "--name", "two"], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run folder:" in proc.stdout and "finished" in proc.stdout
+    two = read_events(tmp_path / "runs" / "two" / "events.jsonl")
+    _, _, one = run_inline(essa.train, settings.from_dict(cfg), tmp_path / "one")
+
+    def fitness(events):
+        return [(e["generation"], e["index"], e["fitness"]) for e in events if e["type"] == "candidate"]
+
+    assert len(fitness(two)) == 10 and [g[:2] for g in fitness(two)] == [g[:2] for g in fitness(one)]
+    assert [f for *_, f in fitness(two)] == pytest.approx([f for *_, f in fitness(one)], abs=1e-9)
+    assert len({f for *_, f in fitness(one)}) > 1  # the candidates really differ
+    assert two[-1]["type"] == "finished" and not (tmp_path / "runs" / "two" / "worker.pid").exists()
+
+
+def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path, sft_reference):
+    ref_events, ref_adapter = sft_reference
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=4), name="cut", gpus=2)
+    for ev in run.events(follow_live=True, timeout=300):
+        if ev["type"] == "step":
+            run.stop()  # the STOP file: rank 0 sees it, every rank stops after the same step
+            break
+    events = finish(run)
+    assert events[-1]["type"] == "stopped", events[-1]
+    cut = events[-1]["step"]
+    assert 1 <= cut < 4 and run.dir.last_checkpoint()[0] == cut
+    again = api.resume(run.path, gpus=1)
+    events = finish(again)
+    assert events[-1]["type"] == "finished", events[-1]
+    resumed = [e for e in events if e["type"] == "started"][-1]
+    assert resumed["resumed_from"] == cut and "world_size" not in resumed
+    assert_same_steps({k: v for k, v in steps(events[resumed["i"]:]).items()}, steps(ref_events))
+    assert_same_weights(again.path / "adapter" / "adapter_model.safetensors", ref_adapter)
+
+
+def _ranks(launcher_pid: int) -> dict:
+    import psutil
+
+    out = {}
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            env = p.environ()
+            if "edgetune.engine.worker" in " ".join(p.cmdline()) and "RANK" in env:
+                out[int(env["RANK"])] = p
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_a_killed_rank_ends_the_run_naming_it(tiny_model_dir, tmp_path):
+    import psutil
+
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=400), name="kill", gpus=2)
+    launcher = run.process.pid
+    for ev in run.events(follow_live=True, timeout=300):
+        if ev["type"] == "step":
+            break
+    ranks = _ranks(launcher)
+    assert sorted(ranks) == [0, 1]
+    ranks[1].send_signal(signal.SIGKILL)
+    events = finish(run, timeout=120)
+    err = events[-1]
+    assert err["type"] == "error" and "rank 1" in err["message"] and err["kind"] == "killed", err
+    assert f"pid {ranks[1].pid}" in err["message"]
+    assert run.status() == "failed" and events[-2]["type"] != "error"  # one error, not a second one
+    alive = psutil.wait_procs(list(ranks.values()), timeout=30)[1]
+    assert not alive, f"ranks left running: {alive}"
+
+
+def test_cli_launch_options(tmp_path):
+    from edgetune.engine import cli
+
+    assert cli.main(["train", "--preset", "sft-quickstart", "--gpus", "0", "--runs-dir", str(tmp_path)]) == 2
+    assert cli.main(["train", "--preset", "sft-quickstart", "--gpus", "2", "--nnodes", "2",
+                     "--runs-dir", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())  # nothing was started
