@@ -26,6 +26,9 @@ class TrainTab:
             self.start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
             self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
             self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
+            n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
+            self.gpus = gr.Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
+                                  label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
         self.msg = gr.Markdown("", elem_id="train-message")
         self.progress = gr.HTML(live.progress_html([], "none"), elem_id="train-progress")
         with gr.Row():
@@ -102,7 +105,7 @@ class TrainTab:
         p = self.page
         path = values[p.attached]
         try:
-            run = p.adopt(api.start(p.config(values)))
+            run = p.adopt(api.start(p.config(values), gpus=int(values.get(self.gpus) or 1)))
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
         return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),
@@ -133,7 +136,7 @@ class TrainTab:
     def wire(self) -> None:
         p = self.page
         acted = [self.msg, p.attached, p.msg_at]
-        self.start_btn.click(self.do_start, p.form_inputs | {p.attached}, acted) \
+        self.start_btn.click(self.do_start, p.form_inputs | {p.attached, self.gpus}, acted) \
             .then(self.draw, self.live_inputs, self.live_outputs) \
             .then(p.runs_tab.refresh, p.attached, p.runs_tab.outputs)
         self.stop_btn.click(self.do_stop, p.attached, [self.msg, p.msg_at])

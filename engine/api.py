@@ -270,6 +270,25 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
 
 
+def gpu_count() -> int:
+    """CUDA devices this machine shows (nvidia-smi, honouring CUDA_VISIBLE_DEVICES); no
+    torch in the calling process. 0 without a GPU."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
 def estimate(cfg: Config, gpus: int = 1) -> dict:
     """Predicted peak memory of a configuration (engine/planner.py); `gpus` > 1: of each
     GPU of a data-parallel run on that many."""

@@ -240,3 +240,17 @@ def test_cli_launch_options(tmp_path):
     assert cli.main(["train", "--preset", "sft-quickstart", "--gpus", "2", "--nnodes", "2",
                      "--runs-dir", str(tmp_path)]) == 2
     assert not list(tmp_path.iterdir())  # nothing was started
+
+
+def test_gpu_count_reads_nvidia_smi(tmp_path, monkeypatch):
+    """What the app's start form asks to show its GPUs field (no torch in the app)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert api.gpu_count() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert api.gpu_count() == 1
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert api.gpu_count() == 0
