@@ -52,6 +52,9 @@ TASKS: dict[str, tuple[str, dict]] = {
                                                   allow_negation=False)),
     "leg_counting": ("leg_counting", dict(min_animals=1, max_animals=1, min_instances=1, max_instances=6)),
     "count_bits": ("count_bits", dict(min_n=1, max_n=255)),
+    "simple_equations": ("simple_equations", dict(min_terms=2, max_terms=2, min_value=1, max_value=9,
+                                                  operators=("+", "-"), operators_weights=(0.5, 0.5))),
+    "gcd": ("gcd", dict(min_numbers=2, max_numbers=2, min_value=2, max_value=20)),
     "products": ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
 }
 KEPT_ASIDE = "products"  # never used to choose a default
@@ -318,7 +321,9 @@ def plot(result: dict, path: Path) -> None:
                 ax.plot(*zip(*pts), marker=".", label=LABELS[c] + (" (population mean fitness)" if c == "essa" else ""))
         ax.set_xlabel("step / generation")
         ax.set_ylabel("training reward")
-        ax.set_ylim(0, 1)
+        values = [v for line in ax.lines for v in line.get_ydata()]
+        if all(0 <= v <= 1 for v in values):  # rewards; a gold_logprob fitness is negative
+            ax.set_ylim(0, 1)
         if ax.lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
