@@ -233,11 +233,13 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
                 evaluate("sft", str(run / "adapter"), secs, cmd, run)
         elif method in ("fgrpo", "grpo"):
             gamma = [] if method == "fgrpo" else ["fgrpo.gamma=0"]
-            # Training-time evaluation is left to `edgetune eval` below (the same prompts
-            # and sampling seed for every method): one held-out prompt, two samples.
+            # No held-out rows in training (eval_fraction 0, no eval_path): no training-time
+            # evaluation; `edgetune eval` below judges every method on the same prompts and
+            # sampling seed.
             run, secs, cmd = train(method, "fgrpo-quickstart",
-                                   [*rl_data, f"fgrpo.reward=rg:{task}", *budget("fgrpo.steps", a.fgrpo_steps),
-                                    "fgrpo.eval_prompts=1", "fgrpo.eval_k=1", f"run.seed={a.seed}", *gamma])
+                                   [f"data.path={data['train_rl']}", "data.eval_fraction=0",
+                                    f"fgrpo.reward=rg:{task}", *budget("fgrpo.steps", a.fgrpo_steps),
+                                    f"run.seed={a.seed}", *gamma])
             if run:
                 evaluate(method, str(run / "adapter"), secs, cmd, run)
         elif method == "essa":

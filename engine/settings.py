@@ -280,7 +280,9 @@ class FGRPOSettings:
         section="evaluation")
     eval_prompts: int = setting(
         50,
-        "Held-out prompts per evaluation (0 = the whole held-out split).",
+        "Held-out prompts per evaluation (0 = the whole held-out split). No held-out rows "
+        "(data.eval_fraction 0 and no data.eval_path) = no evaluation during training; "
+        "`edgetune eval` measures the adapter afterwards.",
         section="evaluation")
     eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation")
     sample_every: int = setting(

@@ -69,6 +69,19 @@ def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp
     assert torch.allclose(part, full[idx], atol=1e-5)
 
 
+def test_no_held_out_rows_means_no_evaluation_during_training(tiny_model_dir, rl_files, tmp_path):
+    """data.eval_fraction 0 and no data.eval_path: every row trains and nothing is evaluated
+    (the documented way to switch training-time evaluation off; fgrpo.eval_prompts 0 means
+    the whole held-out split)."""
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_every=1)
+    cfg.data.eval_fraction = 0.0
+    _, _, events = run_fgrpo(cfg, tmp_path / "run")
+    assert events[-1]["type"] == "finished" and events[-1]["step"] == 2
+    report = next(e for e in events if e["type"] == "data")["report"]
+    assert report["eval_rows"] == 0 and report["train_rows"] == 20
+    assert not [e for e in events if e["type"] == "eval"]
+
+
 def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     cfg = config(tiny_model_dir, rl_files, tmp_path, gamma=1.0)
     cfg.run.checkpoint_every = 1
