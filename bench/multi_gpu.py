@@ -42,6 +42,7 @@ def parse(argv=None):
     p.add_argument("--gpus", type=int, default=2, help="the N compared with 1")
     p.add_argument("--only", default="sft,essa,fgrpo", help="which benches (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT") or "")
+    p.add_argument("--job-timeout", type=float, default=290, help="seconds for each torchrun job")
     p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)  # one torchrun job's rank
     return p.parse_args(argv)
 
@@ -95,6 +96,13 @@ def rank_job(a) -> None:
                "arch": "tiny" if a.tiny else "Qwen2.5-7B (random init, NF4)", "build_s": round(time.time() - t0, 1),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
     only = set(a.only.split(","))
+
+    def dump():  # after each bench: a later one that fails leaves the earlier figures
+        if me == 0:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / f"multi_gpu_w{W}.json").write_text(json.dumps(R, indent=1, default=str))
+
+    dump()
     g = torch.Generator().manual_seed(1)
     vocab = arch["vocab_size"]
 
@@ -132,6 +140,7 @@ def rank_job(a) -> None:
         model.zero_grad(set_to_none=True)
         if me == 0:
             print("sft", json.dumps(R["sft"]), flush=True)
+        dump()
 
     if "essa" in only:
         from edgetune.engine.essa import Evaluator, make_es, population_fitness
@@ -165,6 +174,7 @@ def rank_job(a) -> None:
                                "peak_gib_per_rank": peaks()}
             if me == 0:
                 print("essa", mode, json.dumps(R["essa"][mode]), flush=True)
+            dump()
         space.restore()
 
     if "fgrpo" in only:
@@ -213,9 +223,8 @@ def rank_job(a) -> None:
         if me == 0:
             print("fgrpo", json.dumps(R["fgrpo"]), flush=True)
 
-    if me == 0:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / f"multi_gpu_w{W}.json").write_text(json.dumps(R, indent=1, default=str))
+    R["done"] = True
+    dump()
     dist.shutdown()
 
 
@@ -238,20 +247,23 @@ def main(argv=None) -> dict:
               (["--tiny"] if a.tiny else [])
         print("+", " ".join(cmd), flush=True)
         t = time.time()
-        subprocess.run(cmd, env=env, check=True)
-        res[f"w{w}"] = json.loads((Path(a.out) / f"multi_gpu_w{w}.json").read_text())
-        res[f"w{w}"]["job_s"] = round(time.time() - t, 1)
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=a.job_timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        f = Path(a.out) / f"multi_gpu_w{w}.json"
+        res[f"w{w}"] = json.loads(f.read_text()) if f.is_file() else {}
+        res[f"w{w}"].update(job_s=round(time.time() - t, 1), exit=rc)
     one, n = res["w1"], res[f"w{a.gpus}"]
     ratios = {}
-    if "sft" in one:
+    if "sft" in one and "sft" in n:
         ratios["sft_tokens_per_s"] = round(n["sft"]["tokens_per_s"] / one["sft"]["tokens_per_s"], 3)
-    if "essa" in one:
-        for mode in ("batched", "sequential"):
+    for mode in ("batched", "sequential"):
+        if mode in one.get("essa", {}) and mode in n.get("essa", {}):
             ratios[f"essa_{mode}_candidates_per_min"] = round(
                 n["essa"][mode]["candidates_per_min"] / one["essa"][mode]["candidates_per_min"], 3)
-        ratios["essa_same_fitness"] = all(n["essa"][m]["fitness"] == one["essa"][m]["fitness"]
-                                          for m in ("batched", "sequential"))
-    if "fgrpo" in one:
+            ratios[f"essa_{mode}_same_fitness"] = n["essa"][mode]["fitness"] == one["essa"][mode]["fitness"]
+    if "fgrpo" in one and "fgrpo" in n:
         ratios["fgrpo_steps_per_min"] = round(n["fgrpo"]["steps_per_min"] / one["fgrpo"]["steps_per_min"], 3)
     res["ratios"] = ratios
     (Path(a.out) / "multi_gpu.json").write_text(json.dumps(res, indent=1, default=str))
