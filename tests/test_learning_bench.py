@@ -126,3 +126,37 @@ def test_sft_learns_a_task_the_presets_never_use(tmp_path):
     m = run_bench(tmp_path, "--tasks", "chain_sum", "--methods", "base,sft", "--eval-prompts", "30", "--eval-k", "1")
     assert m["base"]["prompts"] == m["sft"]["prompts"] == 30
     assert m["sft"]["success_rate"] >= m["base"]["success_rate"] + 0.5
+
+
+
+def test_jobs_run_side_by_side_and_the_deadline_keeps_what_finished(tmp_path, monkeypatch):
+    """--jobs: one process per (task, method), their reports merged in the script's task
+    and method order; at --deadline-s the ones still running (here: a child that sleeps,
+    with a grandchild) are stopped and named in the report."""
+    import sys
+
+    bench = load_bench()
+    part = toy_result()
+    child = (
+        "import json, subprocess, sys, time, pathlib\n"
+        "task, method, out = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])\n"
+        "if method == 'grpo':\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    time.sleep(60)\n"
+        "r = json.loads(sys.argv[4])\n"
+        "t = dict(r['tasks'][0], task=task, kept_aside=task == 'products', methods={method: {'success_rate': 0.5}})\n"
+        "out.mkdir(parents=True, exist_ok=True)\n"
+        "(out / 'learning.json').write_text(json.dumps(dict(r, tasks=[t])))\n"
+    )
+    monkeypatch.setattr(bench, "child_args", lambda a, t, m, out, work: [sys.executable, "-c", child, t, m, str(out),
+                                                                         json.dumps(part)])
+    t0 = __import__("time").time()
+    assert bench.main(["--tasks", "products,chain_sum", "--methods", "sft,grpo,base", "--jobs", "4",
+                       "--deadline-s", "20", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+    assert __import__("time").time() - t0 < 45  # the sleepers were stopped, not waited for
+    result = json.loads((tmp_path / "out" / "learning.json").read_text())
+    assert [t["task"] for t in result["tasks"]] == ["products", "chain_sum"]
+    assert all(sorted(t["methods"]) == ["base", "sft"] for t in result["tasks"])
+    assert result["not_finished"] == ["products grpo", "chain_sum grpo"]
+    md = (tmp_path / "out" / "learning.md").read_text()
+    assert "Not finished by the deadline (stopped): products grpo, chain_sum grpo." in md
