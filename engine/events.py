@@ -6,13 +6,16 @@ nothing else passes between the worker and its readers.
 
 Types and their fields (fields a method does not have are left out):
 
-- `started`   method, run, config (dict), device, resumed_from (step or null), total (steps)
+- `started`   method, run, config (dict), device, resumed_from (step or null), total (steps);
+              world_size when the run trains on several ranks (engine/distributed.py)
 - `phase`     phase: loading, data_check, initial_eval, warm_start, training, final_eval or
               export, at its start; a long phase repeats it with done, total and unit
               (e.g. initial_eval 12/30 prompts); words for it in engine/phases.py
 - `step`      step, total, loss (SFT) / reward_mean, reward_std, success_rate, ... (F-GRPO)
               / best, mean, std, sigma, best_so_far (ESSA generation), lr, grad_norm,
-              tokens_per_s, elapsed (s), eta (s), gpu (see below), host_rss (bytes)
+              tokens_per_s, elapsed (s), eta (s), gpu (see below), host_rss (bytes); on
+              several ranks also ranks: [{rank, gpu, host_rss, step_s}, ...], each rank's
+              memory and seconds since its last logged step
 - `eval`      step, and the method's held-out metrics: eval_loss (SFT),
               pass@1 / pass@k / success_rate (F-GRPO), reward (ESSA)
 - `candidate` ESSA only: generation, index, fitness, seconds

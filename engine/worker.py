@@ -128,8 +128,8 @@ class RankWatch:
         p = self.dead()
         if p is None:
             return False
-        why = _rank_error(p["rank"])
-        self.emit.final("error", kind="killed",
+        kind, _, why = _rank_error(p["rank"]).partition("|")
+        self.emit.final("error", kind=kind or "killed",
                         message=f"rank {p['rank']} (pid {p['pid']}) died{': ' + why if why else ''}; the run stopped "
                                 f"(its output is in {self.run.log_path}); edgetune resume {self.run.path} continues "
                                 "from the last checkpoint")
@@ -160,11 +160,12 @@ def _rank_error(rank: int) -> str:
         return ""
 
 
-def _leave_error(message: str) -> None:
+def _leave_error(kind: str, message: str) -> None:
+    """A rank other than 0 that fails leaves its one-line error (and its kind) for rank 0."""
     from . import distributed as dist
 
     try:
-        _store().set(f"edgetune/error/{dist.rank()}", message[:500])
+        _store().set(f"edgetune/error/{dist.rank()}", f"{kind}|{message[:500]}")
     except Exception:
         pass
 
@@ -219,7 +220,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         return 0
     except EdgetuneError as e:
         if multi and not main:
-            _leave_error(str(e))
+            _leave_error("input", str(e))
         emit("error", message=str(e), kind="input")
         return 2
     except KeyboardInterrupt:
@@ -228,7 +229,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     except BaseException as e:  # a bug: keep the traceback in worker.log, one line in events
         traceback.print_exc()
         if multi and not main:
-            _leave_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            _leave_error("bug", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             return 1
         if watch is not None and (watch.check() or _wait_for_dead_peer(watch)):
             return 1  # a rank died: the collective failed because of it, and the error names it

@@ -254,3 +254,62 @@ def test_gpu_count_reads_nvidia_smi(tmp_path, monkeypatch):
     assert api.gpu_count() == 1
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert api.gpu_count() == 0
+
+
+def test_a_failing_rank_ends_the_run_with_its_error(tiny_model_dir, tmp_path, monkeypatch):
+    """A bug on rank 1 alone (its 2nd step raises): rank 0 ends the run with rank 1's own
+    one-line error, kind bug; the traceback is in worker.log."""
+    hooks = TESTS / "rank_hooks"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("EDGETUNE_RANK_FAULT", "1:2")
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=6), name="fault", gpus=2)
+    events = finish(run)
+    err = events[-1]
+    assert err["type"] == "error" and err["kind"] == "bug", err
+    assert "rank 1" in err["message"] and "RuntimeError: injected fault" in err["message"], err
+    assert [e["step"] for e in events if e["type"] == "step"] == [1]
+    assert "injected fault" in run.dir.log_path.read_text()
+
+
+def test_kill_takes_every_rank(tiny_model_dir, tmp_path):
+    """Run.kill() (the second Ctrl-C) kills the launcher's process group; the ranks,
+    which torchrun starts in sessions of their own, die with their parent."""
+    import psutil
+
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=400), name="kill-all", gpus=2)
+    for ev in run.events(follow_live=True, timeout=300):
+        if ev["type"] == "step":
+            break
+    ranks = _ranks(run.process.pid)
+    assert sorted(ranks) == [0, 1]
+    run.kill()
+    alive = psutil.wait_procs(list(ranks.values()), timeout=30)[1]
+    assert not alive, f"ranks left running: {alive}"
+    last = read_events(run.dir.events_path)[-1]
+    assert last["type"] == "error" and last["kind"] == "killed" and run.status() == "failed"
+
+
+def test_planner_gives_the_peak_of_each_gpu(tiny_model_dir):
+    """Data-parallel: each GPU holds the whole base; SFT's and F-GRPO's batches are split
+    (an SFT step of 8 x 1 rows: 4 rows a GPU; F-GRPO's 8 prompts: 4 a GPU); the flat
+    gradient buffer and NCCL's are added; ESSA's per-GPU work is one process's."""
+    from edgetune.engine import planner
+
+    def est(method, gpus, **over):
+        cfg = settings.resolve(overrides={"method": method, "model": {"name": str(tiny_model_dir)}, **over})
+        return planner.estimate(cfg, device="cuda", gpu_total=80 * 2**30, detect_gpu=False, gpus=gpus)
+
+    sft = {"sft": {"batch_size": 8, "grad_accum": 1}, "data": {"max_seq_len": 512}}
+    one, two = est("sft", 1, **sft), est("sft", 2, **sft)
+    assert two["weights"] == one["weights"] and two["gpus"] == 2
+    assert two["shape"] == "4 x 512 tokens" and one["shape"] == "8 x 512 tokens"
+    assert two["activations"] < one["activations"]
+    assert two["lora_grads"] == 2 * one["lora_grads"] and two["cuda_context"] > one["cuda_context"]
+    assert sum(two[k] for k in two["parts"]) == two["total"]
+    # grad_accum 2 on 2 GPUs: each takes one micro-batch of the full size, as one GPU does
+    acc = {"sft": {"batch_size": 8, "grad_accum": 2}, "data": {"max_seq_len": 512}}
+    assert est("sft", 2, **acc)["activations"] == est("sft", 1, **acc)["activations"]
+    rl = {"fgrpo": {"prompts_per_step": 8, "num_generations": 8}}
+    assert est("fgrpo", 2, **rl)["rollout_kv_cache"] * 2 == est("fgrpo", 1, **rl)["rollout_kv_cache"]
+    essa = {"essa": {"warm_start": "x"}}
+    assert est("essa", 2, **essa)["lora"] == est("essa", 1, **essa)["lora"]
