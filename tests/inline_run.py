@@ -1,6 +1,8 @@
 """Run a method's `train(ctx)` in the test process on a run folder, the way the worker
-does, with an optional stop request once step `stop_after` has been reported."""
+does, with an optional stop request once step `stop_after` has been reported; and the
+small SFT config the method tests train the tiny model with."""
 
+from edgetune.engine import settings
 from edgetune.engine.events import EventWriter, read_events
 from edgetune.engine.loop import RunContext
 from edgetune.engine.runfolder import RunDir
@@ -26,3 +28,19 @@ def run_inline(train, cfg, path, stop_after=0, resume=False):
     finally:
         writer.close()
     return run, metrics, read_events(run.events_path)
+
+
+def sft_config(model_dir, runs_dir, **over):
+    """SFT on the tiny model: 6 steps of 4 x grad_accum 2 on the embedded arithmetic rows,
+    NF4, a checkpoint every 3 steps. `over` updates sections: `run={"checkpoint_every": 2}`."""
+    base = {
+        "method": "sft",
+        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"path": "embedded:arith-sft", "max_rows": 64, "max_seq_len": 128},
+        "run": {"runs_dir": str(runs_dir), "seed": 3, "checkpoint_every": 3},
+        "sft": {"lr": 1e-3, "steps": 6, "batch_size": 4, "grad_accum": 2, "warmup_steps": 1, "eval_every": 0},
+    }
+    for k, v in over.items():
+        base[k].update(v)
+    return settings.from_dict(base)

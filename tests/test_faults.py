@@ -18,21 +18,12 @@ from edgetune.engine.errors import CheckpointError
 from edgetune.engine.events import EventWriter, read_events, scan_events
 from edgetune.engine.loop import pick_checkpoint
 from edgetune.engine.runfolder import RunDir
-from inline_run import run_inline
+from inline_run import run_inline, sft_config
 
 
 def _cfg(model_dir, tmp_path, **over):
-    base = {
-        "method": "sft",
-        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
-        "lora": {"r": 8, "alpha": 16},
-        "data": {"path": "embedded:arith-sft", "max_rows": 64, "max_seq_len": 128},
-        "run": {"runs_dir": str(tmp_path), "seed": 3, "checkpoint_every": 50},
-        "sft": {"lr": 1e-3, "steps": 6, "batch_size": 4, "grad_accum": 2, "warmup_steps": 1, "eval_every": 0},
-    }
-    for k, v in over.items():
-        base[k].update(v)
-    return settings.from_dict(base)
+    """The shared SFT test config with no periodic checkpoint unless a test asks for one."""
+    return sft_config(model_dir, tmp_path, **{**over, "run": {"checkpoint_every": 50, **over.get("run", {})}})
 
 
 def _losses(events):

@@ -7,24 +7,9 @@ import sys
 import pytest
 import torch
 
-from edgetune.engine import settings
 from edgetune.engine.events import read_events
 from edgetune.engine.runfolder import RunDir
-from inline_run import run_inline
-
-
-def _cfg(model_dir, tmp_path, **over):
-    base = {
-        "method": "sft",
-        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
-        "lora": {"r": 8, "alpha": 16},
-        "data": {"path": "embedded:arith-sft", "max_rows": 64, "max_seq_len": 128},
-        "run": {"runs_dir": str(tmp_path), "seed": 3, "checkpoint_every": 3},
-        "sft": {"lr": 1e-3, "steps": 6, "batch_size": 4, "grad_accum": 2, "warmup_steps": 1, "eval_every": 0},
-    }
-    for k, v in over.items():
-        base[k].update(v)
-    return settings.from_dict(base)
+from inline_run import run_inline, sft_config
 
 
 def _run(cfg, path, stop_after=0, resume=False):
@@ -38,7 +23,7 @@ def _losses(events):
 
 
 def test_resume_continues_with_identical_losses(tiny_model_dir, tmp_path):
-    cfg = _cfg(tiny_model_dir, tmp_path)
+    cfg = sft_config(tiny_model_dir, tmp_path)
     full = _losses(_run(cfg, tmp_path / "full"))
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
 
@@ -59,7 +44,7 @@ def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
     from edgetune.engine import model as model_lib
     from edgetune.engine.export import write_adapter
 
-    cfg = _cfg(tiny_model_dir, tmp_path)
+    cfg = sft_config(tiny_model_dir, tmp_path)
     model, tok, base_path = model_lib.load(cfg)
     torch.manual_seed(0)
     # Move the adapter away from its zero-initialised B so the test can fail.
@@ -90,7 +75,7 @@ def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
     from edgetune.engine import model as model_lib
     from edgetune.engine.lm_loss import causal_lm_loss
 
-    cfg = _cfg(tiny_model_dir, tmp_path)
+    cfg = sft_config(tiny_model_dir, tmp_path)
     model, tok, _ = model_lib.load(cfg)
     ids = torch.randint(3, 1000, (3, 20))
     mask = torch.ones_like(ids)
@@ -116,7 +101,7 @@ def test_gradient_accumulation_weighs_every_label_token_the_same(tiny_model_dir,
     from edgetune.engine.lm_loss import causal_lm_loss
     from edgetune.engine.sft import accumulate
 
-    cfg = _cfg(tiny_model_dir, tmp_path, model={"quant": "none"})
+    cfg = sft_config(tiny_model_dir, tmp_path, model={"quant": "none"})
     model, tok, _ = model_lib.load(cfg)
     torch.manual_seed(0)
     with torch.no_grad():  # B starts at zero: a non-zero B gives A a gradient too
