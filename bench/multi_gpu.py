@@ -164,7 +164,8 @@ def rank_job(a) -> None:
             share = len(dist.shard(pop))
             ev = Evaluator(model, tok, space, id_reward, s, candidates_per_batch=share)
             xs = make_es(space.dim, s, seed=0).ask()
-            population_fitness(ev, xs, data[:2], None)  # warm-up (fast-loop capture, kernels)
+            # warm-up, this rank alone: kernels; the fast loop's graph for the full prompt batch
+            ev.population(xs[:1], data) if mode == "sequential" else ev.population(xs[:2], data[:2])
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             fits = []
