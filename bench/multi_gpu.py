@@ -232,6 +232,29 @@ def rank_job(a) -> None:
 # --------------------------------------------------------------------------- driver
 
 
+def planner_sft(a) -> dict:
+    """The planner's allocated peak of one GPU for the SFT bench's shape (16 rows x 1,024
+    tokens a step, micro-batches of 8; NF4, LoRA r16 on every projection, checkpointing) on
+    1 and on N GPUs: what `edgetune estimate --gpus N` says."""
+    sys.path.insert(0, str(HERE.parent))
+    import tempfile
+
+    from essa import QWEN25_7B, TINY
+
+    from edgetune.engine import planner
+    from edgetune.engine.settings import resolve
+
+    arch = TINY if a.tiny else QWEN25_7B
+    d = Path(tempfile.mkdtemp(prefix="arch-"))
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **arch}))
+    rows, seq, bs = (4, 16, 2) if a.tiny else (16, 1024, 8)
+    cfg = resolve(overrides=["method=sft", f"model.name={d}", "model.quant=nf4", "lora.r=16", "lora.alpha=32",
+                             "model.gradient_checkpointing=true", "sft.optimizer=adamw", f"sft.batch_size={bs}",
+                             f"sft.grad_accum={rows // bs}", f"data.max_seq_len={seq}"])
+    return {str(w): round(planner.estimate(cfg, device="cuda", gpu_total=141 * 2**30, detect_gpu=False,
+                                           gpus=w)["allocated_peak"] / 2**30, 2) for w in (1, a.gpus)}
+
+
 def main(argv=None) -> dict:
     a = parse(argv)
     if a.rank_job:
@@ -267,6 +290,12 @@ def main(argv=None) -> dict:
     if "fgrpo" in one and "fgrpo" in n:
         ratios["fgrpo_steps_per_min"] = round(n["fgrpo"]["steps_per_min"] / one["fgrpo"]["steps_per_min"], 3)
     res["ratios"] = ratios
+    res["planner_sft_allocated_peak_gib"] = planner_sft(a)
+    for w in (1, a.gpus):
+        peaks = res[f"w{w}"].get("sft", {}).get("peak_gib_per_rank")
+        if peaks and peaks[0] is not None:
+            res[f"w{w}"]["sft"]["planner_vs_measured"] = round(
+                res["planner_sft_allocated_peak_gib"][str(w)] / max(peaks) - 1, 3)
     (Path(a.out) / "multi_gpu.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(ratios, indent=1))
     return res
