@@ -8,7 +8,9 @@ replies come from the same weights in memory and differ only by the adapter.
 
 Request:  {"model": {ModelSettings fields}, "adapter": "runs/x/adapter" or "",
            "messages": [{"role", "content"}, ...], "max_new_tokens": 128,
-           "tuned_messages": the adapter side's own conversation (optional; default messages)}
+           "tuned_messages": the adapter side's own conversation (optional; default messages),
+           "system_prompt": the run's data.system_prompt (optional), put first on both sides
+           where a conversation has no system turn, as training and rollouts do}
 Each side of a multi-turn chat sends its own history: the adapter's earlier replies are
 part of what it answers next, the base's part of what the base answers.
 Answer:   {"ok": true, "base": "...", "tuned": "..." or null}  |  {"ok": false, "error": "..."}
@@ -67,17 +69,20 @@ class _Chat:
         self.adapters[path] = name
         return self.model
 
-    def _generate(self, messages: list[dict], max_new_tokens: int) -> str:
+    def prompt_ids(self, messages: list[dict], system_prompt: str = "") -> list[int]:
+        """What the model reads before its reply: rendered as SFT data and rollouts render
+        it (engine/prompts.py)."""
+        from .prompts import prompt_ids
+
+        return prompt_ids(self.tok, [messages], system_prompt)[0]
+
+    def _generate(self, messages: list[dict], max_new_tokens: int, system_prompt: str = "") -> str:
         import torch
 
         tok = self.tok
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False, return_tensors="pt")
-        else:
-            ids = tok("\n".join(m["content"] for m in messages) + "\n", return_tensors="pt")
         device = next(self.model.parameters()).device
-        ids = {k: v.to(device) for k, v in ids.items()}
+        row = torch.tensor([self.prompt_ids(messages, system_prompt)], device=device)
+        ids = {"input_ids": row, "attention_mask": torch.ones_like(row)}
         with torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                                       pad_token_id=tok.pad_token_id, use_cache=True)
@@ -87,18 +92,19 @@ class _Chat:
         self._base(req["model"])
         msgs, n = _plain(req["messages"]), int(req.get("max_new_tokens", 128))
         tuned_msgs = _plain(req.get("tuned_messages") or req["messages"])
+        system = req.get("system_prompt") or ""
         adapter = req.get("adapter") or ""
         if not adapter:
             if self.adapters:  # a PeftModel by now: switch its adapter off for the base reply
                 with self.model.disable_adapter():
-                    return {"ok": True, "base": self._generate(msgs, n), "tuned": None}
-            return {"ok": True, "base": self._generate(msgs, n), "tuned": None}
+                    return {"ok": True, "base": self._generate(msgs, n, system), "tuned": None}
+            return {"ok": True, "base": self._generate(msgs, n, system), "tuned": None}
         if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
             raise RunError(f"no adapter in {adapter} (the run has not saved one yet)")
         model = self._with_adapter(adapter)
-        tuned = self._generate(tuned_msgs, n)
+        tuned = self._generate(tuned_msgs, n, system)
         with model.disable_adapter():
-            base = self._generate(msgs, n)
+            base = self._generate(msgs, n, system)
         return {"ok": True, "base": base, "tuned": tuned}
 
 
@@ -158,11 +164,11 @@ class ChatSession:
         return self.proc
 
     def ask(self, model: dict, messages: list[dict], adapter: str = "", max_new_tokens: int = 128,
-            timeout: float = 600, tuned_messages: list[dict] | None = None) -> dict:
+            timeout: float = 600, tuned_messages: list[dict] | None = None, system_prompt: str = "") -> dict:
         with self.lock:
             proc = self._ensure()
             req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
-                   "tuned_messages": tuned_messages}
+                   "tuned_messages": tuned_messages, "system_prompt": system_prompt}
             proc.stdin.write(json.dumps(req) + "\n")
             proc.stdin.flush()
             deadline = time.time() + timeout

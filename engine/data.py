@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import prompts
 from .errors import DataError
 from .settings import EMBEDDED_RL_DATA, EMBEDDED_SFT_DATA, DataSettings
 
@@ -380,8 +381,7 @@ def _conversation(row: dict, fmt: str, file: str, n: int, system_prompt: str) ->
             msgs.append({"role": "assistant", "content": _text(row, target_col, file, n)})
     else:
         raise DataError(f"unknown format '{fmt}' (known: {', '.join(FORMATS)})", file=file)
-    if system_prompt and msgs[0]["role"] != "system":
-        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    msgs = prompts.with_system(msgs, system_prompt)
     assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not assistant:
         raise DataError("no assistant turn: nothing to learn from", file=file, row=n)
@@ -396,19 +396,15 @@ def _conversation(row: dict, fmt: str, file: str, n: int, system_prompt: str) ->
 # --------------------------------------------------------------------------- tokenizing
 
 
-def _encode(tok, texts: list[str], special: bool = False, chunk: int = 4096) -> list[list[int]]:
-    """Token ids of many texts. One call per few thousand texts, not per row: a fast
-    tokenizer's per-call overhead is most of its cost on short rows (2.5x measured here).
-    `special=False` because templates write their own BOS/markup."""
-    out: list[list[int]] = []
-    for i in range(0, len(texts), chunk):
-        out += tok(texts[i : i + chunk], add_special_tokens=special)["input_ids"]
-    return out
+def _encode(tok, texts: list[str], special: bool = False) -> list[list[int]]:
+    """Token ids of many texts (engine/prompts.encode: batched calls). `special=False`
+    because templates write their own BOS/markup."""
+    return prompts.encode(tok, texts, special)
 
 
 def _render(tok, msgs, generation_prompt: bool, file: str, n: int) -> str:
     try:
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return prompts.apply_template(tok, msgs, generation_prompt)
     except Exception as e:  # jinja raises its own errors for conversations a template refuses
         raise DataError(f"the tokenizer's chat template cannot render this conversation: {e}",
                         file=file, row=n) from None
@@ -478,13 +474,9 @@ def _text_labels(tok, ids: list[int]) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
-def _has_template(tok) -> bool:
-    return bool(getattr(tok, "chat_template", None))
-
-
 def _tokenize_rows(rows, fmt, tok, ds: DataSettings, file: str, stats: dict) -> list[SFTExample]:
     """Check every row and render its texts, tokenize all texts at once, then label."""
-    chat = _has_template(tok)
+    chat = prompts.has_template(tok)
     sep = "" if fmt in ("prompt_completion", "rl") else "\n"
     # Whatever the tokenizer itself puts first (a BOS for Llama-like ones, nothing for many).
     lead = [t for t in tok("")["input_ids"] if t != tok.eos_token_id]
@@ -496,7 +488,8 @@ def _tokenize_rows(rows, fmt, tok, ds: DataSettings, file: str, stats: dict) -> 
                 raise DataError("'text' is empty", file=file, row=n)
             prepared.append((n, None, [text]))
         else:
-            msgs = _conversation(row, fmt, file, n, ds.system_prompt)
+            # without a chat template there is no place for a system prompt (engine/prompts.py)
+            msgs = _conversation(row, fmt, file, n, ds.system_prompt if chat else "")
             prepared.append((n, msgs, _chat_texts(tok, msgs, file, n) if chat else _plain_texts(msgs, sep)))
     # A row's last "through" prefix is usually its whole text: encode each text once.
     unique = list(dict.fromkeys(t for _, _, texts in prepared for t in texts))
@@ -626,25 +619,19 @@ def _rl_rows(rows: list[dict], fmt: str, ds: DataSettings, file: str) -> list[di
 
 
 def _prompt_lengths(rows: list[dict], tokenizer, system_prompt: str, file: str) -> list[int]:
-    """Prompt lengths as the rollouts will see them: in tokens through the chat template
-    with the generation prompt (and data.system_prompt where a prompt has no system turn),
-    or as plain text without a template; in characters without a tokenizer."""
+    """Prompt lengths as the rollouts will see them: in tokens, rendered by
+    engine/prompts.py as the rollouts render them; in characters without a tokenizer."""
     if tokenizer is None:
         return [len(p) if isinstance(p, str) else sum(len(m["content"]) for m in p)
                 for p in (r["prompt"] for r in rows)]
-    if not _has_template(tokenizer):
-        for n, r in enumerate(rows, start=1):
-            if not isinstance(r["prompt"], str):
-                raise DataError("a prompt given as chat messages needs a tokenizer with a chat template",
-                                file=file, row=n)
-        return [len(ids) for ids in _encode(tokenizer, [r["prompt"] for r in rows], special=True)]
     texts = []
     for n, r in enumerate(rows, start=1):
-        msgs = r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
-        if system_prompt and msgs[0]["role"] != "system":
-            msgs = [{"role": "system", "content": system_prompt}] + msgs
-        texts.append(_render(tokenizer, msgs, True, file, n))
-    return [len(ids) for ids in _encode(tokenizer, texts)]
+        try:
+            texts.append(prompts.prompt_text(tokenizer, r["prompt"], system_prompt))
+        except Exception as e:  # jinja raises its own errors for conversations a template refuses
+            raise DataError(f"the tokenizer's chat template cannot render this prompt: {e}",
+                            file=file, row=n) from None
+    return [len(ids) for ids in prompts.encode(tokenizer, texts, special=not prompts.has_template(tokenizer))]
 
 
 def _drop_long_prompts(rows: list[dict], tokenizer, ds: DataSettings, file: str,

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .decoding import Sampler, decode_plain, make_generator
+from .prompts import prompt_ids
 
 
 @dataclass
@@ -51,29 +52,9 @@ class RolloutBatch:
 
 
 def render_prompts(tokenizer, prompts: list, system_prompt: str = "") -> list[list[int]]:
-    """Token ids of each prompt, ready for the assistant's turn.
-
-    A prompt is a string (one user turn) or a list of chat messages. With a chat template
-    the template is applied with add_generation_prompt=True; a system turn is prepended
-    only when `system_prompt` is given and the messages have none. Plain text without a
-    template is tokenised as is.
-    """
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    out = []
-    for p in prompts:
-        if not has_template:
-            if not isinstance(p, str):
-                raise ValueError("chat-message prompts need a tokenizer with a chat template")
-            out.append(list(tokenizer(p, add_special_tokens=True)["input_ids"]))
-            continue
-        msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-        if system_prompt and not (msgs and msgs[0].get("role") == "system"):
-            msgs = [{"role": "system", "content": system_prompt}] + msgs
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        out.append(list(ids))
-    return out
+    """Token ids of each prompt (a string or chat messages), ready for the assistant's
+    turn: engine/prompts.py, the renderer SFT data and the chat panel use too."""
+    return prompt_ids(tokenizer, prompts, system_prompt)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
