@@ -228,6 +228,7 @@ def _wait_for(cond, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow  # two CLI runs, each with its worker
 def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
     def start(name):
         args = ["train", "--preset", "sft-quickstart", "--runs-dir", str(tmp_path / "runs"), "--name", name]

@@ -315,6 +315,7 @@ def _resume_to_end(path):
     return _attempt(path, before)
 
 
+@pytest.mark.slow  # three workers (and the reference run's)
 def test_sigkill_mid_step_resumes_from_the_last_checkpoint_with_the_same_losses(
         tiny_model_dir, tmp_path, monkeypatch, worker_losses):
     cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
@@ -326,6 +327,7 @@ def test_sigkill_mid_step_resumes_from_the_last_checkpoint_with_the_same_losses(
     assert _losses(after) == {k: v for k, v in worker_losses.items() if k > 2}
 
 
+@pytest.mark.slow  # two workers
 def test_sigkill_mid_checkpoint_leaves_nothing_half_written(tiny_model_dir, tmp_path, monkeypatch, worker_losses):
     cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
     run = _start_paused(cfg, "r", tmp_path, monkeypatch, "save:2")  # writing step 4's checkpoint
@@ -339,6 +341,7 @@ def test_sigkill_mid_checkpoint_leaves_nothing_half_written(tiny_model_dir, tmp_
     assert _losses(after) == {k: v for k, v in worker_losses.items() if k > 2}
 
 
+@pytest.mark.slow  # two workers
 def test_stop_during_checkpointing_keeps_that_checkpoint(tiny_model_dir, tmp_path, monkeypatch, worker_losses):
     cfg = _cfg(tiny_model_dir, tmp_path / "runs", run={"checkpoint_every": 2})
     stop_file = tmp_path / "runs" / "r" / "STOP"

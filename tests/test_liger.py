@@ -202,6 +202,7 @@ def test_unsupported_model_type_on_is_an_error(restore_modeling):
         liger.apply(model, "on")
 
 
+@pytest.mark.slow  # Liger's kernels in Triton's interpreter
 def test_planner_counts_what_a_liger_layer_saves(tmp_path, embedded_dir, restore_modeling,
                                                  interpreter_float_scalars):
     """One decoder layer of an NF4 + LoRA Qwen2 (bf16 compute, bf16 autocast as on CUDA)

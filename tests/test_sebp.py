@@ -369,6 +369,7 @@ def test_few_training_steps_same_losses(tiny_dir):
         assert abs(a - b) <= 1e-5 * abs(a), (losses[False], losses[True])
 
 
+@pytest.mark.slow  # a whole model in Triton's interpreter
 def test_whole_model_under_triton_interpreter(tiny_dir):
     model = load_nf4_lora(tiny_dir, checkpointing=True)
     handle = sebp.patch(model)
@@ -381,7 +382,8 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
         assert rel(g[name], g_ref[name]) <= 1e-5, (name, rel(g[name], g_ref[name]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# Triton: a whole model in the interpreter
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 def test_whole_model_under_bf16_autocast(tiny_dir, backend):
     """The engine's CUDA training forward runs under bf16 autocast (engine/model.autocast);
     SEBP must take its sparse backward there too and agree with autograd of the same
