@@ -167,10 +167,10 @@ def preflight(cfg: Config) -> None:
     """Checks that need no model or data loading, so that a typo fails before a run
     folder exists: the model path and the data files must be there."""
     from .errors import DataError
-    from .model import _looks_like_path
+    from .model import looks_like_path
     from .errors import ModelError
 
-    if not cfg.model.name.startswith("embedded:") and _looks_like_path(cfg.model.name) \
+    if not cfg.model.name.startswith("embedded:") and looks_like_path(cfg.model.name) \
             and not Path(cfg.model.name).expanduser().exists():
         raise ModelError(f"model path does not exist: {cfg.model.name}")
     for key in ("path", "eval_path"):

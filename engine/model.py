@@ -119,7 +119,8 @@ def embedded_model_dir() -> Path:
     return _gguf_to_folder(Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF[1])
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
+    """A model name that names a local file or folder (not a hub id)."""
     return name.startswith(("/", "./", "../", "~")) or name.endswith(".gguf") or os.path.exists(name)
 
 
@@ -133,7 +134,7 @@ def base_model_id(name: str, path: str) -> tuple[str, str]:
     if name == EMBEDDED_MODEL:
         return EMBEDDED_HUB_ID, (f"dequantised from the {EMBEDDED_GGUF[1]} GGUF file (Q4_1 quantisation) shipped "
                                  f"in the {EMBEDDED_GGUF[0]} package, so its weights differ slightly from the hub's")
-    if not _looks_like_path(name):
+    if not looks_like_path(name):
         return name, "from the Hugging Face hub"
     p = Path(name).expanduser()
     origin = ""
@@ -141,7 +142,7 @@ def base_model_id(name: str, path: str) -> tuple[str, str]:
         origin = json.loads((Path(path) / "config.json").read_text()).get("_name_or_path") or ""
     except (OSError, ValueError):
         pass
-    if origin and not _looks_like_path(origin) and origin.count("/") == 1:
+    if origin and not looks_like_path(origin) and origin.count("/") == 1:
         kind = "GGUF file" if p.suffix == ".gguf" else "folder"
         return origin, f"trained from the local {kind} {p.name} (config names {origin})"
     stem = p.stem if p.suffix == ".gguf" else p.name
@@ -155,7 +156,7 @@ def resolve_model_path(name: str) -> str:
         return str(embedded_model_dir())
     if name.startswith("embedded:"):
         raise ModelError(f"unknown embedded model '{name}' (the one shipped is '{EMBEDDED_MODEL}')")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         p = Path(name).expanduser()
         if not p.exists():
             raise ModelError(f"model path does not exist: {name}")
