@@ -56,26 +56,6 @@ def _bad_json_lines(path: Path) -> list[dict]:
     return bad
 
 
-def _bad_rows(rows: list[dict], fmt: str, method: str, ds, tokenizer) -> list[dict]:
-    """Check rows one at a time with the loader's own row checks, so that every bad
-    row is named (with its 1-based number), not only the first."""
-    from . import data as d
-
-    bad = []
-    for n, row in enumerate(rows, start=1):
-        try:
-            if method == "sft":
-                stats = {"total": 0, "dropped": {}, "truncated": 0}
-                d._tokenize_rows([row], fmt, tokenizer, ds, ds.path, stats)
-            else:
-                d._rl_rows([row], fmt, ds, ds.path)
-        except DataError as e:
-            bad.append({"row": n, "problem": e.problem})
-            if len(bad) >= MAX_BAD_ROWS:
-                break
-    return bad
-
-
 def check_data(cfg) -> dict:
     from . import data as d
     from . import model as model_lib
@@ -105,7 +85,8 @@ def check_data(cfg) -> dict:
         out["error"] = str(e)
         try:
             all_rows = d.read_rows(ds.path, ds.max_rows)
-            out["bad_rows"] = _bad_rows(all_rows, d._format_for(all_rows, ds, ds.path), cfg.method, ds, tokenizer)
+            fmt = d.format_for(all_rows, ds, ds.path)
+            out["bad_rows"] = d.bad_rows(all_rows, fmt, cfg.method, ds, tokenizer, limit=MAX_BAD_ROWS)
         except DataError:
             pass
     return out
