@@ -152,3 +152,26 @@ def test_import_graph_has_no_cycle_and_no_upward_import():
             # the one way down from the engine to the app: the `edgetune ui` command starts it
             allowed = [("edgetune.app.main", "cmd_ui")] if mod == "edgetune.engine.cli" else []
             assert up == allowed, (mod, up)
+
+
+def test_engine_modules_use_each_others_public_names_only():
+    """`from .model import _x` or `data._x(...)` from another module: a seam that breaks
+    when the owner renames its private helper. Each module offers what others need."""
+    import ast
+
+    found = []
+    for f in sorted((ROOT / "engine").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        modules = set()  # names bound to engine modules: `from . import data as d`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("edgetune.")):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{f.name}: from {node.module} import {a.name}")
+                    if node.module in (None, "edgetune.engine"):
+                        modules.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{f.name}: {node.value.id}.{node.attr}")
+    assert found == []
