@@ -19,7 +19,7 @@ import psutil
 from edgetune.engine import api
 
 from . import form
-from .methods import BY_KEY, BY_LABEL, METHODS
+from .methods import BY_KEY, BY_LABEL
 
 QUICKSTART = "sft-quickstart"
 

@@ -101,18 +101,34 @@ def estimate_markdown(result: dict) -> str:
     lines.append(f"| **total** | **{_size(est.get('total'))}** |")
     lines += [f"- {note}" for note in est.get("notes") or []]
     if est.get("effective"):
-        lines += ["", effective_markdown(est["effective"])]
+        lines += ["", effective_markdown(est["effective"], layers=(est.get("model") or {}).get("layers"),
+                                         method=est.get("method"))]
     return "\n".join(lines)
 
 
-def effective_markdown(eff: dict) -> str:
-    """What the run will decide for its `auto` settings (engine/effective.py), one line."""
+def effective_markdown(eff: dict, title: str = "Decided for this run", layers: int | None = None,
+                       method: str | None = None) -> str:
+    """What the run will decide for its `auto` settings (engine/effective.py), one line,
+    the settings `method` uses (all when None); `layers`: the model's decoder layers, for
+    the gradient checkpointing split."""
     on = {True: "on", False: "off"}
     opt = eff["optimizer"] + (" (fused)" if eff.get("fused_optimizer") else "")
+    ck = eff.get("checkpointed_layers")
+    if ck == 0:
+        checkpointing = "off"
+    elif ck is None or ck == layers:
+        checkpointing = f"all {layers} layers" if layers else "all layers"
+    else:
+        checkpointing = f"first {ck} of {layers or '?'} layers"
     parts = [f"device {eff['device']}", f"dtype {eff['dtype']}", f"attention {eff['attn_implementation']}",
-             f"Liger {on[eff['liger']]}", f"SEBP {on[eff['sebp']]}", f"optimizer {opt}",
-             f"packing {on[eff['packing']]}", f"candidates per batch {eff['candidates_per_batch']}"]
-    return "**Decided for this run:** " + " · ".join(parts)
+             f"gradient checkpointing {checkpointing}"]
+    if method != "essa":
+        parts += [f"optimizer {opt}", f"SEBP {on[eff['sebp']]}", f"Liger {on[eff['liger']]}"]
+    if method in ("sft", None):
+        parts.append(f"packing {on[eff['packing']]}")
+    if method in ("essa", None):
+        parts.append(f"candidates per batch {eff['candidates_per_batch']}")
+    return f"**{title}:** " + " · ".join(parts)
 
 
 # --------------------------------------------------------------------------- runs

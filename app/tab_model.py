@@ -21,6 +21,18 @@ def estimate_text(cfg) -> str:
         return panels.estimate_markdown({"ok": False, "error": str(e)})
 
 
+def decided_text(cfg) -> str:
+    """What a Start with `cfg` would decide for its `auto` settings (engine/effective.py,
+    as the planner asks it), one line; the run records the same in its config.yaml."""
+    try:
+        est = api.estimate(cfg)
+    except (ImportError, EdgetuneError) as e:
+        return f"_What Start would decide is not known yet: {e}_"
+    eff = est.get("effective")
+    return panels.effective_markdown(eff, "Start would use", (est.get("model") or {}).get("layers"),
+                                     cfg.method) if eff else ""
+
+
 class ModelTab:
     def __init__(self, page):
         self.page = page

@@ -17,6 +17,7 @@ from edgetune.engine.errors import EdgetuneError
 from . import live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import message
+from .tab_model import decided_text
 
 
 class TrainTab:
@@ -29,6 +30,8 @@ class TrainTab:
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
             self.gpus = gr.Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
                                   label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
+        # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
+        self.decided = gr.Markdown("", elem_id="train-decided")
         self.msg = gr.Markdown("", elem_id="train-message")
         self.progress = gr.HTML(live.progress_html([], "none"), elem_id="train-progress")
         with gr.Row():
@@ -101,6 +104,13 @@ class TrainTab:
 
     # ------------------------------------------------------------------ actions
 
+    def show_decided(self, values: dict) -> dict:
+        try:
+            cfg = self.page.config(values)
+        except EdgetuneError as e:
+            return {self.decided: message(f"Settings problem: {e}", "error")}
+        return {self.decided: decided_text(cfg)}
+
     def do_start(self, values: dict) -> dict:
         p = self.page
         path = values[p.attached]
@@ -133,8 +143,9 @@ class TrainTab:
         return {self.msg: message(phases.resume_words(f"**{run.name}**", last), "ok"), p.attached: str(run.path),
                 p.msg_at: {"path": str(run.path), "status": "starting"}}
 
-    def wire(self) -> None:
+    def wire(self, tab: gr.Tab) -> None:
         p = self.page
+        tab.select(self.show_decided, p.form_inputs, [self.decided], show_progress="hidden")
         acted = [self.msg, p.attached, p.msg_at]
         self.start_btn.click(self.do_start, p.form_inputs | {p.attached, self.gpus}, acted) \
             .then(self.draw, self.live_inputs, self.live_outputs) \

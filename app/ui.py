@@ -72,7 +72,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 page.data_tab = DataTab(page)
             with gr.Tab("3 · Method", id="method", elem_id="tab-method"):
                 page.method_tab = MethodTab(page)
-            with gr.Tab("4 · Train", id="train", elem_id="tab-train"):
+            with gr.Tab("4 · Train", id="train", elem_id="tab-train") as train_tab:
                 page.train_tab = TrainTab(page)
             with gr.Tab("5 · Runs", id="runs", elem_id="tab-runs"):
                 page.runs_tab = RunsTab(page)
@@ -81,9 +81,9 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             with gr.Tab("7 · Export", id="export", elem_id="tab-export"):
                 page.export_tab = ExportTab(page)
 
-        for tab in (page.model_tab, page.data_tab, page.method_tab, page.train_tab, page.runs_tab, page.chat_tab,
-                    page.export_tab):
+        for tab in (page.model_tab, page.data_tab, page.method_tab, page.runs_tab, page.chat_tab, page.export_tab):
             tab.wire()
+        page.train_tab.wire(train_tab)
 
         train = page.train_tab
         gr.Timer(TICK_SECONDS).tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")

@@ -485,3 +485,25 @@ def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, ti
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=1e-2)
     assert not torch.allclose(got.float(), base.model.layers[0].self_attn.q_proj.weight, atol=0.1)
 
+
+def test_the_train_tab_shows_what_start_would_decide(page):
+    """Before Start, the Train tab says what the run would decide for its `auto` settings,
+    from the form as it stands (engine/effective.decide, through the planner)."""
+    from edgetune.engine.effective import decide
+
+    cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
+    values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+    train = page.train_tab
+    text = train.show_decided(values)[train.decided]
+    eff = decide(cfg, "cpu")
+    assert text.startswith("**Start would use:**") and "device cpu" in text
+    assert f"dtype {eff.dtype}" in text and f"optimizer {eff.optimizer}" in text and "packing off" in text
+    assert "gradient checkpointing off" in text  # the quick start checkpoints no layer
+    assert "candidates per batch" not in text  # ESSA's alone
+    essa = form.preset_config("essa-quickstart", str(page.runs_dir))
+    essa_text = train.show_decided({c: v for c, v in page.fill_from(essa).items() if c in page.form_inputs})
+    assert "candidates per batch" in essa_text[train.decided] and "optimizer" not in essa_text[train.decided]
+    values[page.fields["sft.packing"]] = True
+    assert "packing on" in train.show_decided(values)[train.decided]
+    values[page.fields["sft.lr"]] = -1.0
+    assert "sft.lr must be positive" in train.show_decided(values)[train.decided]
