@@ -312,7 +312,7 @@ def test_ui_prints_its_url_and_ready(tmp_path):
         proc.wait(30)
 
 
-def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir):
+def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monkeypatch, capsys):
     sets = [f"model.name={tiny_model_dir}", "model.quant=none", "fgrpo.eval_prompts=4", "fgrpo.max_new_tokens=4"]
     args = ["eval", "--preset", "fgrpo-quickstart", "--adapter", ""]
     for s in sets:
@@ -322,7 +322,13 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir):
     assert re.search(r"^success_rate\s+\d\.\d{4}$", p.stdout, re.M) and "base model alone" in p.stdout
     assert "8/8" in p.stderr  # the bar counted 4 prompts in each of its two passes
     assert "Loading weights" not in p.stderr and "FutureWarning" not in p.stderr
-    raw = json.loads(edgetune(*args, "--json", cwd=tmp_path).stdout)
+    # --json: the same command in this process (a second model load in a fresh one adds nothing)
+    from edgetune.engine import cli
+
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli.main([*args, "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
     assert raw["prompts"] == 4 and 0 <= raw["pass@1"] <= 1
 
 

@@ -174,13 +174,29 @@ def test_commands_without_a_runs_folder_say_so_in_one_line(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
-def test_app_on_a_network_host_needs_a_login(tmp_path):
-    for args in (["--host", "0.0.0.0"], ["--host", "192.168.1.5", "--port", "7999"]):
-        p = edgetune("ui", *args, "--runs-dir", str(tmp_path / "runs"), timeout=120)
-        line = _one_error_line(p)
-        assert p.returncode == 2 and "--auth user:password" in line and "--insecure-no-auth" in line
-    p = edgetune("ui", "--auth", "nopassword", timeout=120)
-    assert p.returncode == 2 and "--auth: expected user:password" in _one_error_line(p)
+def test_app_on_a_network_host_needs_a_login(tmp_path, capsys, monkeypatch):
+    import gradio as gr
+
+    from edgetune.engine import cli
+
+    def served(demo):  # a refused start never gets here; a served one must not block the test
+        demo.close()
+        raise AssertionError("the app started")
+
+    monkeypatch.setattr(gr.Blocks, "block_thread", served)
+
+    p = edgetune("ui", "--host", "0.0.0.0", "--runs-dir", str(tmp_path / "runs"), timeout=120)
+    line = _one_error_line(p)
+    assert p.returncode == 2 and "--auth user:password" in line and "--insecure-no-auth" in line
+    # the same command in this process (the app's imports paid once)
+    capsys.readouterr()
+    assert cli.main(["ui", "--host", "192.168.1.5", "--port", "7999", "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    line = _one_error_line(subprocess.CompletedProcess([], 2, "", err))
+    assert "--auth user:password" in line and "--insecure-no-auth" in line
+    assert cli.main(["ui", "--auth", "nopassword"]) == 2
+    err = capsys.readouterr().err
+    assert "--auth: expected user:password" in _one_error_line(subprocess.CompletedProcess([], 2, "", err))
 
 
 def test_app_with_auth_refuses_requests_without_the_login(tmp_path):
