@@ -68,27 +68,47 @@ def test_malformed_json_line_names_file_and_row(tmp_path, tiny_model_dir):
     _failed_run(tmp_path, p, f"{bad}, row 3")
 
 
+def _fails_in_the_worker(tmp_path, model_dir, data_path, needle):
+    """The worker's side of the failure above, run in this process: the run is marked failed
+    with the message the CLI prints (that one line is checked through the CLI above)."""
+    from edgetune.engine import worker
+    from edgetune.engine.settings import resolve
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    cfg = resolve(preset="sft-quickstart", overrides=[f"model.name={model_dir}", f"data.path={data_path}",
+                                                      f"run.runs_dir={tmp_path / 'runs'}"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        assert worker.run(str(run)) == 2
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "error" and events[-1]["kind"] == "input"
+    assert needle in events[-1]["message"] and "\n" not in events[-1]["message"]
+    assert not (run / "adapter").exists()
+    return events[-1]["message"]
+
+
 def test_empty_dataset(tmp_path, tiny_model_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    p = _train(tmp_path, f"model.name={tiny_model_dir}", f"data.path={empty}")
-    _failed_run(tmp_path, p, str(empty))
+    _fails_in_the_worker(tmp_path, tiny_model_dir, empty, str(empty))
 
 
 def test_row_without_target(tmp_path, tiny_model_dir):
     f = tmp_path / "d.jsonl"
     rows = [{"prompt": "What is 1 plus 2?", "completion": "3"}] * 3 + [{"prompt": "What is 2 plus 2?", "completion": ""}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    p = _train(tmp_path, f"model.name={tiny_model_dir}", f"data.path={f}")
-    _failed_run(tmp_path, p, "row 4")
+    _fails_in_the_worker(tmp_path, tiny_model_dir, f, "row 4")
 
 
 def test_unknown_columns(tmp_path, tiny_model_dir):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"question": "q", "reply": "r"}) + "\n")
-    p = _train(tmp_path, f"model.name={tiny_model_dir}", f"data.path={f}")
-    line = _one_error_line(p)
-    assert "question" in line and "reply" in line
+    message = _fails_in_the_worker(tmp_path, tiny_model_dir, f, "question")
+    assert "reply" in message
 
 
 def test_unsupported_architecture(tmp_path):
