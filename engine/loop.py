@@ -162,7 +162,10 @@ def set_rng_state(state: dict) -> None:
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU of the machine that saved it: a resume on fewer GPUs (another
+        # machine, or CUDA_VISIBLE_DEVICES) restores those it has
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 STATE_FILE = "training_state.pt"
