@@ -158,8 +158,8 @@ def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_
            "data": {"path": str(tmp_path / "rl.jsonl"), "eval_fraction": 0.0, "max_seq_len": 64},
            "run": {"runs_dir": str(tmp_path / "runs"), "seed": 1, "checkpoint_every": 0},
            "sft": {"batch_size": 2, "lr": 1e-2},
-           "essa": {"warm_start_steps": 2, "warm_start_data": "embedded:arith-sft", "population": 5,
-                    "generations": 2, "prompts_per_generation": 3, "max_new_tokens": 6, "sigma0": 0.5,
+           "essa": {"warm_start_steps": 1, "warm_start_data": "embedded:arith-sft", "population": 5,
+                    "generations": 2, "prompts_per_generation": 2, "max_new_tokens": 4, "sigma0": 0.5,
                     "reward": "file", "reward_file": str(tmp_path / "reward.py"), "eval_prompts": 0}}
     (tmp_path / "essa.yaml").write_text(json.dumps(cfg))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
