@@ -57,9 +57,9 @@ class ModelSettings:
     gradient_checkpointing: Any = setting(
         True,
         "Trades ~30% more compute for not storing activations of every layer. true | false | auto = "
-        "checkpoint only as many decoder layers as the memory budget needs (the planner, "
-        "engine/planner.checkpoint_split, picks the count before the run; the rest keep their "
-        "activations and skip the recompute).")
+        "checkpoint only as many decoder layers as the memory budget needs (engine/effective.py "
+        "picks the count before the run from the planner's prediction; `edgetune estimate` shows it; "
+        "the rest keep their activations and skip the recompute).")
     memory_budget_gib: float = setting(
         0.0,
         "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it); 0 = the card's "
