@@ -184,7 +184,9 @@ def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path, sft_refe
     run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=4), name="cut", gpus=2)
     for ev in run.events(follow_live=True, timeout=300):
         if ev["type"] == "step":
-            run.stop()  # the STOP file: rank 0 sees it, every rank stops after the same step
+            # SIGTERM to the process the API started (the launcher): it writes the STOP file,
+            # which rank 0 sees; every rank stops after the same step
+            os.kill(run.process.pid, signal.SIGTERM)
             break
     events = finish(run)
     assert events[-1]["type"] == "stopped", events[-1]
