@@ -144,6 +144,7 @@ def test_gradients_and_fgrpo_update_equal_one_process(tiny_model_dir, tmp_path):
 REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, completion)) % 97) / 96\n"
 
 
+@pytest.mark.slow  # two ranks under torchrun, twice: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_path):
     """A plain `torchrun ... -m edgetune.engine.cli train` (no launcher of ours): rank 0
     makes the run folder; population 5 is split 3 + 2; greedy fitness per candidate and
@@ -179,6 +180,7 @@ def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_
     assert two[-1]["type"] == "finished" and not (tmp_path / "runs" / "two" / "worker.pid").exists()
 
 
+@pytest.mark.slow  # two ranks, then a worker: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path, sft_reference):
     ref_events, ref_adapter = sft_reference
     run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=4), name="cut", gpus=2)
@@ -215,6 +217,7 @@ def _ranks(launcher_pid: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # two ranks: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_a_killed_rank_ends_the_run_naming_it(tiny_model_dir, tmp_path):
     import psutil
 
@@ -258,6 +261,7 @@ def test_gpu_count_reads_nvidia_smi(tmp_path, monkeypatch):
     assert api.gpu_count() == 0
 
 
+@pytest.mark.slow  # two ranks: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_a_failing_rank_ends_the_run_with_its_error(tiny_model_dir, tmp_path, monkeypatch):
     """A bug on rank 1 alone (its 2nd step raises): rank 0 ends the run with rank 1's own
     one-line error, kind bug; the traceback is in worker.log."""
@@ -273,6 +277,7 @@ def test_a_failing_rank_ends_the_run_with_its_error(tiny_model_dir, tmp_path, mo
     assert "injected fault" in run.dir.log_path.read_text()
 
 
+@pytest.mark.slow  # two ranks: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_kill_takes_every_rank(tiny_model_dir, tmp_path):
     """Run.kill() (the second Ctrl-C) kills the launcher's process group; the ranks,
     which torchrun starts in sessions of their own, die with their parent."""
