@@ -125,23 +125,30 @@ def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0
     from edgetune.engine.model import autocast
 
     t = [time.perf_counter()]
+    wait = 0.0  # seconds the host spent waiting for the GPU at the phase ends: ~0 = host-bound
+
+    def waited() -> float:
+        t0 = time.perf_counter()
+        sync()
+        return time.perf_counter() - t0
+
     if handle is not None:
         from edgetune.kernels import sebp
 
         sebp.set_active_rows(handle, batch["attention_mask"].bool())
     with autocast(model) if amp else contextlib.nullcontext():
         loss, _ = causal_lm_loss(model, batch, chunk_rows=chunk_rows)
-    sync()
+    wait += waited()
     t.append(time.perf_counter())
     loss.backward()
-    sync()
+    wait += waited()
     t.append(time.perf_counter())
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    sync()
+    wait += waited()
     t.append(time.perf_counter())
-    return float(loss.detach()), {"fwd": t[1] - t[0], "bwd": t[2] - t[1], "opt": t[3] - t[2]}
+    return float(loss.detach()), {"fwd": t[1] - t[0], "bwd": t[2] - t[1], "opt": t[3] - t[2], "sync_wait": wait}
 
 
 def time_steps(step, n_warm: int, n_meas: int, log=print) -> dict:
@@ -159,7 +166,7 @@ def time_steps(step, n_warm: int, n_meas: int, log=print) -> dict:
         if it >= n_warm:
             rec["total"].append(total)
             for k in ph:
-                rec[k].append(ph[k])
+                rec.setdefault(k, []).append(ph[k])
     assert all(x == x for x in losses), "NaN loss"
     out = {k: statistics.median(v) for k, v in rec.items() if v}
     out["all_totals"] = [round(x, 4) for x in rec["total"]]

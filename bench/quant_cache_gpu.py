@@ -30,6 +30,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--child", default="", help="(internal) the model folder to time one run on")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
+ap.add_argument("--profile", action="store_true", help="run each load under cProfile; the top functions go to the JSON")
 args = ap.parse_args()
 
 
@@ -75,13 +76,27 @@ def main():
     R["save_s"] = round(time.perf_counter() - t0, 1)
     R["source_GB"] = round(sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e9, 2)
     for name in ("first", "second"):
-        p = subprocess.run([sys.executable, __file__, "--child", folder] + (["--tiny"] if args.tiny else []),
+        prof = out / f"profile_{name}.prof"
+        pre = ["-m", "cProfile", "-o", str(prof)] if args.profile else []
+        p = subprocess.run([sys.executable, *pre, __file__, "--child", folder] + (["--tiny"] if args.tiny else []),
                            env=env, capture_output=True, text=True)
         sys.stderr.write(p.stderr[-3000:])
         R["runs"][name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
             {"rc": p.returncode, "stderr": p.stderr[-1500:]}
         R["runs"][name]["log"] = [line for line in p.stderr.splitlines() if line.startswith("quantised base")]
+        if args.profile and prof.is_file():  # where the seconds go: the top functions by cumulative time
+            import io
+            import pstats
+
+            buf = io.StringIO()
+            pstats.Stats(str(prof), stream=buf).sort_stats("cumulative").print_stats(45)
+            R["runs"][name]["profile_top"] = buf.getvalue().splitlines()[-55:]
+            buf = io.StringIO()
+            pstats.Stats(str(prof), stream=buf).sort_stats("tottime").print_stats(25)
+            R["runs"][name]["profile_self"] = buf.getvalue().splitlines()[-35:]
+            prof.unlink()
         print(name, R["runs"][name], flush=True)
+        (out / "quant_cache.json").write_text(json.dumps(R, indent=1))  # kept if a later run is cut off
     R["entry_GB"] = round(sum(f.stat().st_size for f in Path(cache).rglob("*.safetensors")) / 1e9, 2)
     subprocess.run(["rm", "-rf", folder, cache])
     (out / "quant_cache.json").write_text(json.dumps(R, indent=1))
