@@ -30,9 +30,14 @@ case "${1:-}" in
       (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "warning: could not install Chromium; the browser test will fail" >&2
     fi
-    if [ "$1" = test ]; then marks="not slow"; else marks="slow"; fi
+    # The fast suite on two processes (pytest-xdist), one test file per process at a time, in
+    # the order collected (tests/conftest.py puts the browser test first); most of its time is
+    # one busy thread (imports, a worker starting, a tiny model), so two cores halve it. The
+    # slow tests keep the machine to themselves.
+    if [ "$1" = test ]; then marks="not slow"; par="-n 2 --dist loadfile --no-loadscope-reorder"; else marks="slow"; par=""; fi
     set +e
-    "$VENV/bin/pytest" -q -m "$marks" --durations=25 "${@:2}"
+    # shellcheck disable=SC2086  # $par: separate words
+    "$VENV/bin/pytest" -q -m "$marks" $par --durations=25 "${@:2}"
     rc=$?
     set -e
     # 5: nothing selected, which would pass silently (a typo in a path, a marker gone).

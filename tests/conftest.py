@@ -41,3 +41,9 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def pytest_collection_modifyitems(items):
+    """The browser test first: `bash dev.sh test` runs the fast suite on two processes, and
+    its longest test, started first, runs beside the others instead of after them."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is None)
