@@ -1,6 +1,7 @@
 """Run a method's `train(ctx)` in the test process on a run folder, the way the worker
 does, with an optional stop request once step `stop_after` has been reported; and the
-small SFT config the method tests train the tiny model with."""
+small SFT config the method tests train the tiny model with; the tiny model with a
+warm-start adapter and an addition task that the ESSA tests start from."""
 
 from edgetune.engine import settings
 from edgetune.engine.events import EventWriter, read_events
@@ -44,3 +45,26 @@ def sft_config(model_dir, runs_dir, **over):
     for k, v in over.items():
         base[k].update(v)
     return settings.from_dict(base)
+
+
+def essa_start(root, tiny_model_dir):
+    """Fill `root` with: model -> the tiny Llama, warm -> an adapter whose LoRA B factors are
+    non-zero (so its singular values are too), rl.jsonl (20 addition questions)."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    (root / "model").symlink_to(tiny_model_dir)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(root / "warm")
+    rl = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl))
+    return root

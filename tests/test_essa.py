@@ -11,7 +11,7 @@ import torch
 from edgetune.engine import essa
 from edgetune.engine.loop import RunContext
 from edgetune.engine.settings import resolve
-from inline_run import run_inline
+from inline_run import essa_start, run_inline
 
 # A reward that depends on every character of the completion, so that equal fitness
 # means equal text (random tiny models rarely write the right number).
@@ -22,21 +22,7 @@ REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, comp
 def tiny(tmp_path_factory, tiny_model_dir):
     """(folder with: model -> the tiny Llama, warm -> a warm-start adapter with non-zero
     factors, rl.jsonl, sft.jsonl, reward.py)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("essa")
-    (root / "model").symlink_to(tiny_model_dir)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
-    peft_model.save_pretrained(root / "warm")
-    rl = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
-    (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl))
+    root = essa_start(tmp_path_factory.mktemp("essa"), tiny_model_dir)
     sft = [{"prompt": f"What is {a} plus {b}?", "completion": f"Answer: {a + b}"} for a in range(4) for b in range(4)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
     (root / "reward.py").write_text(REWARD_PY)

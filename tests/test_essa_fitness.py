@@ -13,7 +13,7 @@ import torch
 from edgetune.engine import essa, essa_fitness
 from edgetune.engine.rewards import build_reward
 from edgetune.engine.settings import resolve
-from inline_run import run_inline
+from inline_run import essa_start, run_inline
 
 ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
 
@@ -21,22 +21,7 @@ ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_model_dir):
     """(folder with: model -> the tiny Llama, warm -> an adapter with non-zero factors, rl.jsonl)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("essa-fitness")
-    (root / "model").symlink_to(tiny_model_dir)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
-    peft_model.save_pretrained(root / "warm")
-    rl = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
-    (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rl))
-    return root
+    return essa_start(tmp_path_factory.mktemp("essa-fitness"), tiny_model_dir)
 
 
 def config(tiny, tmp_path, **essa_overrides):
