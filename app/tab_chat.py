@@ -1,5 +1,6 @@
 """6 · Try it: the same prompt to the base model and to the base with the run's adapter,
-side by side, each side continuing its own conversation (one chat worker process)."""
+side by side, each side continuing its own conversation (one chat worker process), both
+after the run's data.system_prompt as its training data had it."""
 
 from __future__ import annotations
 
@@ -52,15 +53,17 @@ class ChatTab:
             return {self.info: self.describe(path)}
         run, adapter = self.target(path)
         try:
-            model = (S.from_dict(run.config()) if run else p.config(values)).model
+            # the run's own settings (those of the form while no run is open): the model as
+            # it was trained, and its data.system_prompt, put first as training put it
+            cfg = S.from_dict(run.config()) if run else p.config(values)
         except EdgetuneError as e:
             return {self.info: message(str(e), "error")}
         user = {"role": "user", "content": text}
         # Each side continues its own conversation: the adapter's earlier replies are
         # part of what the adapter answers next.
         hist_base, hist_tuned = panels.chat_messages(hist_base), panels.chat_messages(hist_tuned)
-        reply = p.chat.ask(dataclasses.asdict(model), hist_base + [user], adapter, int(values[self.max_new]),
-                           tuned_messages=hist_tuned + [user])
+        reply = p.chat.ask(dataclasses.asdict(cfg.model), hist_base + [user], adapter, int(values[self.max_new]),
+                           tuned_messages=hist_tuned + [user], system_prompt=cfg.data.system_prompt)
         if not reply.get("ok"):
             return {self.base: hist_base, self.tuned: hist_tuned,
                     self.info: message(reply.get("error", "chat failed"), "error")}

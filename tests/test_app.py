@@ -486,6 +486,56 @@ def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, ti
     assert not torch.allclose(got.float(), base.model.layers[0].self_attn.q_proj.weight, atol=0.1)
 
 
+def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, tiny_model_dir):
+    """Chatting with a run's adapter, the request carries the run's data.system_prompt (its
+    config.yaml), and the chat worker puts it first on both sides, as SFT data and rollouts
+    render it; the worker runs in this process here (its own process is tested above)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from edgetune.engine.chat import _Chat
+    from edgetune.engine.model import lora_config
+
+    system = "You answer with one number."
+    cfg = S.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none",
+                                                  "attn_implementation": "eager"},
+                       "data": {"system_prompt": system}, "run": {"runs_dir": str(page.runs_dir)}})
+    run = page.runs_dir / "sft-with-system"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "events.jsonl").write_text("")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(cfg.lora))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)
+    peft_model.save_pretrained(run / "adapter")
+
+    worker, sent = _Chat(), []
+
+    def ask(model, messages, adapter="", max_new_tokens=128, timeout=600, tuned_messages=None, system_prompt=""):
+        req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
+               "tuned_messages": tuned_messages, "system_prompt": system_prompt}
+        sent.append(json.loads(json.dumps(req)))  # what goes down the pipe
+        return worker.answer(req)
+
+    monkeypatch.setattr(page.chat, "ask", ask)
+    tab = page.chat_tab
+    values = {tab.prompt: "What is 2 plus 3?", page.attached: str(run), tab.base: [], tab.tuned: [],
+              tab.max_new: 4}
+    out = tab.do_chat(values)
+    assert "error" not in out[tab.info] and out[tab.prompt] == "", out[tab.info]
+    assert len(sent) == 1 and sent[0]["system_prompt"] == system
+    assert sent[0]["adapter"] == str(run / "adapter") and sent[0]["model"]["name"] == str(tiny_model_dir)
+    assert out[tab.tuned][-1]["role"] == "assistant" and out[tab.base][-1]["role"] == "assistant"
+    # what the model read: the run's system turn first, in place of the template's default
+    read = worker.tok.decode(worker.prompt_ids(sent[0]["messages"], sent[0]["system_prompt"]))
+    assert read.index(system) < read.index("What is 2 plus 3?") and "SmolLM" not in read
+    default = worker.tok.decode(worker.prompt_ids(sent[0]["messages"]))
+    assert system not in default  # the system prompt reaches the model only through the request
+
+
 def test_the_train_tab_shows_what_start_would_decide(page):
     """Before Start, the Train tab says what the run would decide for its `auto` settings,
     from the form as it stands (engine/effective.decide, through the planner)."""
