@@ -69,25 +69,41 @@ _ATTR = "_sebp_handle"
 
 @dataclass(frozen=True)
 class ActiveRows:
-    """The active rows of one step's [batch, seq] grid, flattened row-major."""
+    """The active rows of one step's [batch, seq] grid, flattened row-major.
+
+    Built once per micro-batch (`set_active_rows`) and shared by every patched layer: the
+    one nonzero() below is the step's only host synchronisation. Layers read `index` and
+    `n_active` and never rebuild or re-count them, so a layer's backward enqueues its
+    kernels without waiting on the GPU.
+    """
 
     shape: tuple
     index: torch.Tensor  # int32 [n_active], sorted flat row ids (read by the kernels)
-    inactive: torch.Tensor  # int64 [n_total - n_active] (rows of dX to zero)
     n_active: int
 
     @property
     def n_total(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    def inactive(self) -> torch.Tensor:
+        """int64 ids of the rows outside R (a host sync; diagnostics only, the backward
+        zeroes dX with one memset instead of indexing these rows)."""
+        keep = torch.ones(self.n_total, dtype=torch.bool, device=self.index.device)
+        keep[self.index.long()] = False
+        return keep.nonzero().squeeze(1)
+
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "ActiveRows":
         if mask.dim() != 2:
             raise ValueError(f"active-row mask must be [batch, seq], got shape {tuple(mask.shape)}")
-        flat = mask.reshape(-1).bool()
-        index = flat.nonzero().squeeze(1)  # the one host sync of the step
-        inactive = (~flat).nonzero().squeeze(1)
-        return cls(tuple(mask.shape), index.to(torch.int32), inactive, int(index.numel()))
+        index = mask.reshape(-1).bool().nonzero().squeeze(1)  # the one host sync of the step
+        return cls(tuple(mask.shape), index.to(torch.int32), int(index.numel()))
+
+
+def _as_rows(mask) -> "ActiveRows | None":
+    if mask is None or isinstance(mask, ActiveRows):
+        return mask
+    return ActiveRows.from_mask(mask)
 
 
 class Handle:
@@ -118,69 +134,90 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     g2 [M, N] output grad, x2 [M, K] input, weight [N, K] dense (or None when no dX and
     no dW are needed), lora = (A [r, K], B [N, r], scaling) or None.
     need = (dx, dw, db, da, dbb) flags. Returns (dx, dw, db, dA, dB) with None where unneeded.
+
+    Host cost matters as much as GPU cost here: at a quarter of the rows active a layer's
+    GPU work is a few hundred microseconds, about what a dozen Python-side launches take.
+    So every quantity that depends only on the step (row ids, their count) comes from
+    `rows`, LoRA's scaling is applied inside the kernels' stores, and dX's inactive rows
+    are cleared by one memset (torch.zeros) rather than an indexed kernel.
     """
+    if _use_triton(x2, backend):
+        return _sparse_backward_triton(g2, x2, rows, weight, lora, need)
+    return _sparse_backward_torch(g2, x2, rows, weight, lora, need)
+
+
+def _sparse_backward_triton(g2, x2, rows, weight, lora, need):
+    """Row-gathering Triton GEMMs: no gathered copy of X or dY (memory = the row ids and
+    the compact [n_active, r] LoRA intermediates). Launches for LoRA over a frozen base:
+    dY[R]B, X[R]Aᵀ, dB, dA, the dX memset and dX: six (plus split-K reductions)."""
+    from .sebp_triton import gathered_mm, gathered_tn
+
     M, K = x2.shape
-    idx = rows.index.to(x2.device)
+    idx = rows.index if rows.index.device == x2.device else rows.index.to(x2.device)
     want_dx, want_dw, want_db, want_da, want_dbb = need
     dx = dw = db = da = dbb = None
-    triton_path = _use_triton(x2, backend)
-    if triton_path:
-        from .sebp_triton import gathered_mm, gathered_tn, zero_rows
-
     dh = None
     if lora is not None and (want_dx or want_da or want_dbb):
         A, B, s = lora
         r = A.shape[0]
-        if triton_path:
-            dh = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
-            gathered_mm(g2, idx, B, dh, scatter=False)
-            dh.mul_(s)
-            if want_dbb:
-                h = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
-                gathered_mm(x2, idx, A.t(), h, scatter=False)
-                dbb = torch.empty_like(B)
-                gathered_tn(g2, idx, h, dbb, gather_q=False)
-                dbb.mul_(s)
-            if want_da:
-                da = torch.empty_like(A)
-                gathered_tn(x2, idx, dh, da.t(), gather_q=False)
-        else:
-            xr = x2.index_select(0, idx).to(A.dtype)
-            gr = g2.index_select(0, idx).to(A.dtype)
-            dh = (gr @ B) * s
-            if want_dbb:
-                dbb = (gr.t() @ (xr @ A.t())) * s
-            if want_da:
-                da = dh.t() @ xr
+        dh = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
+        gathered_mm(g2, idx, B, dh, scatter=False, alpha=s)  # s·dY[R] B
+        if want_dbb:
+            h = torch.empty((rows.n_active, r), device=x2.device, dtype=torch.float32)
+            gathered_mm(x2, idx, A.t(), h, scatter=False)
+            dbb = torch.empty_like(B)
+            gathered_tn(g2, idx, h, dbb, gather_q=False, alpha=s)
+        if want_da:
+            da = torch.empty_like(A)
+            gathered_tn(x2, idx, dh, da.t(), gather_q=False)
     if want_dx:
         w = weight.to(g2.dtype)
-        dx = torch.empty((M, K), device=x2.device, dtype=x2.dtype)
-        if triton_path:
-            extra = (dh, lora[0]) if dh is not None else None
-            gathered_mm(g2, idx, w, dx, scatter=True, extra=extra)
-        else:
-            gr = g2.index_select(0, idx)
-            part = (gr @ w).float()
-            if dh is not None:
-                part = part + dh.float() @ lora[0].float()
-            dx.index_copy_(0, idx.long(), part.to(dx.dtype))
-        if triton_path:
-            zero_rows(dx, rows.inactive.to(x2.device))
-        else:
-            dx.index_fill_(0, rows.inactive.to(x2.device), 0)
+        # One memset (full bandwidth, one cheap launch) for the rows outside R; the GEMM
+        # then overwrites the rows of R.
+        dx = torch.zeros((M, K), device=x2.device, dtype=x2.dtype)
+        extra = (dh, lora[0]) if dh is not None else None
+        gathered_mm(g2, idx, w, dx, scatter=True, extra=extra)
     if want_dw:
-        if triton_path:
-            dw = torch.empty_like(weight)
-            gathered_tn(g2, idx, x2, dw, gather_q=True)
-        else:
-            dw = (g2.index_select(0, idx).t() @ x2.index_select(0, idx).to(g2.dtype)).to(weight.dtype)
+        dw = torch.empty_like(weight)
+        gathered_tn(g2, idx, x2, dw, gather_q=True)
+    if want_db:  # Σ_R dY as dY[R]ᵀ · 1, through the same gathered reduction
+        ones = torch.ones((rows.n_active, 1), device=g2.device, dtype=torch.float32)
+        db = torch.empty((g2.shape[1], 1), device=g2.device, dtype=torch.float32)
+        db = gathered_tn(g2, idx, ones, db, gather_q=False).squeeze(1)
+    return dx, dw, db, da, dbb
+
+
+def _sparse_backward_torch(g2, x2, rows, weight, lora, need):
+    """The same math through index_select and dense matmuls on the gathered rows (CPU,
+    and a CUDA comparison in bench/sebp.py). Each of X[R] and dY[R] is gathered once;
+    the copies cost n_active x (K + N) elements of memory for the layer's backward."""
+    M, K = x2.shape
+    idx = rows.index.to(x2.device).long()
+    want_dx, want_dw, want_db, want_da, want_dbb = need
+    dx = dw = db = da = dbb = None
+    gr = g2.index_select(0, idx)
+    xr = x2.index_select(0, idx) if (want_dw or (lora is not None and (want_da or want_dbb))) else None
+    dh = None
+    if lora is not None and (want_dx or want_da or want_dbb):
+        A, B, s = lora
+        grf = gr.to(A.dtype)
+        dh = (grf @ B) * s
+        if want_dbb or want_da:
+            xrf = xr.to(A.dtype)
+            if want_dbb:
+                dbb = (grf.t() @ (xrf @ A.t())) * s
+            if want_da:
+                da = dh.t() @ xrf
+    if want_dx:
+        part = (gr @ weight.to(g2.dtype)).float()
+        if dh is not None:
+            part = part + dh.float() @ lora[0].float()
+        dx = torch.zeros((M, K), device=x2.device, dtype=x2.dtype)
+        dx.index_copy_(0, idx, part.to(dx.dtype))
+    if want_dw:
+        dw = (gr.t() @ xr.to(g2.dtype)).to(weight.dtype)
     if want_db:
-        if triton_path:  # Σ_R dY as dY[R]ᵀ · 1, through the same gathered reduction
-            ones = torch.ones((rows.n_active, 1), device=g2.device, dtype=torch.float32)
-            db = torch.empty((g2.shape[1], 1), device=g2.device, dtype=torch.float32)
-            db = gathered_tn(g2, idx, ones, db, gather_q=False).squeeze(1)
-        else:
-            db = g2.index_select(0, idx).float().sum(0)
+        db = gr.float().sum(0)
     return dx, dw, db, da, dbb
 
 
@@ -367,12 +404,13 @@ def unpatch(model) -> None:
 
 def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
     """Tell the patched layers which rows have a non-zero gradient this step
-    ([batch, seq] bool, e.g. attention_mask.bool() with right or left padding), or None
-    to use the dense backward everywhere."""
+    ([batch, seq] bool, e.g. attention_mask.bool() with right or left padding, or an
+    ActiveRows built earlier), or None to use the dense backward everywhere. The row ids
+    are computed here, once: every layer of the step reuses them."""
     handle = model_or_handle if isinstance(model_or_handle, Handle) else getattr(model_or_handle, _ATTR, None)
     if not isinstance(handle, Handle):
         raise ValueError("set_active_rows: the model is not patched (call sebp.patch(model) first)")
-    handle.rows = None if mask is None else ActiveRows.from_mask(mask)
+    handle.rows = _as_rows(mask)
 
 
 class Enabled:
@@ -406,7 +444,7 @@ class Enabled:
         """This micro-batch's [batch, seq] rows with a gradient (see `set_active_rows`);
         nothing when SEBP is off or lifted."""
         if self._patch is not None:
-            self._patch.rows = None if mask is None else ActiveRows.from_mask(mask)
+            self._patch.rows = _as_rows(mask)
 
     @contextlib.contextmanager
     def lifted(self):

@@ -23,12 +23,17 @@ Speed trade-offs:
   error) at several times the rate of fp32 FMAs. The interpreter uses IEEE products.
 - The skinny products (outputs of width r) also split their reduction over programs
   when they have few row tiles, for the same reason as gathered_tn.
-- Rows of dX outside R are zeroed by a store-only kernel over those rows, so every
-  element of dX is written exactly once (no memset of the whole tensor first).
+- Rows of dX outside R: the caller (sebp.py) clears dX with one memset before the
+  scattering GEMM. That writes the rows of R twice, but a memset is one cheap launch at
+  full bandwidth, where an indexed kernel (`zero_rows`, kept for callers that need dX
+  written once) costs a Python-side Triton launch on every layer.
+- A LoRA scaling factor is applied in the kernels' stores (`alpha`), not by a separate
+  multiply: at low active fractions the backward is short enough that each launch counts.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -87,7 +92,7 @@ def _tn_configs(skinny: bool):
 @triton.jit
 def _gathered_mm_kernel(
     P, Idx, Q, D, E, Out,
-    n_rows, C, K, R, n_split,
+    n_rows, C, K, R, n_split, alpha,
     stride_pm, stride_pk, stride_qk, stride_qc,
     stride_dm, stride_dr, stride_er, stride_ec, stride_os, stride_om, stride_oc,
     rows_bucket,  # only an autotune key: best tiles differ between few and many rows
@@ -140,6 +145,7 @@ def _gathered_mm_kernel(
         e = tl.load(E + offs_r[:, None] * stride_er + offs_c[None, :] * stride_ec,
                     mask=r_ok[:, None] & c_ok[None, :], other=0.0)
         acc = tl.dot(d.to(tl.float32), e.to(tl.float32), acc, input_precision=PRECISION)
+    acc = acc * alpha  # LoRA's scaling folded into the store: no separate multiply launch
     if SCATTER:
         out_rows = rows
     else:
@@ -154,7 +160,7 @@ def _gathered_mm_kernel(
 @triton.jit
 def _gathered_tn_kernel(
     P, Idx, Q, Out,
-    n_rows, A, B, n_split,
+    n_rows, A, B, n_split, alpha,
     stride_pm, stride_pa, stride_qm, stride_qb, stride_os, stride_oa, stride_ob,
     rows_bucket,
     GATHER_Q: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -203,6 +209,7 @@ def _gathered_tn_kernel(
             acc = tl.dot(tl.trans(p.to(tl.float32)), q.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(tl.trans(p), q.to(p.dtype), acc)
+    acc = acc * alpha
     tl.store(
         Out + split * stride_os + offs_a[:, None] * stride_oa + offs_b[None, :] * stride_ob,
         acc.to(Out.dtype.element_ty),
@@ -279,8 +286,8 @@ def _launch(kernel, grid, *args, **kwargs):
 _PRECISION = "ieee" if _INTERPRET else "tf32x3"
 
 
-def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
-    """out[R[i] if scatter else i] = p[R[i]] @ q (+ d[i] @ e when extra=(d, e)).
+def gathered_mm(p, idx, q, out, scatter: bool, extra=None, alpha: float = 1.0):
+    """out[R[i] if scatter else i] = alpha · (p[R[i]] @ q (+ d[i] @ e when extra=(d, e))).
 
     p: [rows, K]; idx: int32 [n]; q: [K, C] (any strides); out: [rows or n, C].
     """
@@ -306,7 +313,7 @@ def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
     _launch(
         kernel, grid,
         p, idx, q, d, e, target,
-        n, C, K, r, n_split,
+        n, C, K, r, n_split, float(alpha),
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         d.stride(0), d.stride(1), e.stride(0), e.stride(1), so, som, soc,
         _bucket(n),
@@ -314,18 +321,34 @@ def gathered_mm(p, idx, q, out, scatter: bool, extra=None):
         BLOCK_R=block_r,
     )
     if n_split > 1:
-        torch.sum(target, 0, out=out) if out.dtype == torch.float32 else out.copy_(target.sum(0))
+        _sum_into(target, out)
     return out
 
 
+def _sum_into(partials, out):
+    # One reduction launch straight into `out` (any strides) when the dtype allows it,
+    # instead of a sum into a fresh tensor plus a copy.
+    if out.dtype == torch.float32:
+        torch.sum(partials, 0, out=out)
+    else:
+        out.copy_(partials.sum(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_of(index) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device) -> int:
+    # Cached: the property lookup is host time on every launch, and launches are what
+    # the backward of a layer with few active rows is made of.
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def gathered_tn(p, idx, q, out, gather_q: bool):
-    """out[A, B] = p[R]ᵀ @ (q[R] if gather_q else q); out may be a transposed view."""
+def gathered_tn(p, idx, q, out, gather_q: bool, alpha: float = 1.0):
+    """out[A, B] = alpha · p[R]ᵀ @ (q[R] if gather_q else q); out may be a transposed view."""
     n, A, B = idx.numel(), p.shape[1], q.shape[1]
     if n == 0:
         return out.zero_()
@@ -340,11 +363,11 @@ def gathered_tn(p, idx, q, out, gather_q: bool):
     _launch(
         kernel, grid,
         p, idx, q, target,
-        n, A, B, n_split,
+        n, A, B, n_split, float(alpha),
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), so, sa, sb,
         _bucket(n),
         GATHER_Q=gather_q, DOT_FP32=_dot_fp32(p, q),
     )
     if n_split > 1:
-        out.copy_(target.sum(0))
+        _sum_into(target, out)
     return out

@@ -142,6 +142,74 @@ def test_falls_back_without_mask_or_on_other_shapes():
     assert (dx != 0).all()
 
 
+class Stack(nn.Module):
+    """Several linear layers in a row, like a decoder's block linears."""
+
+    def __init__(self, widths):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_ids_built_once_per_step_and_no_host_sync_per_layer(backend, monkeypatch):
+    """The active rows are computed in set_active_rows (one nonzero) and every layer's
+    backward reuses that one object: no nonzero, item, int() or tolist while the layers
+    run forward and backward, whatever the number of layers."""
+    gen = torch.Generator().manual_seed(9)
+    model = Stack([16, 32, 24, 16, 8])
+    handle = sebp.patch(model)
+    handle.backend = backend
+    mask = make_mask("right_padded", 3, 8, gen)
+    x = torch.randn(3, 8, 16, generator=gen)
+    dy = torch.randn(3, 8, 8, generator=gen)
+    ref_dx = grads_of(model, x, dy * mask[..., None], [])[1]  # no rows set: dense
+    builds = []
+    real_build = sebp.ActiveRows.from_mask.__func__
+    monkeypatch.setattr(sebp.ActiveRows, "from_mask", classmethod(lambda cls, m: builds.append(1) or real_build(cls, m)))
+    sebp.set_active_rows(handle, mask)
+    assert len(builds) == 1
+    step_rows = handle.rows
+
+    seen, syncs = [], []
+    real_backward = sebp._sparse_backward
+    monkeypatch.setattr(sebp, "_sparse_backward", lambda g2, x2, rows, *a: seen.append(rows) or real_backward(g2, x2, rows, *a))
+    for owner, name in [(torch.Tensor, "nonzero"), (torch.Tensor, "item"), (torch.Tensor, "tolist"),
+                        (torch.Tensor, "__int__"), (torch, "nonzero"), (torch, "argwhere")]:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: syncs.append(_name) or _real(*a, **k))
+    xg = x.clone().requires_grad_(True)
+    model(xg).backward(dy)
+    monkeypatch.undo()
+    assert syncs == [] and len(builds) == 1
+    assert len(seen) == 4 and all(r is step_rows for r in seen)  # one ActiveRows, reused by every layer
+    assert rel(xg.grad, ref_dx) <= 1e-5
+    sebp.unpatch(model)
+
+
+def test_set_active_rows_takes_prebuilt_rows():
+    gen = torch.Generator().manual_seed(10)
+    layer = nn.Linear(16, 8, bias=False)
+    model = Holder(layer)
+    handle = sebp.patch(model)
+    handle.backend = "torch"
+    mask = make_mask("random", 2, 8, gen)
+    rows = sebp.ActiveRows.from_mask(mask)
+    assert rows.n_active == int(mask.sum()) and rows.index.dtype == torch.int32
+    assert torch.equal(rows.inactive(), (~mask).reshape(-1).nonzero().squeeze(1))
+    x, dy = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 8, generator=gen)
+    _, dx_ref, (dw_ref,) = grads_of(model, x, dy * mask[..., None], [layer.weight])  # no rows: dense
+    sebp.set_active_rows(model, rows)
+    assert handle.rows is rows
+    _, dx, (dw,) = grads_of(model, x, dy, [layer.weight])
+    assert rel(dx, dx_ref) <= 1e-5 and rel(dw, dw_ref) <= 1e-5 and (dx[~mask] == 0).all()
+    sebp.unpatch(model)
+
+
 def test_unpatch_restores_forward_exactly():
     layer = nn.Linear(8, 8)
     model = Holder(layer)
