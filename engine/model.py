@@ -82,14 +82,29 @@ def autocast(model):
 
 def _gguf_to_folder(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a cached HF folder (fp32 keeps its values exact)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     st = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that meet the file for the first time together (the app's worker and its
+    # chat worker, test processes side by side) dequantise it once: the others wait for
+    # the folder (some 10-30 CPU-seconds for the embedded model) instead of redoing it and
+    # replacing the folder under a process that is reading it.
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        return _dequantise_into(gguf, out)
+
+
+def _dequantise_into(gguf: Path, out: Path) -> Path:
+    """Load the GGUF file dequantised to fp32 and save it as a plain folder at `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

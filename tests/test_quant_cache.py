@@ -92,3 +92,36 @@ def test_plain_weights_are_not_cached(cache, source):
 def test_quant_cache_off_stores_nothing(cache, source):
     model_lib.load_base(ModelSettings(name=str(source), quant="nf4", device="cpu", quant_cache=False))
     assert not cache.exists()
+
+
+def test_a_gguf_met_by_several_processes_at_once_is_dequantised_once(tmp_path, monkeypatch):
+    """The app's worker and its chat worker (or test processes side by side) meeting a GGUF
+    file for the first time: one dequantises it, the others wait for its folder."""
+    import subprocess
+    import sys
+    import textwrap
+
+    monkeypatch.setenv("EDGETUNE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    code = textwrap.dedent(f"""
+        import time
+        from edgetune.engine import model
+        from edgetune.engine.runfolder import atomic_dir
+
+        def dequantise(gguf, out):  # the real one takes 10-30 CPU-seconds
+            with open({str(tmp_path / 'calls')!r}, "a") as f:
+                f.write("x")
+            time.sleep(1.0)
+            with atomic_dir(out) as tmp:
+                (tmp / "config.json").write_text("{{}}")
+            return out
+
+        model._dequantise_into = dequantise
+        print(model._gguf_to_folder(model.Path({str(gguf)!r})))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert (tmp_path / "calls").read_text() == "x"
+    assert len(set(outs)) == 1 and (model_lib.Path(outs[0]) / "config.json").is_file()
