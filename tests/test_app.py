@@ -277,12 +277,23 @@ def test_isolated_data_check_of_malformed_json(tmp_path):
     assert [b["row"] for b in result["bad_rows"]] == [2, 4]
 
 
-def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def chat_worker(tmp_path_factory):
+    """One chat worker process for the chat tests (a start costs the imports of torch,
+    transformers and PEFT: several CPU-seconds); each test sends its own model settings."""
+    from edgetune.engine.chat import ChatSession
+
+    log = tmp_path_factory.mktemp("chat") / "chat.log"
+    chat = ChatSession(log_path=log)
+    yield chat, log
+    chat.close()
+
+
+def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_dir, chat_worker):
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.chat import ChatSession
     from edgetune.engine.model import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -294,16 +305,13 @@ def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_d
     peft_model.save_pretrained(tmp_path / "adapter")
 
     ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
-    chat = ChatSession(log_path=tmp_path / "chat.log")
-    try:
-        msgs = [{"role": "user", "content": "What is 2 plus 3?"}]
-        plain = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
-        both = chat.ask(ms, msgs, str(tmp_path / "adapter"), max_new_tokens=8, timeout=300)
-        again = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
-        missing = chat.ask(ms, msgs, str(tmp_path / "nowhere"), max_new_tokens=8, timeout=300)
-    finally:
-        chat.close()
-    assert plain["ok"] and both["ok"], (plain, both, (tmp_path / "chat.log").read_text()[-2000:])
+    chat, log = chat_worker
+    msgs = [{"role": "user", "content": "What is 2 plus 3?"}]
+    plain = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
+    both = chat.ask(ms, msgs, str(tmp_path / "adapter"), max_new_tokens=8, timeout=300)
+    again = chat.ask(ms, msgs, "", max_new_tokens=8, timeout=300)
+    missing = chat.ask(ms, msgs, str(tmp_path / "nowhere"), max_new_tokens=8, timeout=300)
+    assert plain["ok"] and both["ok"], (plain, both, log.read_text()[-2000:])
     # The base reply with the adapter switched off is the plain base reply; the adapter changes it.
     assert both["base"] == plain["base"] == again["base"]
     assert both["tuned"] != both["base"]
@@ -325,23 +333,18 @@ def test_chat_history_from_gradio_becomes_plain_turns():
     assert panels.chat_messages([]) == [] and panels.chat_messages(None) == []
 
 
-def test_chat_worker_holds_a_conversation_per_side(tmp_path, tiny_model_dir):
+def test_chat_worker_holds_a_conversation_per_side(tiny_model_dir, chat_worker):
     """Three turns; each side continues its own conversation, and list-of-parts content
     (as Gradio 6 sends it) is accepted by the worker too."""
-    from edgetune.engine.chat import ChatSession
-
     ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
-    chat = ChatSession(log_path=tmp_path / "chat.log")
+    chat, log = chat_worker
     hist: list[dict] = []
-    try:
-        for text in ("What is 2 plus 3?", "And 4 plus 4?", "Thanks. 1 plus 1?"):
-            user = {"role": "user", "content": [{"type": "text", "text": text}]}
-            reply = chat.ask(ms, hist + [user], "", max_new_tokens=4, timeout=300)
-            assert reply["ok"], (reply, (tmp_path / "chat.log").read_text()[-2000:])
-            hist += [user, {"role": "assistant", "content": reply["base"]}]
-        bad = chat.ask(ms, [{"role": "user", "content": 3}], "", max_new_tokens=4, timeout=300)
-    finally:
-        chat.close()
+    for text in ("What is 2 plus 3?", "And 4 plus 4?", "Thanks. 1 plus 1?"):
+        user = {"role": "user", "content": [{"type": "text", "text": text}]}
+        reply = chat.ask(ms, hist + [user], "", max_new_tokens=4, timeout=300)
+        assert reply["ok"], (reply, log.read_text()[-2000:])
+        hist += [user, {"role": "assistant", "content": reply["base"]}]
+    bad = chat.ask(ms, [{"role": "user", "content": 3}], "", max_new_tokens=4, timeout=300)
     assert len(hist) == 6 and all(isinstance(m["content"], (str, list)) for m in hist)
     assert not bad["ok"] and "chat message 1" in bad["error"]
 
