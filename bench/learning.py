@@ -173,7 +173,7 @@ def curve(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if e.get("type") == "step":
-            out.append({k: e[k] for k in ("step", "reward_mean", "loss", "best", "mean") if k in e})
+            out.append({k: e[k] for k in ("step", "reward_mean", "loss", "best", "mean", "truncated") if k in e})
     return out
 
 
@@ -294,10 +294,29 @@ def table(result: dict) -> str:
                     s += f", {m['train_s'] / 60:.1f} min"
                 cells.append(s)
         lines.append("| " + " | ".join(cells) + " |")
+    trunc = truncation_lines(result)
+    if trunc:
+        lines += ["", "Share of F-GRPO / GRPO rollouts that hit the completion cap (first 4 / last 4 training "
+                  "steps; a completion cut there rarely holds its answer):", "", *trunc]
     if result.get("not_finished"):
         lines += ["", f"Not finished by the deadline (stopped): {', '.join(result['not_finished'])}."]
     lines += ["", "Commands of each run (train, then eval) are in the JSON beside this file."]
     return "\n".join(lines) + "\n"
+
+
+def truncation_lines(result: dict) -> list[str]:
+    """One line per task: the capped share of rollouts early and late in each RL run."""
+    out = []
+    for t in result["tasks"]:
+        cells = []
+        for c in ("fgrpo", "grpo"):
+            pts = [p["truncated"] for p in t["methods"].get(c, {}).get("curve", []) if "truncated" in p]
+            if pts:
+                head, tail = pts[:4], pts[-4:]
+                cells.append(f"{LABELS[c]} {_pct(sum(head) / len(head))} -> {_pct(sum(tail) / len(tail))}")
+        if cells:
+            out.append(f"- {t['task']}: " + ", ".join(cells))
+    return out
 
 
 def plot(result: dict, path: Path) -> None:

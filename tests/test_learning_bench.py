@@ -60,7 +60,8 @@ def toy_result():
             "tasks": [{"task": "chain_sum", "kept_aside": False, "n_train": 146, "n_eval": 50,
                        "methods": {"base": m(0.12, 0.3), "sft": m(0.8, t=90.0),
                                    "fgrpo": {**m(0.5, 0.7, 600.0),
-                                             "curve": [{"step": 1, "reward_mean": 0.2}, {"step": 2, "reward_mean": 0.4}]},
+                                             "curve": [{"step": i, "reward_mean": 0.1 * i, "truncated": t}
+                                                       for i, t in enumerate([1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25, 0.0], 1)]},
                                    "grpo": {"error": "train exited 1"}}},
                       {"task": "products", "kept_aside": True, "n_train": 49, "n_eval": 50,
                        "methods": {"base": m(0.0, 0.04)}}]}
@@ -74,6 +75,8 @@ def test_table_and_plot_from_a_toy_result(tmp_path):
     assert "| chain_sum | 146 / 50 | 12% (30%) | 80%, 1.5 min | 50% (70%), 10.0 min | failed | not run | not run |" in md
     assert "| products (kept aside) | 49 / 50 | 0% (4%) | not run |" in md
     assert "2026-12-01" in md and "x86_64 CPU, 2 cores" in md and "`python bench/learning.py`" in md
+    # capped share of rollouts: mean of the first 4 steps (0.75), of the last 4 (0.25)
+    assert "- chain_sum: F-GRPO γ=1 75% -> 25%" in md and "products:" not in md.split("cap")[-1]
     assert json.loads((tmp_path / "learning.json").read_text()) == result
     from PIL import Image
 
@@ -178,8 +181,8 @@ def test_jobs_run_side_by_side_and_the_deadline_keeps_what_finished(tmp_path, mo
                                                                          json.dumps(part)])
     t0 = __import__("time").time()
     assert bench.main(["--tasks", "products,chain_sum", "--methods", "sft,grpo,base", "--jobs", "4",
-                       "--deadline-s", "20", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
-    assert __import__("time").time() - t0 < 45  # the sleepers were stopped, not waited for
+                       "--deadline-s", "8", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+    assert __import__("time").time() - t0 < 40  # the sleepers (60 s) were stopped, not waited for
     result = json.loads((tmp_path / "out" / "learning.json").read_text())
     assert [t["task"] for t in result["tasks"]] == ["products", "chain_sum"]
     assert all(sorted(t["methods"]) == ["base", "sft"] for t in result["tasks"])
