@@ -18,7 +18,9 @@
 #
 #   bash bench/learning_defaults.sh OUT                 # GPU: ~32 processes, about 7.5 minutes
 #   bash bench/learning_defaults.sh OUT --tiny          # CPU check: one task, tiny budgets
-# DEADLINE_S (default 400) is each group's --deadline-s.
+# DEADLINE_S (default 400) is each group's --deadline-s; J_CAP, J_HINT, J_ESSA, J_SFT (default 15,
+# 10, 5, 2: everything at once, ~32 processes, the base evaluations done in the first minutes)
+# are the groups' --jobs.
 set -uo pipefail
 out=${1:?usage: learning_defaults.sh OUT [--tiny]}
 tiny=${2:-}
@@ -38,7 +40,8 @@ if [ "$tiny" = "--tiny" ]; then
   sft_steps=3; j_cap=1; j_hint=1; j_essa=1; j_sft=1
 else
   tasks=chain_sum,basic_arithmetic,gcd,count_bits,products; sft_tasks=gcd,count_bits; cap=64
-  deadline=${DEADLINE_S:-400}; budget=(); sft_steps=160; j_cap=15; j_hint=10; j_essa=5; j_sft=2
+  deadline=${DEADLINE_S:-400}; budget=(); sft_steps=160
+  j_cap=${J_CAP:-15}; j_hint=${J_HINT:-10}; j_essa=${J_ESSA:-5}; j_sft=${J_SFT:-2}
 fi
 L=("$py" "$here/learning.py" "${fp32[@]}" "${budget[@]}" --deadline-s "$deadline")
 echo "learning_defaults: work folder $work, reports in $out"
