@@ -20,7 +20,7 @@
 #   bash bench/learning_defaults.sh OUT --tiny          # CPU check: one task, tiny budgets
 # DEADLINE_S (default 400) is each group's --deadline-s; J_CAP, J_HINT, J_ESSA, J_SFT (default 15,
 # 10, 5, 2: everything at once, ~32 processes, the base evaluations done in the first minutes)
-# are the groups' --jobs.
+# are the groups' --jobs. ESSA_REWARD=1 adds a group: ESSA with the reward fitness in the same run.
 set -uo pipefail
 out=${1:?usage: learning_defaults.sh OUT [--tiny]}
 tiny=${2:-}
@@ -53,6 +53,10 @@ echo "learning_defaults: work folder $work, reports in $out"
   --out "$out/hint$cap" --work "$work/hint" > "$out/hint$cap.log" 2>&1 &
 "${L[@]}" --tasks "$tasks" --methods essa --jobs $j_essa --set essa.fitness=reward+gold_logprob \
   --out "$out/essa_rg" --work "$work/essa" > "$out/essa_rg.log" 2>&1 &
+if [ "${ESSA_REWARD:-0}" = 1 ]; then  # the reward fitness again, beside the new one (5 more processes)
+  "${L[@]}" --tasks "$tasks" --methods essa --jobs $j_essa --set essa.fitness=reward \
+    --out "$out/essa_r" --work "$work/essa_r" > "$out/essa_r.log" 2>&1 &
+fi
 "${L[@]}" --tasks "$sft_tasks" --methods sft --jobs $j_sft --sft-steps $sft_steps \
   --out "$out/sft$sft_steps" --work "$work/sft" > "$out/sft$sft_steps.log" 2>&1 &
 rc=0
@@ -61,16 +65,19 @@ for p in $(jobs -p); do wait "$p" || rc=1; done
 # Every run's log and events (not its adapters) beside the reports: the work folder may not come back.
 mkdir -p "$out/logs" && (cd "$work" && find . \( -name '*.log' -o -name events.jsonl \) -size -2048k | tar -cf - -T - | tar -xf - -C "$out/logs")
 
-"$py" - "$out" "$cap" "$sft_steps" <<'EOF'
+# One table: these groups beside the same methods at the presets' own settings (the earlier
+# H200 run: same seed, data, held-out questions and evaluation; 32-token cap; reward fitness).
+"$py" - "$out" "$cap" "$sft_steps" "$here/results/2026-12-01-h200/learning/learning.json" <<'EOF'
 import json, sys
 from pathlib import Path
 
-out, cap, sft_steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-def load(group):
-    f = out / group / "learning.json"
+out, cap, sft_steps, ref = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+def load(f):
     return {t["task"]: t["methods"] for t in json.loads(f.read_text())["tasks"]} if f.is_file() else {}
 
-g = {"cap": load(f"cap{cap}"), "hint": load(f"hint{cap}"), "essa": load("essa_rg"), "sft": load(f"sft{sft_steps}")}
+g = {"cap": load(out / f"cap{cap}" / "learning.json"), "hint": load(out / f"hint{cap}" / "learning.json"),
+     "essa": load(out / "essa_rg" / "learning.json"), "sft": load(out / f"sft{sft_steps}" / "learning.json"),
+     "essa_r": load(out / "essa_r" / "learning.json"), "ref": load(ref)}
 k = None
 for f in out.glob("*/learning.json"):
     k = json.loads(f.read_text())["args"]["eval_k"]
@@ -84,15 +91,19 @@ def cell(group, task, method, passk=True):
     if passk and f"pass@{k}" in m:
         s += f" ({100 * m[f'pass@{k}']:.0f}%)"
     return s
-cols = [("cap", "base", f"base @{cap}"), ("cap", "fgrpo", f"F-GRPO @{cap}"), ("cap", "grpo", f"GRPO @{cap}"),
+cols = [("ref", "base", "base @32"), ("ref", "fgrpo", "F-GRPO @32"), ("ref", "grpo", "GRPO @32"),
+        ("cap", "base", f"base @{cap}"), ("cap", "fgrpo", f"F-GRPO @{cap}"), ("cap", "grpo", f"GRPO @{cap}"),
         ("hint", "base", f"base @{cap}+hint"), ("hint", "fgrpo", f"F-GRPO @{cap}+hint"),
+        ("ref", "essa_warm_start", "ESSA warm start @32"), ("ref", "essa", "ESSA reward"),
+        *([("essa_r", "essa", "ESSA reward (again)")] if g["essa_r"] else []),
         ("essa", "essa_warm_start", "ESSA warm start"), ("essa", "essa", "ESSA reward+gold_logprob"),
-        ("sft", "sft", f"SFT {sft_steps} steps")]
-tasks = list(dict.fromkeys(t for grp in g.values() for t in grp))
+        ("ref", "sft", "SFT 40 steps"), ("sft", "sft", f"SFT {sft_steps} steps")]
+tasks = list(dict.fromkeys(t for name, grp in g.items() if name != "ref" for t in grp))
 lines = [f"Held-out greedy success (pass@{k} in brackets), per group of bench/learning_defaults.sh", "",
          "| task | " + " | ".join(c[2] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
 for t in tasks:
     lines.append(f"| {t} | " + " | ".join(cell(a, t, b, b != "sft") for a, b, _ in cols) + " |")
+lines += ["", f"@N: completion cap of training and evaluation; '@32' and 'ESSA reward', 'SFT 40 steps' columns: {ref}"]
 text = "\n".join(lines) + "\n"
 (out / "summary.md").write_text(text)
 print(text)
