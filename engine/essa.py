@@ -18,7 +18,10 @@ Population evaluation, `essa.evaluation`:
   candidate k's factors to its rows (engine/multilora.py). The 4-bit base matmuls run
   once for all K·P rows, so on a GPU K candidates cost little more than one until the
   batch is compute-bound. Costs: K adapters' factors (~20 MB each at 7B, rank 8) and the
-  KV cache of K·P rows. With greedy decoding both modes give the same fitness.
+  KV cache of K·P rows. With greedy decoding both modes give the same fitness. Both
+  modes decode on the rollouts' fast loop when it applies (fast=None: on CUDA, known
+  layout): batched candidates run there as stacked per-row factors in its packed step
+  (engine/fast_decode.py), one CUDA graph per chunk of K candidates.
 
 A checkpoint holds the CMA-ES search as a replayable log (engine/essa_state.py; no
 pickle), the best candidate so far and the RNG states (cma samples from numpy's global
@@ -94,7 +97,7 @@ class Evaluator:
         self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
         self.system_prompt = system_prompt
         self.k = candidates_per_batch
-        self.fast = fast  # rollouts' decode loop choice for sequential evaluation
+        self.fast = fast  # rollouts' decode loop choice (None: the fast loop on CUDA when supported)
 
     def _generate(self, prompts, seed, fast):
         s = self.s
@@ -149,10 +152,11 @@ class Evaluator:
             stacks = self.space.stacked(np.asarray(chunk))
             # candidate-major rows: candidate j owns rows j*p .. j*p+p-1
             row_candidate = torch.arange(kk).repeat_interleave(p)
-            # The plain decode loop: a captured CUDA graph (rollouts' fast loop) would keep
-            # reading the first chunk's stacked factors.
+            # The decode loop is picked as for sequential evaluation (fast=None: the CUDA-graph
+            # loop on CUDA). Its graph and packed factors live for one generate call, so each
+            # chunk's new stacks are read afresh.
             with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
-                chunk_fits = self._fitness(rows, seed, False, kk)
+                chunk_fits = self._fitness(rows, seed, self.fast, kk)
             secs = (time.time() - t) / kk
             for j in range(kk):
                 fits.append(chunk_fits[j])

@@ -20,6 +20,17 @@ Two layouts:
 
 The row count is checked on every call: a caller that splits the batch into
 micro-batches would silently mix candidates, so it raises instead.
+
+Decode loops: the plain loop calls the patched forwards. The fast loop
+(engine/fast_decode.py) packs the stacks of candidate-major blocks into its q|k|v,
+o, gate|up and down packs whenever it packs its base weights (two `bmm`s per pack, as
+many kernels as one adapter), and otherwise captures the patched forwards in its CUDA
+graph.
+Trade-offs: memory of K stacked adapters (A and B per candidate: ~20 MB each at 7B, r 8
+on q,k,v,o, fp32; the fast loop's packs copy them again for the call, with B
+block-diagonal) and, in the fast loop, a graph per generate call for its K*P rows, so a
+different K (the last chunk of a population) is a second capture. The stacks are read
+when a call starts: new candidates are new stacks for the next call.
 """
 
 from __future__ import annotations

@@ -201,14 +201,20 @@ def test_packed_step_through_lora(lora):
     b = generate(model, tok, PROMPTS[:2], fast=True, bf16_weights=True, **kw)
     assert b.info["packed"] is True
     assert a.texts == b.texts and torch.allclose(a.logprobs, b.logprobs, atol=1e-4)
-    # a patched LoRA forward (ESSA's batched candidates) is never packed over
+    # ESSA's batched candidates (per-row LoRA in candidate-major blocks) are packed as
+    # stacked factors; any other row order is not packed over (module path instead)
     mods = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
     stacks = [(m.lora_A["default"].weight[None], m.lora_B["default"].weight[None]) for _, m in mods]
+    want = generate(model, tok, PROMPTS[:1], num_generations=2, greedy=True, max_new_tokens=4).texts
     with batched_lora(mods, stacks, [0] * 2):
         c = generate(model, tok, PROMPTS[:1], num_generations=2, greedy=True, max_new_tokens=4, fast=True,
                      bf16_weights=True)
-    assert str(c.info["packed"]).startswith("no")
-    assert c.texts == generate(model, tok, PROMPTS[:1], num_generations=2, greedy=True, max_new_tokens=4).texts
+    assert c.info["packed"] is True and c.texts == want
+    stacks2 = [(torch.stack([a[0], a[0]]), torch.stack([b[0], b[0]])) for a, b in stacks]
+    with batched_lora(mods, stacks2, [1, 0]):
+        d = generate(model, tok, PROMPTS[:1], num_generations=2, greedy=True, max_new_tokens=4, fast=True,
+                     bf16_weights=True)
+    assert str(d.info["packed"]).startswith("no") and d.texts == want
 
 
 def test_fast_is_not_picked_on_cpu(base):
