@@ -1,0 +1,338 @@
+"""Fused NF4 dequantise-and-matmul for decode: y = x @ W.T with W in bitsandbytes' NF4.
+
+Used by the fast rollout loop (engine/fast_decode.py) when the base is NF4 and no dense
+bf16 copy of the weights is made. x is [M, K] with M the decode batch (1..128), W is
+[N, K] stored as bitsandbytes stores it:
+
+- `packed`: uint8, the row-major [N, K] codes flattened, two codes a byte: element 2i in
+  the HIGH nibble of byte i, element 2i+1 in the LOW nibble (bitsandbytes' quantize_4bit:
+  `(q[::2] << 4) | q[1::2]`). With K even, row n's bytes are packed[n*K/2 : (n+1)*K/2].
+- `absmax`: one fp32 scale per `blocksize` (64) consecutive flat elements. bitsandbytes
+  double-quantises it (uint8 codes + a second absmax per 256 + an offset); `prepare`
+  dequantises it once per generate call with bitsandbytes' own dequantize_blockwise,
+  into fp32: 4 bytes per 64 weights (0.5 GB for 7B, 4.5 GB for 72B).
+- the weight value is `float32(NF4[code]) * absmax`, rounded to bf16: the exact bf16
+  values bitsandbytes' dequantize_4bit(...).to(bfloat16) gives (tests check equality).
+
+Bytes moved per weight and step, at decode sizes (weights dominate; x and y are tiny):
+- bitsandbytes' matmul_4bit for M > 1: dequantise into a bf16 temporary, then cuBLAS:
+  read 0.5 + write 2 + read 2 = 4.5 B (plus two launches per linear).
+- "dequantise each layer once per step into one reused bf16 buffer": the same 4.5 B
+  (the buffer saves allocations, not traffic), and the packed bf16 copy costs 2 B read
+  per step but 2 B of memory per weight for the whole call (15 GB at 7B, 145 GB at 72B).
+- this kernel: 0.5 B + 0.0625 B (fp32 scale) read, no temporary: ~8x fewer bytes than
+  the dequantise-then-matmul paths and ~3.5x fewer than the bf16 copy.
+The price is arithmetic: each weight is unpacked, looked up and scaled in registers
+(a few integer/float instructions per weight, independent of M), so the kernel is not
+at the bandwidth floor; at M = 64 it is expected between the floor (0.7 ms for 7B) and
+the bf16 copy's GEMMs (3.2 ms of weight reads).
+
+Tiling: x's row tile (BLOCK_M = 16/32/64 by M) is re-read from L2 once per N tile, so
+N tiles are wide (BLOCK_N up to 256); to fill the GPU when N / BLOCK_N is small, the
+K loop is split over programs (SPLIT_K), each writing an fp32 partial that a second small
+kernel sums in a fixed order (deterministic, unlike atomics: equal inputs give equal
+tokens), adding the bias and casting. Even and odd k are handled as two half-width dots
+(x's even columns with the high nibbles, odd with the low ones), so the nibbles never
+need to be interleaved in registers. The config is picked per (M bucket, N, K) by timing
+the candidates once (`tune`), outside CUDA-graph capture (the fast loop's warm-up steps).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch reference still works
+    triton = None
+    tl = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0)
+
+
+@dataclass
+class NF4Weight:
+    """One NF4 linear weight [N, K] ready for the kernel (views of the module's bytes; only
+    `absmax` is new memory)."""
+
+    packed: Tensor  # uint8 [N, K // 2]
+    absmax: Tensor  # fp32 [N, K // blocksize]
+    code: Tensor  # fp32 [16]
+    shape: tuple
+    blocksize: int
+    dtype: torch.dtype = torch.bfloat16  # compute dtype of the product
+
+
+def prepare(weight: Tensor, quant_state) -> NF4Weight:
+    """An NF4Weight from a Params4bit's data and quant_state; raises ValueError for
+    layouts the kernel does not read (FP4, odd K, blocks crossing rows)."""
+    import bitsandbytes.functional as bnbF
+
+    if quant_state.quant_type != "nf4":
+        raise ValueError(f"quant_type {quant_state.quant_type} (the kernel reads nf4)")
+    N, K = quant_state.shape
+    bs = quant_state.blocksize
+    if K % bs or K % 2:
+        raise ValueError(f"in_features {K} is not a multiple of the block size {bs}")
+    data = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        # bitsandbytes' CPU kernel reorders the codes and keeps a bf16 [K/bs, N] absmax
+        # (its own lossy copy): read back the row-major codes and use that absmax, which
+        # is what its CPU matmul then computes with.
+        packed = _unpack_cpu_format(data, N, K)
+        absmax = quant_state.absmax.t().float().contiguous()
+    else:
+        packed = data.reshape(N, K // 2)
+        if quant_state.nested:  # exactly dequantize_4bit's steps
+            absmax = bnbF.dequantize_blockwise(quant_state.absmax, quant_state.state2)
+            absmax += quant_state.offset
+            absmax = absmax.float()
+        else:
+            absmax = quant_state.absmax.float()
+        absmax = absmax.reshape(N, K // bs)
+    code = torch.tensor(NF4_CODE, dtype=torch.float32, device=data.device)
+    return NF4Weight(packed, absmax, code, (N, K), bs)
+
+
+def _unpack_cpu_format(data: Tensor, N: int, K: int) -> Tensor:
+    """Row-major packed codes from bitsandbytes' CPU layout (its inverse, without touching
+    the quant_state)."""
+    packed = data.reshape(-1, 32)
+    qw = torch.cat([packed & 0xF, (packed >> 4) & 0xF], dim=-1)
+    qw = qw.reshape(N // 32, K // 2, 32, 2).transpose(-3, -2).reshape(N, K)
+    return ((qw[:, ::2] << 4) | qw[:, 1::2]).to(torch.uint8).contiguous()
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def dequantize_ref(w: NF4Weight) -> Tensor:
+    """[N, K] bf16 from the packed codes, as bitsandbytes computes it (fp32 product, then
+    one rounding)."""
+    N, K = w.shape
+    hi = (w.packed >> 4).long()
+    lo = (w.packed & 0xF).long()
+    codes = torch.stack([hi, lo], -1).reshape(N, K)
+    vals = w.code[codes].reshape(N, K // w.blocksize, w.blocksize) * w.absmax[..., None]
+    return vals.reshape(N, K).to(w.dtype)
+
+
+def linear_ref(x: Tensor, w: NF4Weight, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] @ W.T (+ bias) in the compute dtype, the reference for `linear`."""
+    y = torch.nn.functional.linear(x.to(w.dtype).float(), dequantize_ref(w).float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(w.dtype)
+
+
+# --------------------------------------------------------------------------- Triton
+
+if triton is not None:
+
+    @triton.jit
+    def _to_bf16(v, EMULATE: tl.constexpr):
+        """fp32 -> bf16, round to nearest even. The GPU's conversion does exactly that; the
+        interpreter's truncates, so under EMULATE it is done on the bits (finite values)."""
+        if EMULATE:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return v.to(tl.bfloat16)
+
+    @triton.jit
+    def _nf4_half(b_ptrs, s_ptrs, code_ptr, mask, HIGH: tl.constexpr, EMULATE: tl.constexpr):
+        """bf16 weights of one nibble of the loaded bytes (codes looked up in the 16-entry
+        table, times the block's fp32 absmax, one rounding: bitsandbytes' values)."""
+        b = tl.load(b_ptrs, mask=mask, other=0)
+        if HIGH:
+            q = (b >> 4) & 0xF
+        else:
+            q = b & 0xF
+        c = tl.load(code_ptr + q.to(tl.int32))
+        s = tl.load(s_ptrs, mask=mask, other=0.0)
+        return _to_bf16(c * s, EMULATE)
+
+    @triton.jit
+    def _nf4_mm_kernel(
+        X, Wq, S, Code, Bias, Y, P,
+        M, N, K, stride_xm, stride_ym, stride_ps,
+        BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+    ):
+        # pid 0 walks M tiles fastest: the programs of one N tile run together and share
+        # its weight bytes through L2 when M needs several tiles.
+        num_m = tl.cdiv(M, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
+        pid_k = tl.program_id(1)
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_j = tl.arange(0, HALF)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = pid_k * chunk
+        k_end = tl.minimum(K, k_begin + chunk)
+        nl = offs_n.to(tl.int64)
+        row_b = Wq + nl[None, :] * (K // 2)  # [1, BLOCK_N] row starts of the packed bytes
+        row_s = S + nl[None, :] * (K // BS)
+        x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ke = k0 + 2 * offs_j  # the even k of each byte
+            k_ok = ke < k_end
+            wmask = k_ok[:, None] & n_ok[None, :]
+            b_ptrs = row_b + (ke // 2)[:, None]  # [HALF, BLOCK_N]: W.T's layout for the dot
+            s_ptrs = row_s + (ke // BS)[:, None]
+            w_hi = _nf4_half(b_ptrs, s_ptrs, Code, wmask, True, EMULATE)
+            w_lo = _nf4_half(b_ptrs, s_ptrs, Code, wmask, False, EMULATE)
+            xmask = m_ok[:, None] & k_ok[None, :]
+            x_even = tl.load(x_rows + ke[None, :], mask=xmask, other=0.0).to(tl.bfloat16)
+            x_odd = tl.load(x_rows + ke[None, :] + 1, mask=xmask, other=0.0).to(tl.bfloat16)
+            if EMULATE:  # the interpreter's dot multiplies bf16's raw bits: go through fp32
+                # (exact: a bf16 x bf16 product fits fp32, as on the tensor cores)
+                acc = tl.dot(x_even.to(tl.float32), w_hi.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(x_odd.to(tl.float32), w_lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_even, w_hi, acc)
+                acc = tl.dot(x_odd, w_lo, acc)
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y_ptrs, _to_bf16(acc, EMULATE), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            p_ptrs = P + pid_k * stride_ps + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _split_sum_kernel(P, Bias, Y, M, N, stride_ps, stride_ym,
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        """Y (bf16) = sum over splits of P (fixed order) + bias."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            acc += tl.load(P + s * stride_ps + offs, mask=ok, other=0.0)
+        n = offs % N
+        if HAS_BIAS:
+            acc += tl.load(Bias + n, mask=ok, other=0.0).to(tl.float32)
+        m = offs // N
+        tl.store(Y + m.to(tl.int64) * stride_ym + n, _to_bf16(acc, EMULATE), mask=ok)
+
+    @triton.jit
+    def _nf4_dequant_kernel(Wq, S, Code, Out, N, K, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """The kernel's bf16 weights written out [N, K] (for the bit-exactness test)."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ke = tl.program_id(1) * BLOCK_K + 2 * tl.arange(0, HALF)
+        mask = (ke < K)[:, None] & (offs_n < N)[None, :]
+        b_ptrs = Wq + offs_n[None, :] * (K // 2) + (ke // 2)[:, None]
+        s_ptrs = S + offs_n[None, :] * (K // BS) + (ke // BS)[:, None]
+        w_hi = _nf4_half(b_ptrs, s_ptrs, Code, mask, True, EMULATE)
+        w_lo = _nf4_half(b_ptrs, s_ptrs, Code, mask, False, EMULATE)
+        o = Out + offs_n[None, :] * K + ke[:, None]
+        tl.store(o, w_hi, mask=mask)
+        tl.store(o + 1, w_lo, mask=mask)
+
+
+def block_m(M: int) -> int:
+    """Row tile by batch: tl.dot needs at least 16; above 64 rows the batch takes two or
+    more tiles (each re-reads the weight tile, mostly from L2)."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): wide N tiles (x is re-read once per N
+# tile), split K where N alone gives too few programs for 132 SMs.
+CONFIGS = [
+    (128, 128, 1, 4, 3), (128, 128, 2, 4, 3), (128, 128, 4, 4, 3), (128, 256, 4, 8, 3),
+    (256, 128, 2, 8, 3), (256, 128, 4, 8, 3), (256, 128, 8, 8, 3), (64, 256, 2, 4, 4),
+    (64, 128, 1, 4, 4), (128, 64, 8, 4, 4),
+]
+INTERPRET_CONFIG = (32, 64, 1, 4, 1)  # small tiles keep the numpy interpreter fast (tests pass SPLIT_K 2 too)
+_best: dict = {}  # (M bucket, N, K) -> config
+
+
+def _launch(x: Tensor, w: NF4Weight, bias: Tensor | None, y: Tensor, cfg: tuple) -> None:
+    BN, BK, SK, warps, stages = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    BM = block_m(M)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), SK)
+    part = torch.empty(SK, M, N, dtype=torch.float32, device=x.device) if SK > 1 else y
+    b = bias if bias is not None else y
+    _nf4_mm_kernel[grid](x, w.packed, w.absmax, w.code, b, y, part, M, N, K, x.stride(0), y.stride(0),
+                         part.stride(0) if SK > 1 else 0, BS=w.blocksize, HAS_BIAS=bias is not None,
+                         SPLIT_K=SK, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EMULATE=_INTERPRET, num_warps=warps, num_stages=stages)
+    if SK > 1:
+        BLOCK = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M, N, part.stride(0), y.stride(0),
+                                                       HAS_BIAS=bias is not None, SPLIT_K=SK, BLOCK=BLOCK,
+                                                       EMULATE=_INTERPRET)
+
+
+def tune(x: Tensor, w: NF4Weight, bias: Tensor | None, y: Tensor) -> tuple:
+    """The fastest config for this (M bucket, N, K), timed once with triton's do_bench
+    (a few ms per shape; must not run inside CUDA-graph capture)."""
+    key = (block_m(x.shape[0]), x.shape[0] > 64, w.shape[0], w.shape[1])
+    if _INTERPRET or x.device.type != "cuda":
+        return INTERPRET_CONFIG
+    if key not in _best:
+        times = {}
+        for cfg in CONFIGS:
+            try:
+                times[cfg] = triton.testing.do_bench(lambda: _launch(x, w, bias, y, cfg), warmup=5, rep=20)
+            except Exception:  # noqa: BLE001 - a config the GPU cannot hold (shared memory)
+                continue
+        _best[key] = min(times, key=times.get)
+    return _best[key]
+
+
+def linear(x: Tensor, w: NF4Weight, bias: Tensor | None = None, out: Tensor | None = None,
+           config: tuple | None = None) -> Tensor:
+    """y = x @ W.T (+ bias) in w.dtype (bf16), fp32 accumulation. x: [M, K] (any float
+    dtype; cast to bf16 as Linear4bit's compute dtype does). out: optional [M, N] view
+    with unit column stride (a column slice of a wider output, for packed q|k|v)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    M, K = x.shape
+    N = w.shape[0]
+    if K != w.shape[1]:
+        raise ValueError(f"x has {K} features, the weight {w.shape[1]}")
+    x = x.to(w.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = out if out is not None else torch.empty(M, N, dtype=w.dtype, device=x.device)
+    if y.stride(1) != 1:
+        raise ValueError("out needs unit column stride")
+    _launch(x, w, bias, y, config or tune(x, w, bias, y))
+    return y
+
+
+def dequantize(w: NF4Weight) -> Tensor:
+    """The kernel's own bf16 weights [N, K] (what `linear` multiplies with)."""
+    N, K = w.shape
+    out = torch.empty(N, K, dtype=w.dtype, device=w.packed.device)
+    BN, BK = 32, 64
+    _nf4_dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](w.packed, w.absmax, w.code, out, N, K,
+                                                                  BS=w.blocksize, BLOCK_N=BN, BLOCK_K=BK, EMULATE=_INTERPRET)
+    return out
+
+
+def available() -> bool:
+    return triton is not None
