@@ -1,6 +1,8 @@
 """Rollout throughput: model.generate (default, and HF's static cache + compile) against
-edgetune's rollouts.generate (static loop + CUDA graph; NF4 base, and with the bf16 copy),
-all in one process on one model, so the ratios hold on a shared machine.
+edgetune's rollouts.generate (static loop + CUDA graph; NF4 base through bitsandbytes'
+layers, through the fused NF4 kernel, and with the bf16 copy), all in one process on one
+model, so the ratios hold on a shared machine. The table's last line is the fused NF4
+path's tokens/s over the bf16-copy path's, from the same run.
 
 Model: random-init Qwen2.5-7B architecture, NF4 (built layer by layer on the GPU by
 shared/bench-reference/baseline.py, copied into the git-ignored .ref/), then edgetune's
@@ -15,6 +17,12 @@ reported, for the NF4 and the bf16-copy paths.
 
     export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH; python bench/rollouts.py   # on the GPU
     python bench/rollouts.py --tiny                                          # CPU smoke run
+    python bench/rollouts.py --72b                                           # 72B, GPU
+
+--72b: random-init Qwen2.5-72B architecture built layer by layer on the GPU in NF4
+(baseline.build_72b_layers, capped by --max-build-s, layers truncated and noted when
+slower), LoRA r16; no bf16 copy (it would need 145 GB): the fused NF4 kernel against
+bitsandbytes' layers, with --new tokens (default 64) so that both fit the budget.
 Writes $OUT/rollouts.json; prints a markdown table last.
 """
 
@@ -35,8 +43,14 @@ sys.path.insert(0, str(ROOT))
 ap = argparse.ArgumentParser()
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--budget", type=float, default=380.0)
-ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_bf16,ours_bf16_compiled,check7b")
+ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_nf4_fused,ours_bf16,"
+                                            "ours_bf16_compiled,check7b")
+ap.add_argument("--72b", dest="big", action="store_true", help="Qwen2.5-72B architecture (GPU)")
+ap.add_argument("--max-build-s", type=float, default=150.0, help="72B: stop building layers after this (noted)")
+ap.add_argument("--new", type=int, default=0, help="new tokens per row (default 256; 64 with --72b)")
 args = ap.parse_known_args()[0]
+if args.tiny:  # the fused NF4 kernel runs in Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
@@ -50,6 +64,8 @@ T0 = time.perf_counter()
 OUT = os.environ.get("OUT", ".")
 DEV = B.DEV
 BATCH, PROMPT, NEW = (4, 16, 8) if args.tiny else (64, 128, 256)
+NEW = args.new or (min(NEW, 64) if args.big else NEW)
+ARCH = "72B" if args.big else "7B"
 R: dict = {"env": {}, "setup": {}, "check": {}, "speed": {}, "errors": {}}
 
 
@@ -215,9 +231,10 @@ def time_hf(model, ids, static, reps=1):
             "peak_GiB": peak_gib()}
 
 
-def time_ours(model, tok, ids, bf16, compile_step=False, reps=2):
+def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, nf4_kernel=False):
     prompts = ids.tolist()
-    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, compile_step=compile_step)
+    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, compile_step=compile_step,
+              nf4_kernel=nf4_kernel)
     B.sync()
     t = time.perf_counter()
     rollouts.generate(model, tok, prompts, **kw)  # warm-up (graph capture, allocator, compile)
@@ -249,8 +266,14 @@ def main():
     log("env", R["env"])
     guarded("check_small", check_small)
 
+    cfg = B.C72B if args.big else B.C7B
+
     def build():
-        m, bt = B.build_model(B.C7B, quant=True)
+        if args.big:
+            m, bt, layers = B.build_72b_layers(B.C72B, args.max_build_s)
+            R["setup"]["layers"] = layers
+        else:
+            m, bt = B.build_model(B.C7B, quant=True)
         R["setup"]["build_s"] = round(bt, 1)
         pm = add_lora(m, LoraSettings(r=16, alpha=32), gradient_checkpointing=False)
         g = torch.Generator(device=DEV).manual_seed(0)
@@ -260,31 +283,37 @@ def main():
         R["setup"]["mem_after_load_GiB"] = round(torch.cuda.memory_allocated() / 2**30, 2) if DEV == "cuda" else 0
         R["setup"]["lora_dtype"] = str(next(p.dtype for n, p in pm.named_parameters() if "lora_A" in n))
         R["setup"]["embed_dtype"] = str(pm.get_base_model().model.embed_tokens.weight.dtype)
-        log("built 7B NF4 + LoRA", R["setup"])
+        log(f"built {ARCH} NF4 + LoRA", R["setup"])
         return pm
 
     pm = guarded("build", build)
     if pm is None:
         return
-    vocab = B.C7B["vocab_size"]
-    eos = B.C7B["eos_token_id"]
+    vocab = cfg["vocab_size"]
+    eos = cfg["eos_token_id"]
     tok = IdTokenizer(eos=eos, pad=0)
     ids = prompts_ids(vocab).to(DEV)
     pm.eval()
 
     def check7b():
-        R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False)
-        R["check"]["7b_bf16_packed"] = greedy_agreement(pm, tok, bf16_weights=True)
-        log("7B greedy agreement", R["check"]["7b_nf4"], R["check"]["7b_bf16_packed"])
+        R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False, nf4_kernel=False)
+        R["check"]["7b_nf4_fused"] = greedy_agreement(pm, tok, bf16_weights=False, nf4_kernel=True)
+        if not args.big:
+            R["check"]["7b_bf16_packed"] = greedy_agreement(pm, tok, bf16_weights=True)
+        log("greedy agreement", {k: v for k, v in R["check"].items() if k.startswith("7b")})
 
     guarded("check7b", check7b, 40)
-    for key, fn, need in [
+    rows = [
         ("ours_bf16", lambda: time_ours(pm, tok, ids, True), 30),
+        ("ours_nf4_fused", lambda: time_ours(pm, tok, ids, False, nf4_kernel=True), 30),
         ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
         ("default", lambda: time_hf(pm, ids, False), 60),
         ("static", lambda: time_hf(pm, ids, True), 100),
         ("ours_bf16_compiled", lambda: time_ours(pm, tok, ids, True, compile_step=True), 60),
-    ]:
+    ]
+    if args.big:  # no room for a bf16 copy; model.generate at 72B would take the whole budget
+        rows = [r for r in rows if r[0] in ("ours_nf4_fused", "ours_nf4")]
+    for key, fn, need in rows:
         r = guarded(key, fn, need)
         if r is not None:
             R["speed"][key] = r
@@ -296,15 +325,17 @@ def table():
     base = S.get("default", {}).get("tok_per_s")
     stat = S.get("static", {}).get("tok_per_s")
     names = {"default": "model.generate (default)", "static": 'model.generate (cache_implementation="static")',
-             "ours_nf4": "rollouts.generate, NF4 base (CUDA graph)",
+             "ours_nf4": "rollouts.generate, NF4 base through bitsandbytes (CUDA graph)",
+             "ours_nf4_fused": "rollouts.generate, NF4 base through the fused kernel, packed (CUDA graph)",
              "ours_bf16": "rollouts.generate, packed bf16 copy (CUDA graph)",
              "ours_bf16_compiled": "rollouts.generate, packed bf16 copy, torch.compile + CUDA graph"}
     lines = [f"{R['env'].get('date', '')}, {R['env'].get('device', '')}, torch {R['env'].get('torch')}, "
-             f"transformers {R['env'].get('transformers')}; 7B NF4 + LoRA r16, batch {BATCH}, prompt {PROMPT}, "
+             f"transformers {R['env'].get('transformers')}; {ARCH} NF4 ({R['setup'].get('layers', 'all')} layers) + "
+             f"LoRA r16, batch {BATCH}, prompt {PROMPT}, "
              f"{NEW} new tokens, sampling", "",
              "| method | tokens/s | ms/step | x default | x static | peak GiB | first call s |",
              "|---|---|---|---|---|---|---|"]
-    for k in ("default", "static", "ours_nf4", "ours_bf16", "ours_bf16_compiled"):
+    for k in ("default", "static", "ours_nf4", "ours_nf4_fused", "ours_bf16", "ours_bf16_compiled"):
         if k not in S:
             lines.append(f"| {names[k]} | {R['errors'].get(k, 'not run')[:80]} | | | | | |")
             continue
@@ -313,6 +344,13 @@ def table():
         xs = f"{s['tok_per_s'] / stat:.1f}" if stat else "-"
         lines.append(f"| {names[k]} | {s['tok_per_s']:,} | {s['ms_per_step']} | {xd} | {xs} | {s['peak_GiB']} | "
                      f"{s['first_call_s']} |")
+    fused, nf4, bf16 = (S.get(k, {}).get("tok_per_s") for k in ("ours_nf4_fused", "ours_nf4", "ours_bf16"))
+    if fused and bf16:
+        R["fused_over_bf16_copy"] = round(fused / bf16, 3)
+        lines += ["", f"NF4 fused kernel / packed bf16 copy (same run): {fused / bf16:.2f}x tokens/s"]
+    if fused and nf4:
+        R["fused_over_bnb_nf4"] = round(fused / nf4, 3)
+        lines += [f"NF4 fused kernel / NF4 through bitsandbytes (same run): {fused / nf4:.2f}x tokens/s"]
     lines += ["", f"checks: {json.dumps(R['check'], default=str)[:1500]}", f"errors: {json.dumps(R['errors'])[:1500]}"]
     print("\n".join(lines))
 

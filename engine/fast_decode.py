@@ -30,6 +30,13 @@ Why it is faster than `model.generate` for rollouts:
   packed (see "packed weights"); LoRA stays unmerged, in its own dtype. Costs 2 bytes per
   base weight (15 GB for 7B) during the call; `None` = on when the GPU's free memory holds
   the copy, the static cache and a margin (see `bf16_copy_fits`).
+- Fused NF4 kernel (`nf4_kernel`, kernels/nf4_matmul.py) when the bf16 copy is not made
+  (it does not fit, e.g. 72B, or bf16_weights=False): each base matmul reads the 4-bit
+  codes and an fp32 absmax (dequantised once per generate call: 4 bytes per 64 weights)
+  and dequantises in registers, 0.56 bytes per weight per step, against 4.5 for
+  bitsandbytes' dequantise-then-matmul and 2 for the bf16 copy. The packs below hold the
+  NF4 weights as they are (no copy of the codes; q|k|v write column slices of one output).
+  Which base path a call takes is decided in one place, `base_path`.
 - torch.compile of the packed step (`compile_step`): fuses the elementwise work; 13 ms
   instead of 16 ms per step, but the first call per (batch, cache length) compiles for
   ~35 s, so it is opt-in (worth it for long runs with fixed shapes).
@@ -126,6 +133,92 @@ def bf16_copy_fits(model, reserve_bytes: int) -> bool:
     return free >= bf16_copy_bytes(model) + reserve_bytes + max(2 << 30, total // 20)
 
 
+def nf4_kernel_available(device) -> bool:
+    """The fused kernel runs compiled on CUDA; on the CPU only under TRITON_INTERPRET=1
+    (tests), and only when asked for."""
+    from ..kernels import nf4_matmul
+
+    return nf4_matmul.available() and (device.type == "cuda" or nf4_matmul._INTERPRET)
+
+
+def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int) -> str:
+    """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
+    for NF4 layers, the weights themselves otherwise), "nf4_kernel" (the fused NF4
+    kernel over the 4-bit codes) or "module" (the layers' own forward: bitsandbytes for
+    NF4). None picks: the bf16 copy when it fits (fastest measured at 7B: cuBLAS on bf16),
+    else the fused kernel, else bitsandbytes."""
+    nf4 = bool(linear4bit_modules(model))
+    cuda = device.type == "cuda"
+    if not nf4:
+        return "dense" if bf16_weights else "module"
+    if bf16_weights and cuda:  # on the CPU bitsandbytes repacks NF4 for its own kernel
+        return "dense"
+    if bf16_weights is None and cuda and bf16_copy_fits(model, reserve_bytes):
+        return "dense"
+    if nf4_kernel is None:
+        nf4_kernel = cuda and nf4_kernel_available(device)
+    if nf4_kernel and nf4_kernel_available(device):
+        return "nf4_kernel"
+    return "module"
+
+
+class NF4Pack:
+    """The base of one pack kept in NF4: its layers' NF4Weights side by side (no copy of
+    the codes); `linear` writes each into its column slice of one [M, sum N] output."""
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        self.dtype = weights[0].dtype
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        from ..kernels import nf4_matmul
+
+        x = x.to(self.dtype)  # one cast for the pack (Linear4bit's compute dtype)
+        y = torch.empty(x.shape[0], self.shape[0], dtype=self.dtype, device=x.device)
+        off = 0
+        for w in self.weights:
+            n = w.shape[0]
+            nf4_matmul.linear(x, w, None if bias is None else bias[off:off + n], out=y[:, off:off + n])
+            off += n
+        return y
+
+
+# Rows above which the swapped Linear4bit forward goes back to bitsandbytes (prefill:
+# thousands of rows are compute-bound, where dequantise-once-then-GEMM is the better plan).
+NF4_KERNEL_MAX_ROWS = 128
+
+
+@contextlib.contextmanager
+def nf4_kernel_weights(model):
+    """Swap every Linear4bit's forward to the fused NF4 kernel for decode-sized inputs
+    (the unpacked fallback of the "nf4_kernel" path); undone on exit."""
+    from ..kernels import nf4_matmul
+
+    mods = linear4bit_modules(model)
+    try:
+        for m in mods:
+            w = nf4_matmul.prepare(m.weight.data, m.weight.quant_state)
+            m.forward = types.MethodType(_nf4_forward(w, type(m).forward), m)
+        yield len(mods)
+    finally:
+        for m in mods:
+            m.__dict__.pop("forward", None)
+
+
+def _nf4_forward(w, original):
+    from ..kernels import nf4_matmul
+
+    def forward(self, x):
+        rows = x.numel() // x.shape[-1]
+        if rows > NF4_KERNEL_MAX_ROWS:
+            return original(self, x)
+        y = nf4_matmul.linear(x.reshape(rows, x.shape[-1]), w, self.bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    return forward
+
+
 @contextlib.contextmanager
 def bf16_base_weights(model):
     """Swap every Linear4bit's forward to a matmul with a dequantised bf16 copy; undone on
@@ -165,8 +258,10 @@ def _dense_forward(w: Tensor):
 # packed (the module path runs them).
 
 
-def _base_and_lora(mod):
-    """(dense weight, bias, [(A, scaling * B)]) of a plain or PEFT-LoRA linear, or a reason.
+def _base_and_lora(mod, nf4: bool = False):
+    """(base weight, bias, [(A, scaling * B)]) of a plain or PEFT-LoRA linear, or a reason.
+    The base weight is dense (NF4 layers dequantised to bf16), or with `nf4` an
+    NF4Weight for the fused kernel.
     Inside multilora.batched_lora the factors are the candidates' stacks (A [K, r, in],
     scaling * B [K, out, r]) instead of the layer's own adapters."""
     import bitsandbytes.functional as bnbF
@@ -195,7 +290,14 @@ def _base_and_lora(mod):
                 b = mod.lora_B[ad].weight.detach() * mod.scaling[ad]
                 loras.append((a, b))
         base = mod.base_layer
-    if type(base).__name__ == "Linear4bit":
+    if type(base).__name__ == "Linear4bit" and nf4:
+        from ..kernels import nf4_matmul
+
+        try:
+            w = nf4_matmul.prepare(base.weight.data, base.weight.quant_state)
+        except ValueError as e:
+            return None, None, None, str(e)
+    elif type(base).__name__ == "Linear4bit":
         w = bnbF.dequantize_4bit(base.weight.data, base.weight.quant_state).to(torch.bfloat16)
     elif isinstance(base, torch.nn.Linear):
         w = base.weight.detach()
@@ -204,21 +306,30 @@ def _base_and_lora(mod):
     return w, base.bias, loras, ""
 
 
-def pack_linears(mods) -> tuple:
+def pack_linears(mods, nf4: bool = False) -> tuple:
     """One pack (w [N, K], bias or None, A [R, K] or None, B [N, R] or None) of linears that
-    read the same input; raises ValueError when one cannot be packed."""
-    parts = [_base_and_lora(m) for m in mods]
+    read the same input; w is a dense tensor, or an NF4Pack with `nf4`; raises ValueError
+    when one cannot be packed."""
+    parts = [_base_and_lora(m, nf4) for m in mods]
     for _, _, _, why in parts:
         if why:
             raise ValueError(why)
     ws = [p[0] for p in parts]
     if len({w.dtype for w in ws}) != 1:
         raise ValueError("base weights of one pack differ in dtype")
-    w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
+    if nf4:
+        from ..kernels.nf4_matmul import NF4Weight
+
+        if not all(isinstance(x, NF4Weight) for x in ws):
+            raise ValueError("a pack mixes NF4 and dense base layers")
+        w = NF4Pack(ws)
+    else:
+        w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
     bias = None
     if any(p[1] is not None for p in parts):
-        bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None else w.new_zeros(p[0].shape[0])
-                          for p in parts])
+        dev = next(p[1] for p in parts if p[1] is not None).device
+        bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None
+                          else torch.zeros(p[0].shape[0], dtype=w.dtype, device=dev) for p in parts])
     loras = [(i, a, b) for i, p in enumerate(parts) for a, b in p[2]]
     if not loras:
         return (w, bias, None, None)
@@ -251,14 +362,14 @@ def _same_candidates(loras: list) -> list:
             for i, a, b in loras]
 
 
-def pack_model(core) -> list:
+def pack_model(core, nf4: bool = False) -> list:
     if getattr(core.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {core.config.hidden_act} (packed step knows silu)")
     out = []
     for layer in core.model.layers:
         at, mlp = layer.self_attn, layer.mlp
-        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj]), pack_linears([at.o_proj]),
-                    pack_linears([mlp.gate_proj, mlp.up_proj]), pack_linears([mlp.down_proj])))
+        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj], nf4), pack_linears([at.o_proj], nf4),
+                    pack_linears([mlp.gate_proj, mlp.up_proj], nf4), pack_linears([mlp.down_proj], nf4)))
     return out
 
 
@@ -266,7 +377,10 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
     """What the module path computes (base in the copy's dtype, back to x's dtype, plus
     LoRA in its own dtype), over one pack."""
     w, b, a, bd = p
-    y = F.linear(x.to(w.dtype), w, b).to(x.dtype)
+    if isinstance(w, NF4Pack):
+        y = w.linear(x, b).to(x.dtype)
+    else:
+        y = F.linear(x.to(w.dtype), w, b).to(x.dtype)
     if a is not None and a.dim() == 3:
         # K candidates' factors (A [K, R, in], B [K, N, R]) over candidate-major row blocks:
         # rows viewed as [K, B/K, in], two batched thin GEMMs, no gather of factors per row.
@@ -355,24 +469,35 @@ class Decoder:
         self.graphs: dict = {}
         self.parts: list | None = None  # packed weights (see pack_model), when used
         self.compile = False
-        self.info = {"graph": self.use_graph, "bf16_weights": False, "packed": False, "compiled": False,
+        self.info = {"graph": self.use_graph, "bf16_weights": False, "nf4_kernel": False, "packed": False,
+                     "compiled": False,
                      "capture_s": 0.0, "graph_error": "",
                      "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
 
     @classmethod
     @contextlib.contextmanager
-    def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0, compile_step: bool = False):
+    def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0, compile_step: bool = False,
+                  nf4_kernel: bool | None = None):
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
         None = on for NF4 models on CUDA when it fits. On the CPU only when asked (tests:
-        a plain fp32 model then gets a packed fp32 copy)."""
+        a plain fp32 model then gets a packed fp32 copy). nf4_kernel: without the copy,
+        NF4 layers go through the fused kernel (packed like the copy when the layout
+        allows, else swapped into the Linear4bit layers); None = on CUDA with triton.
+        The choice is `base_path`'s."""
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))
-        if bf16_weights is None:
-            bf16_weights = dec.device.type == "cuda" and nf4 and bf16_copy_fits(model, reserve_bytes)
-        if bf16_weights and nf4 and dec.device.type != "cuda":
-            bf16_weights = False  # bitsandbytes repacks NF4 for its CPU kernel: no dequantised copy
+        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes)
+        bf16_weights = path == "dense"
         with contextlib.ExitStack() as stack:
+            if path == "nf4_kernel":
+                try:
+                    dec.parts = pack_model(dec.core, nf4=True)
+                    dec.info["packed"] = True
+                except ValueError as e:
+                    dec.info["packed"] = f"no: {e}"
+                    stack.enter_context(nf4_kernel_weights(model))
+                dec.info["nf4_kernel"] = True
             if bf16_weights:
                 try:
                     dec.parts = pack_model(dec.core)

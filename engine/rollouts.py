@@ -99,7 +99,8 @@ def finish(completion: Tensor, logprobs: Tensor, eos_id: int, pad_id: int):
 def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tokens: int = 48,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
              batch_size: int = 0, system_prompt: str = "", fast: bool | None = None,
-             bf16_weights: bool | None = None, compile_step: bool | None = None, on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
+             bf16_weights: bool | None = None, compile_step: bool | None = None, nf4_kernel: bool | None = None,
+             on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
     """Sample `num_generations` completions per prompt (rows of one prompt adjacent).
 
     prompts: strings / chat-message lists (rendered with the chat template), or lists of
@@ -109,7 +110,9 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     False forces the plain loop. bf16_weights (fast loop only): None = dequantise NF4 base
     weights to a temporary packed bf16 copy when the GPU has room for it (see
     fast_decode.py). compile_step: torch.compile the packed decode step (None =
-    fast_decode.COMPILE).
+    fast_decode.COMPILE). nf4_kernel (fast loop, NF4 base, no bf16 copy): the fused
+    dequantise-and-matmul kernel (kernels/nf4_matmul.py) instead of bitsandbytes' layers;
+    None = on CUDA when triton is there (fast_decode.base_path decides).
     on_chunk(rows): called before each chunk is decoded with the global row indices it
     holds (for per-row adapters).
     """
@@ -142,7 +145,8 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
             reserve = fast_decode.kv_bytes(model, min(bs, n), longest + 64)
             decoder = stack.enter_context(
                 fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights, reserve_bytes=reserve,
-                                              compile_step=fast_decode.COMPILE if compile_step is None else compile_step))
+                                              compile_step=fast_decode.COMPILE if compile_step is None else compile_step,
+                                              nf4_kernel=nf4_kernel))
             info.update(decoder.info)
         for s in range(0, n, bs):
             idx = list(range(s, min(n, s + bs)))
