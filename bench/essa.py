@@ -7,17 +7,20 @@ time and quantised to NF4 right away, so neither the bf16 model nor any file of 
 exists whole. LoRA r=8 on q, k, v, o with random non-zero factors stands in for a warm
 start (throughput does not depend on what the weights say).
 
-Measured with the same decode loop (engine/rollouts.py, plain loop) in every mode, greedy,
-every row generating exactly --new-tokens (EOS is an id the model cannot emit):
+Measured greedy, every row generating exactly --new-tokens (EOS is an id the model cannot
+emit), first with the same decode loop (engine/rollouts.py, plain loop) in every mode:
   sequential  candidates one after another (P rows each); timed on a few candidates,
               seconds per generation = population x seconds per candidate
   batched     K candidates x P rows in one generate call, per-row adapters
   plain       the same K x P rows through the same model with its one adapter (what any
               batched inference of this model costs), and with the adapter switched off
-  fast loop   sequential candidates and plain inference through the rollouts' static /
-              CUDA-graph loop, when it supports the model (what they get by default)
+then through the rollouts' static / CUDA-graph loop (engine/fast_decode.py), when it
+supports the model (what every mode gets by default on CUDA):
+  fast loop   sequential candidates, plain inference of the K x P rows with one adapter,
+              and batched candidates (per-row stacked factors in the packed step)
 Reported: candidates/min, s/generation, peak GPU memory per mode, generated tokens/s of
-batched vs plain (target >= 0.8x), and that batched and sequential fitness agree.
+batched vs plain inference on the same loop (target >= 0.8x on the fast loop), batched vs
+sequential candidates/min, and that batched and sequential fitness agree.
 
     python bench/essa.py --tiny        # CPU, tiny config: checks that everything runs
     python bench/essa.py               # GPU: writes $OUT/essa.json, prints a table (~2-4 min)
@@ -145,6 +148,22 @@ def id_reward(completions, rows, truncated=None):
 # --------------------------------------------------------------------------- measuring
 
 
+def info_evaluator():
+    """An ESSA Evaluator that keeps the rollouts' info of its last generate call (which
+    decode path the batched candidates took: packed, graph, capture time)."""
+    from edgetune.engine.essa import Evaluator
+
+    class InfoEvaluator(Evaluator):
+        last_info: dict = {}
+
+        def _generate(self, prompts, seed, fast):
+            out = super()._generate(prompts, seed, fast)
+            self.last_info = out.info
+            return out
+
+    return InfoEvaluator
+
+
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -198,7 +217,7 @@ def main(argv=None) -> dict:
         return n_rows * a.new_tokens
 
     # warm-up: kernels, allocator, cuBLAS handles (not timed)
-    seq_eval = Evaluator(model, tok, space, id_reward, s, fast=False)  # same decode loop in every mode
+    seq_eval = Evaluator(model, tok, space, id_reward, s, fast=False)  # plain loop rows: fast=False throughout
     seq_eval.population(xs[:1], rows[:2])
 
     def timed(evaluator, cands):
@@ -222,7 +241,7 @@ def main(argv=None) -> dict:
 
     # -- batched
     s_b = ESSASettings(**{**s.__dict__, "evaluation": "batched"})
-    bat_eval = Evaluator(model, tok, space, id_reward, s_b, candidates_per_batch=k)
+    bat_eval = Evaluator(model, tok, space, id_reward, s_b, candidates_per_batch=k, fast=False)
     bat_eval.population(xs[:2], rows[:2])  # warm-up of the batched path
     fit_bat, dt = timed(bat_eval, xs)
     R["batched"] = {"k": k, "rows_per_forward": k * a.prompts, "s_per_generation": round(dt, 2),
@@ -271,10 +290,11 @@ def main(argv=None) -> dict:
                    "gen_tokens_per_s": round(gen_tokens(len(plain_prompts) * chunks) / dt, 1),
                    "peak_gib": peak_gib(device)}
         print(name, R[name], flush=True)
-    # -- the rollouts' fast loop (static KV cache, CUDA graph, packed bf16 weights): what a
-    # user's sequential ESSA and plain inference get by default on CUDA. Batched ESSA cannot
-    # use it (its per-row adapters patch the LoRA forwards the fast loop reads once).
+    # -- the rollouts' fast loop (static KV cache, CUDA graph, packed bf16 weights): what
+    # sequential and batched ESSA and plain inference get by default on CUDA.
     from edgetune.engine import fast_decode
+
+    InfoEvaluator = info_evaluator()
 
     ok, why = fast_decode.supported(model, torch.device(device), require_cuda=False)
     R["fast_loop"] = {"supported": ok, "why_not": why}
@@ -298,6 +318,25 @@ def main(argv=None) -> dict:
             R["fast_loop"]["plain_lora"] = {"rows": len(plain_prompts), "s": round(dt, 2),
                                             "gen_tokens_per_s": round(gen_tokens(len(plain_prompts) * chunks) / dt, 1),
                                             "peak_gib": peak_gib(device)}
+            # batched candidates, per-row stacked factors in the fast loop's packed step
+            fast_bat = InfoEvaluator(model, tok, space, id_reward, s_b, candidates_per_batch=k, fast=True)
+            fast_bat.population(xs[:2], rows[:2])  # warm-up of the per-row path
+            fit_fb, dt = timed(fast_bat, xs)
+            info = fast_bat.last_info
+            R["fast_loop"]["batched"] = {
+                "k": k, "rows_per_forward": k * a.prompts, "s_per_generation": round(dt, 2),
+                "candidates_per_min": round(60 * a.population / dt, 1),
+                "gen_tokens_per_s": round(gen_tokens(a.population * a.prompts) / dt, 1), "peak_gib": peak_gib(device),
+                "packed": info.get("packed"), "graph": info.get("graph"), "graph_error": info.get("graph_error"),
+                "capture_s": round(info.get("capture_s", 0.0), 2)}
+            R["fast_loop"]["batched_fitness_max_abs_diff_vs_sequential"] = float(
+                np.max(np.abs(np.array(fit_fb[:n_seq]) - np.array(fit_fast))))
+            fb, fl = R["fast_loop"]["batched"], R["fast_loop"]
+            fl["batched_vs_plain_lora"] = round(fb["gen_tokens_per_s"] / fl["plain_lora"]["gen_tokens_per_s"], 3)
+            fl["batched_vs_sequential_candidates_per_min"] = round(
+                fb["candidates_per_min"] / fl["sequential"]["candidates_per_min"], 2)
+            fl["batched_vs_plain_loop_sequential_candidates_per_min"] = round(
+                fb["candidates_per_min"] / R["sequential"]["candidates_per_min"], 2)
         except Exception as e:  # noqa: BLE001 - report it, keep the rest of the numbers
             R["fast_loop"]["error"] = f"{type(e).__name__}: {e}"[:500]
         print("fast loop", R["fast_loop"], flush=True)
@@ -333,20 +372,30 @@ def table(R: dict) -> str:
         m = R[name]
         lines.append(f"| {name.replace('_', ' ')} ({m['rows']} rows) | | | {m['gen_tokens_per_s']} | {m['peak_gib']} |")
     fl = R.get("fast_loop", {})
-    for name in ("sequential", "plain_lora"):
+    for name in ("sequential", "batched", "plain_lora"):
         if name in fl:
             m = fl[name]
-            lines.append(f"| {name.replace('_', ' ')} via rollouts' fast loop | {m.get('candidates_per_min', '')} | "
+            k = f" (K={m['k']})" if name == "batched" else ""
+            lines.append(f"| {name.replace('_', ' ')}{k} via rollouts' fast loop | {m.get('candidates_per_min', '')} | "
                          f"{m.get('s_per_generation', '')} | {m['gen_tokens_per_s']} | {m['peak_gib']} |")
+    if "batched" in fl:
+        fb = fl["batched"]
+        lines.append(f"\nfast loop: batched / plain inference (one LoRA) tokens/s: {fl['batched_vs_plain_lora']} "
+                     f"(target >= 0.8); batched / sequential candidates per minute: "
+                     f"{fl['batched_vs_sequential_candidates_per_min']}x (vs sequential on the plain loop: "
+                     f"{fl['batched_vs_plain_loop_sequential_candidates_per_min']}x); packed: {fb['packed']}, "
+                     f"graph: {fb['graph']} {fb['graph_error']}, capture {fb['capture_s']} s; batched vs sequential "
+                     f"fitness max diff {fl['batched_fitness_max_abs_diff_vs_sequential']}")
     if "plain_lora" in fl:
-        lines.append(f"\nbatched (plain loop) / plain inference via the fast loop, tokens/s: "
+        lines.append(f"batched (plain loop) / plain inference via the fast loop, tokens/s: "
                      f"{R['batched']['gen_tokens_per_s'] / fl['plain_lora']['gen_tokens_per_s']:.3f}")
-    elif fl:
+    if fl.get("error") or not fl.get("supported", True):
         lines.append(f"\nfast loop: {fl.get('error') or fl.get('why_not')}")
     lines += ["",
-              f"batched / plain inference tokens/s: {R['batched_vs_plain_lora']} (one LoRA), "
-              f"{R['batched_vs_plain_base']} (no LoRA); target >= 0.8",
-              f"batched / sequential candidates per minute: {R['batched_vs_sequential_candidates_per_min']}x",
+              f"plain loop: batched / plain inference tokens/s: {R['batched_vs_plain_lora']} (one LoRA), "
+              f"{R['batched_vs_plain_base']} (no LoRA)",
+              f"plain loop: batched / sequential candidates per minute: "
+              f"{R['batched_vs_sequential_candidates_per_min']}x",
               f"batched fitness == sequential fitness on the same candidates: "
               f"{R['fitness_equal_on_sequential_candidates']} (max diff {R['fitness_max_abs_diff']}); "
               f"last-position logits, batched vs sequential: max abs diff {R['prefill_logits_max_abs_diff']:.3g} "
