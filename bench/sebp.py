@@ -2,7 +2,9 @@
 
 For each shape, layer kind and active fraction f (right-padded batch of 16 x 512 rows):
   dense     the padded batch through plain autograd (the paper's baseline)
-  sebp      ours: the same padded tensors, backward over the active rows only
+  sebp      ours: the same padded tensors, backward over the active rows only (on CUDA the
+            path that kernels/sebp.choose_backend measured faster for this layer and fraction)
+  sebp_triton  forced: the row-gathering Triton GEMMs
   sebp_gather  the same rows through index_select + cuBLAS (the torch path, gathered copies)
   unpadded  dense GEMMs on tensors holding only the active rows (the physical limit)
 Layer kinds: "linear" (bf16 weight, trainable: dX + dW) and "lora-nf4" (PEFT LoRA r=16
@@ -121,24 +123,30 @@ def bench_case(kind, k, n, f, gen, do_bench):
     y_dense = holder(x)
     y_unpad = holder(xc)
     sebp.set_active_rows(handle, mask)
-    handle.backend = "auto"
+    handle.backend = "auto"  # on CUDA: whichever of the two paths below measured faster
     y_sebp = holder(x)
+    handle.backend = "triton"  # row-gathering Triton GEMMs
+    y_triton = holder(x)
     handle.backend = "torch"  # the same rows through index_select + cuBLAS (gathered copies)
     y_gather = holder(x)
     handle.backend = "auto"
     variants = {
         "dense": lambda: torch.autograd.grad(y_dense, [x, *params], dy_masked, retain_graph=True),
         "sebp": lambda: torch.autograd.grad(y_sebp, [x, *params], dy, retain_graph=True),
+        "sebp_triton": lambda: torch.autograd.grad(y_triton, [x, *params], dy, retain_graph=True),
         "sebp_gather": lambda: torch.autograd.grad(y_gather, [x, *params], dy, retain_graph=True),
         "unpadded": lambda: torch.autograd.grad(y_unpad, [xc, *params], dyc, retain_graph=True),
     }
     ref = variants["dense"]()
-    got = variants["sebp"]()  # also tunes the kernels for this shape
+    known = set(sebp._CHOICE)
+    got = variants["sebp"]()  # also tunes the kernels for this shape and picks the path
+    choice = [v for k, v in sebp._CHOICE.items() if k not in known]
     got_gather = variants["sebp_gather"]()
     errs = [rel(g, r) for g, r in zip(got, ref)]
     zero_ok = bool((got[0][~mask] == 0).all())
     row = {"kind": kind, "K": k, "N": n, "f": round(idx.numel() / (BATCH * SEQ), 4), "rel_err": max(errs),
-           "rel_err_gather": max(rel(g, r) for g, r in zip(got_gather, ref)), "dx_zero_outside_R": zero_ok}
+           "rel_err_gather": max(rel(g, r) for g, r in zip(got_gather, ref)), "dx_zero_outside_R": zero_ok,
+           "auto_choice": choice[0] if choice else ("triton" if DEVICE != "cuda" else "cached")}
     if kind == "lora-nf4" and DEVICE == "cuda" and idx.numel() < BATCH * SEQ:
         row["err_vs_fp32"] = fp32_errors(holder, x, dy, idx, params, ref, got)
     for name, fn in variants.items():
@@ -149,6 +157,7 @@ def bench_case(kind, k, n, f, gen, do_bench):
         row["pieces_ms"] = lora_pieces(holder, x, dy, mask, do_bench)
     row["sebp_vs_unpadded"] = row["sebp_ms"] / row["unpadded_ms"]
     row["gather_vs_unpadded"] = row["sebp_gather_ms"] / row["unpadded_ms"]
+    row["triton_vs_unpadded"] = row["sebp_triton_ms"] / row["unpadded_ms"]
     row["sebp_vs_dense"] = row["sebp_ms"] / row["dense_ms"]
     row["extra_mib"] = row["sebp_peak_mib"] - row["dense_peak_mib"]
     sebp.unpatch(holder)
@@ -319,18 +328,21 @@ def _profile(do_bench, k, n):
 
 
 def markdown(rows):
-    lines = ["| layer | K→N | f | dense ms | sebp ms (host) | gather ms (host) | unpadded ms (host) | sebp/unpadded "
-             "| gather/unpadded | sebp/dense | extra MiB | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| layer | K→N | f | dense ms | sebp ms (host) [auto picks] | triton ms (host) | gather ms (host) "
+             "| unpadded ms (host) | sebp/unpadded | triton/unpadded | gather/unpadded | sebp/dense | extra MiB | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['kind']} | {r['K']}→{r['N']} | {r['f']} | error: {r['error'][:80]} |||||||")
             continue
         lines.append(
             f"| {r['kind']} | {r['K']}→{r['N']} | {r['f']:.2f} | {r['dense_ms']:.3f} | "
-            f"{r['sebp_ms']:.3f} ({r['sebp_host_ms']:.3f}) | {r['sebp_gather_ms']:.3f} ({r['sebp_gather_host_ms']:.3f}) | "
+            f"{r['sebp_ms']:.3f} ({r['sebp_host_ms']:.3f}) [{r.get('auto_choice')}] | "
+            f"{r['sebp_triton_ms']:.3f} ({r['sebp_triton_host_ms']:.3f}) | "
+            f"{r['sebp_gather_ms']:.3f} ({r['sebp_gather_host_ms']:.3f}) | "
             f"{r['unpadded_ms']:.3f} ({r['unpadded_host_ms']:.3f}) | {r['sebp_vs_unpadded']:.2f} | "
-            f"{r['gather_vs_unpadded']:.2f} | {r['sebp_vs_dense']:.2f} | {r['extra_mib']:+.0f} | {r['rel_err']:.1e} |")
+            f"{r['triton_vs_unpadded']:.2f} | {r['gather_vs_unpadded']:.2f} | {r['sebp_vs_dense']:.2f} | "
+            f"{r['extra_mib']:+.0f} | {r['rel_err']:.1e} |")
     return "\n".join(lines)
 
 
@@ -343,7 +355,8 @@ def quarter_summary(rows, target=1.3):
             continue
         key = f"{r['kind']} {r['K']}->{r['N']}"
         out[key] = {"sebp_vs_unpadded": round(r["sebp_vs_unpadded"], 3),
-                    "gather_vs_unpadded": round(r["gather_vs_unpadded"], 3),
+                    "triton_vs_unpadded": round(r["triton_vs_unpadded"], 3),
+                    "gather_vs_unpadded": round(r["gather_vs_unpadded"], 3), "auto_choice": r.get("auto_choice"),
                     "sebp_host_ms": round(r["sebp_host_ms"], 3), "sebp_ms": round(r["sebp_ms"], 3),
                     "met": r["sebp_vs_unpadded"] <= target}
     return out

@@ -19,9 +19,11 @@ Trade-offs:
 - The active row ids are computed once per step in `set_active_rows` (one host sync
   there, none per layer). When every row is active the layer takes its normal path:
   dense cuBLAS is already the fastest way to do dense work.
-- On CUDA (or under TRITON_INTERPRET=1) the products run in `sebp_triton`, which gathers
-  rows inside the GEMM loads. On a plain CPU the same math runs through index_select
-  (a gathered copy, which costs memory the GPU path avoids, but no GPU path exists).
+- On CUDA each kind of layer (shape, grads wanted, active rows to a power of two) runs
+  whichever of two exact paths measured faster on its first backward (`choose_backend`):
+  `sebp_triton`, which gathers rows inside the GEMM loads (no copies), or index_select +
+  cuBLAS (copies of X[R] and dY[R] for the layer's backward, a faster GEMM and fewer
+  launches). Under TRITON_INTERPRET=1 the Triton path runs; on a plain CPU, index_select.
 
 Use (the engine, engine/sft.py and engine/fgrpo.py):
 
@@ -141,9 +143,48 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     `rows`, LoRA's scaling is applied inside the kernels' stores, and dX's inactive rows
     are cleared by one memset (torch.zeros) rather than an indexed kernel.
     """
+    args = (g2, x2, rows, weight, lora, need)
+    if backend == "auto" and x2.is_cuda:
+        key = (tuple(x2.shape), g2.shape[1], x2.dtype, g2.dtype, lora is not None, tuple(need),
+               (rows.n_active - 1).bit_length())
+        backend = choose_backend(key, {"triton": lambda: _sparse_backward_triton(*args),
+                                       "torch": lambda: _sparse_backward_torch(*args)})
     if _use_triton(x2, backend):
-        return _sparse_backward_triton(g2, x2, rows, weight, lora, need)
-    return _sparse_backward_torch(g2, x2, rows, weight, lora, need)
+        return _sparse_backward_triton(*args)
+    return _sparse_backward_torch(*args)
+
+
+# (input shape, output width, dtypes, LoRA or not, grads wanted, active rows rounded to a
+# power of two) -> the faster backend on this GPU. The key is what changes the ranking:
+# which path wins depends on the layer's shape and on how many rows are active.
+_CHOICE: dict = {}
+
+
+def _cuda_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def choose_backend(key, candidates: dict, timer=_cuda_ms, reps: int = 3) -> str:
+    """The faster of the row-gathering Triton kernels and index_select + cuBLAS for this
+    kind of layer and row count, measured once (both give the exact gradients; which is
+    faster depends on the shape and the fraction: the gathered GEMMs save the copies, the
+    cuBLAS path has the faster GEMM and fewer Python-side launches). The first backward of
+    each key runs every candidate 1 + reps times and waits for the GPU (once per key, like
+    Triton's autotuning); every later one is a dictionary lookup."""
+    choice = _CHOICE.get(key)
+    if choice is None:
+        best = {}
+        for name, fn in candidates.items():
+            fn()  # warm-up: compiles and autotunes the Triton kernels on their first use
+            best[name] = min(timer(fn) for _ in range(reps))
+        choice = min(best, key=best.get)
+        _CHOICE[key] = choice
+    return choice
 
 
 def _sparse_backward_triton(g2, x2, rows, weight, lora, need):

@@ -525,3 +525,24 @@ def test_sparse_lm_head_loss_matches_transformers(num_items):
     # Rows whose next label is ignored get exactly zero gradient (no logits were made).
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     assert (dh[shifted == -100] == 0).all() and (dh[shifted != -100] != 0).any()
+
+
+def test_choose_backend_measures_once_per_key_and_keeps_the_faster(monkeypatch):
+    monkeypatch.setattr(sebp, "_CHOICE", {})
+    runs = {"triton": 0, "torch": 0}
+    cost = {"triton": 2.0, "torch": 1.0}
+
+    def make(name):
+        return lambda: runs.__setitem__(name, runs[name] + 1)
+
+    def timer(fn):
+        fn()
+        return cost["triton" if runs["triton"] > runs["torch"] else "torch"]  # whichever just ran more
+
+    cands = {"triton": make("triton"), "torch": make("torch")}
+    assert sebp.choose_backend(("k", 1), cands, timer=timer, reps=2) == "torch"
+    assert runs == {"triton": 3, "torch": 3}  # warm-up + 2 timed each
+    assert sebp.choose_backend(("k", 1), cands, timer=timer, reps=2) == "torch"
+    assert runs == {"triton": 3, "torch": 3}  # the second time: a lookup, nothing run or timed
+    cost.update(triton=0.5)
+    assert sebp.choose_backend(("k", 2), cands, timer=timer, reps=2) == "triton"  # another key: measured
