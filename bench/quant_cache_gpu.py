@@ -6,7 +6,9 @@ run of the same model and settings (engine/quant_cache.py: the stored 4-bit weig
 The checkpoint is a random-init Qwen2.5-7B architecture in bf16 with a small tokenizer,
 written by .ref/unsloth_bench.py's save phase. Each run is its own process, as a user's
 second `edgetune train` would be: imports, engine/model.load_base (the cache's decision
-inside), add_lora, one SFT step of 1 x 512 tokens; every phase timed.
+inside), add_lora, one SFT step of 1 x 512 tokens; every phase timed, each big import
+on its own, with the seconds of bytecode compilation and torch custom-op registration
+inside the run and which package triggered each registration.
 
     PYTHONPATH=$PWD/.gpu-site python bench/quant_cache_gpu.py      # GPU: $OUT/quant_cache.json
     python bench/quant_cache_gpu.py --tiny                          # CPU: the plumbing
@@ -15,6 +17,7 @@ inside), add_lora, one SFT step of 1 x 512 tokens; every phase timed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -34,16 +37,143 @@ ap.add_argument("--profile", action="store_true", help="run each load under cPro
 args = ap.parse_args()
 
 
+class Tracer:
+    """Seconds spent compiling Python source to bytecode and registering torch custom ops,
+    and which packages triggered the registrations (the first frame outside torch and
+    importlib, plus the torch module at the boundary: e.g. transformers -> torch/_inductor)."""
+
+    def __init__(self):
+        self.compile_s, self.compile_files = 0.0, 0
+        self.register_s, self.register_n = 0.0, 0
+        self.by_source: dict = {}
+        self._depth = 0
+        self.gc_s, self._gc_t0 = 0.0, 0.0
+
+    def install_gc(self):
+        # Garbage-collection pauses land inside whatever runs (cProfile charged them to the
+        # custom-op registrations they interrupted): counted on their own here.
+        import gc
+
+        def on_gc(phase, info):
+            if phase == "start":
+                self._gc_t0 = time.perf_counter()
+            else:
+                self.gc_s += time.perf_counter() - self._gc_t0
+
+        gc.callbacks.append(on_gc)
+
+    def install_compile(self):
+        import importlib._bootstrap_external as ext
+
+        real = ext.SourceLoader.source_to_code
+        tracer = self
+
+        def source_to_code(loader, data, path, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real(loader, data, path, *a, **k)
+            finally:
+                tracer.compile_s += time.perf_counter() - t0
+                tracer.compile_files += 1
+
+        ext.SourceLoader.source_to_code = source_to_code
+
+    def install_registration(self):
+        import torch
+
+        targets = [(torch.library.Library, "define"), (torch.library.Library, "impl")]
+        try:
+            from torch._library import custom_ops
+
+            targets.append((custom_ops.CustomOpDef, "_register_to_dispatcher"))
+        except (ImportError, AttributeError):
+            pass
+        for owner, name in targets:
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name):
+        real = getattr(owner, name)
+        tracer = self
+
+        def timed(*a, **k):
+            if tracer._depth:  # nested (custom_op -> define): counted by the outer call
+                return real(*a, **k)
+            tracer._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                tracer._depth -= 1
+                tracer.register_s += dt
+                tracer.register_n += 1
+                src = tracer._source()
+                s = tracer.by_source.setdefault(src, [0.0, 0])
+                s[0] += dt
+                s[1] += 1
+
+        setattr(owner, name, timed)
+
+    @staticmethod
+    def _source() -> str:
+        def short(fn: str) -> str:
+            for marker in ("site-packages/", "dist-packages/", ".gpu-site/", "/edgetune/"):
+                if marker in fn:
+                    return fn.split(marker, 1)[1]
+            return fn
+
+        f = sys._getframe(2)
+        boundary = None
+        while f is not None:
+            fn = f.f_code.co_filename
+            inside = ("/torch/" in fn or "/functorch/" in fn or "importlib" in fn or fn.startswith("<frozen")
+                      or fn == __file__)
+            if "/torch/" in fn and "/torch/library.py" not in fn and "/torch/_library/" not in fn:
+                boundary = short(fn)  # the last torch module before leaving torch
+            if not inside:
+                return f"{short(fn)} -> {boundary or 'torch.library'}"
+            f = f.f_back
+        return f"torch itself -> {boundary}"
+
+    def summary(self) -> dict:
+        top = sorted(self.by_source.items(), key=lambda kv: -kv[1][0])[:12]
+        return {"bytecode_compile_s": round(self.compile_s, 2), "bytecode_files": self.compile_files,
+                "gc_pause_s": round(self.gc_s, 2),
+                "custom_op_registration_s": round(self.register_s, 2), "custom_op_registrations": self.register_n,
+                "registrations_by_source": {k: {"s": round(v[0], 3), "n": v[1]} for k, v in top}}
+
+
 def child(folder: str) -> dict:
-    """One run: imports, load, LoRA, one step; seconds of each, printed as JSON."""
-    sys.path.insert(0, str(HERE))
-    import _common as C  # noqa: F401  (edgetune importable)
+    """One run: imports (each big package timed on its own), load, LoRA, one step; seconds
+    of each, bytecode compilation and custom-op registration inside them, printed as JSON."""
+    tracer = Tracer()
+    tracer.install_compile()
+    tracer.install_gc()
+    t = {}
+    t0 = time.perf_counter()
     import torch
 
+    t["import_torch"] = time.perf_counter() - t0
+    tracer.install_registration()
+    sys.path.insert(0, str(HERE))
+    import _common as C  # noqa: F401  (edgetune importable)
+
+    # In the engine's order: bitsandbytes through engine/model.import_bitsandbytes (its
+    # import-time torch.compile calls deferred), before PEFT, which imports it too.
+    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.model"),
+                       ("import_bitsandbytes", None), ("import_peft", "peft")]:
+        t0 = time.perf_counter()
+        if mod is None:
+            sys.modules["edgetune.engine.model"].import_bitsandbytes()
+        else:
+            importlib.import_module(mod)
+        t[label] = time.perf_counter() - t0
+    t["compiler_imported"] = "torch._inductor.compile_fx" in sys.modules  # what the deferral avoids
     from edgetune.engine import model as model_lib
     from edgetune.engine.settings import LoraSettings, ModelSettings
 
-    t = {"imports": time.perf_counter() - T_START}
+    t["imports"] = time.perf_counter() - T_START
+    before = tracer.summary()
     t0 = time.perf_counter()
     model, _, _ = model_lib.load_base(ModelSettings(name=folder, quant="nf4"))
     C.sync()
@@ -58,8 +188,22 @@ def child(folder: str) -> dict:
     C.engine_step(model, opt, batch)
     t["first_step"] = time.perf_counter() - t0
     t["to_first_step"] = time.perf_counter() - T_START
+    t["compiler_imported_at_step"] = "torch._inductor.compile_fx" in sys.modules
     t["peak_GiB"] = C.gib(C.peak())
+    after = tracer.summary()
+    t["during_imports"] = {k: v for k, v in before.items() if k != "registrations_by_source"}
+    t["whole_run"] = after
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()}
+
+
+RUNS = [
+    # (name, cache folder): the warm-up writes every module's bytecode (.pyc) under the
+    # pycache prefix, as pip's install-time compilation does on a user's machine; it uses a
+    # throwaway cache so that "first" still quantises and stores.
+    ("pyc_warmup", "warmup"),
+    ("first", "cache"),    # quantise + store the entry
+    ("second", "cache"),   # the user's second run: the stored 4-bit weights
+]
 
 
 def main():
@@ -67,24 +211,31 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     R: dict = {"runs": {}, "notes": []}
     folder = os.path.join("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir(), "edgetune-cache-q7b")
-    cache = tempfile.mkdtemp(prefix="edgetune-cache-")
-    env = dict(os.environ, EDGETUNE_CACHE=cache, PYTHONUNBUFFERED="1")
+    work = Path(tempfile.mkdtemp(prefix="edgetune-qc-"))
+    caches = {"warmup": work / "cache-warmup", "cache": work / "cache"}
+    # Bytecode goes to a writable prefix: the GPU image's site-packages hold no .pyc and
+    # are not written to, so without it every process compiles ~2,300 files again (8 s).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(work / "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     t0 = time.perf_counter()
     cmd = [sys.executable, str(HERE.parent / ".ref" / "unsloth_bench.py"), "--phase", "save", "--dir", folder]
-    subprocess.run(cmd + (["--tiny"] if args.tiny else []), env=dict(env, OUT=cache), check=True,
+    subprocess.run(cmd + (["--tiny"] if args.tiny else []), env=dict(env, OUT=str(work)), check=True,
                    cwd=tempfile.gettempdir())
     R["save_s"] = round(time.perf_counter() - t0, 1)
     R["source_GB"] = round(sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 1e9, 2)
-    for name in ("first", "second"):
+    for name, cache in RUNS:
         prof = out / f"profile_{name}.prof"
-        pre = ["-m", "cProfile", "-o", str(prof)] if args.profile else []
+        pre = ["-m", "cProfile", "-o", str(prof)] if args.profile and name != "pyc_warmup" else []
+        t0 = time.perf_counter()
         p = subprocess.run([sys.executable, *pre, __file__, "--child", folder] + (["--tiny"] if args.tiny else []),
-                           env=env, capture_output=True, text=True)
+                           env=dict(env, EDGETUNE_CACHE=str(caches[cache])), capture_output=True, text=True)
+        wall = time.perf_counter() - t0
         sys.stderr.write(p.stderr[-3000:])
         R["runs"][name] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
             {"rc": p.returncode, "stderr": p.stderr[-1500:]}
+        R["runs"][name]["process_wall_s"] = round(wall, 2)  # includes interpreter start and exit
         R["runs"][name]["log"] = [line for line in p.stderr.splitlines() if line.startswith("quantised base")]
-        if args.profile and prof.is_file():  # where the seconds go: the top functions by cumulative time
+        if pre and prof.is_file():  # where the seconds go: the top functions by cumulative time
             import io
             import pstats
 
@@ -95,17 +246,27 @@ def main():
             pstats.Stats(str(prof), stream=buf).sort_stats("tottime").print_stats(25)
             R["runs"][name]["profile_self"] = buf.getvalue().splitlines()[-35:]
             prof.unlink()
-        print(name, R["runs"][name], flush=True)
+        print(name, json.dumps(R["runs"][name]), flush=True)
         (out / "quant_cache.json").write_text(json.dumps(R, indent=1))  # kept if a later run is cut off
-    R["entry_GB"] = round(sum(f.stat().st_size for f in Path(cache).rglob("*.safetensors")) / 1e9, 2)
-    subprocess.run(["rm", "-rf", folder, cache])
+    R["entry_GB"] = round(sum(f.stat().st_size for f in caches["cache"].rglob("*.safetensors")) / 1e9, 2)
+    second = R["runs"].get("second", {})
+    R["target"] = {"second_to_first_step_s": second.get("to_first_step"), "limit_s": 10,
+                   "met": isinstance(second.get("to_first_step"), (int, float)) and second["to_first_step"] <= 10}
+    subprocess.run(["rm", "-rf", folder, str(work)])
     (out / "quant_cache.json").write_text(json.dumps(R, indent=1))
-    f, s = R["runs"]["first"], R["runs"]["second"]
-    print(f"\n| run | imports s | load_base s | add_lora s | first step s | to first step s |\n|---|---|---|---|---|---|")
-    for name, r in (("first (quantise + store)", f), ("second (cache)", s)):
-        print(f"| {name} | {r.get('imports')} | {r.get('load_base')} | {r.get('add_lora')} | {r.get('first_step')} "
-              f"| {r.get('to_first_step')} |")
-    print(f"source {R['source_GB']} GB bf16, entry {R['entry_GB']} GB")
+    cols = ["import_torch", "import_transformers", "import_engine", "import_bitsandbytes", "import_peft", "imports",
+            "load_base", "add_lora", "first_step", "to_first_step", "process_wall_s"]
+    print("\n| run | " + " | ".join(cols) + " | .pyc compile s (files) | custom-op reg s (n) |")
+    print("|---|" + "---|" * (len(cols) + 2))
+    for name, _ in RUNS:
+        r = R["runs"].get(name, {})
+        w = r.get("whole_run", {})
+        print(f"| {name} | " + " | ".join(str(r.get(c)) for c in cols) +
+              f" | {w.get('bytecode_compile_s')} ({w.get('bytecode_files')}) | "
+              f"{w.get('custom_op_registration_s')} ({w.get('custom_op_registrations')}) |")
+    print(f"source {R['source_GB']} GB bf16, entry {R['entry_GB']} GB; target: {R['target']}")
+    print("custom-op registrations by source (second run):",
+          json.dumps(second.get("whole_run", {}).get("registrations_by_source", {}), indent=1))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,61 @@ warnings.filterwarnings("ignore", message=r".*(deprecated and will be removed in
                         category=FutureWarning)
 
 
+def deferred_compile(real_compile):
+    """A stand-in for torch.compile whose functions compile on their first call, not when
+    they are wrapped (what import_bitsandbytes installs during the import). Modules and
+    other callables go to `real_compile` at once, as torch.compile would handle them."""
+    import functools
+    import inspect
+
+    def compile_later(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile_later(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return real_compile(model, **kwargs)
+        compiled = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kw):
+            if not compiled:
+                try:
+                    compiled.append(real_compile(model, **kwargs))
+                except Exception:  # no compiler here: the plain function, once and for all
+                    compiled.append(model)
+            return compiled[0](*args, **kw)
+
+        return first_call_compiles
+
+    return compile_later
+
+
+def import_bitsandbytes():
+    """bitsandbytes, imported with its import-time torch.compile calls deferred to first use.
+
+    bitsandbytes' default (CPU / fallback) backend wraps several ops in torch.compile when
+    the module is imported; each such call imports torch._dynamo and torch._inductor, which
+    register their custom ops and prims: seconds of start-up in every process, for ops the
+    CUDA NF4 path never calls. Here torch.compile is swapped, for the duration of the
+    import only, for a wrapper that compiles on the first call instead, so those ops
+    behave as before (compiled when used, bitsandbytes' own fallback on a failure) and a
+    run that never calls them never pays for the compiler. PEFT and transformers import
+    bitsandbytes themselves when it is installed, so the engine calls this before them.
+    Returns the module, or None when bitsandbytes is not installed."""
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    import torch
+
+    real_compile = torch.compile
+    torch.compile = deferred_compile(real_compile)
+    try:
+        import bitsandbytes
+    finally:
+        torch.compile = real_compile
+    return bitsandbytes
+
+
 def resolve_device(ms: ModelSettings) -> str:
     import torch
 
@@ -263,6 +318,7 @@ def load_base(ms: ModelSettings):
     kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=ms.trust_remote_code)
     q = quantization_config(ms, dtype)
     if q is not None:
+        import_bitsandbytes()  # before transformers' quantiser imports it (see the function)
         kwargs["quantization_config"] = q
     kwargs["device_map"] = {"": 0} if device == "cuda" else {"": device}
     cached, entry = _quantised_entry(ms, path, q, dtype)
@@ -357,6 +413,7 @@ def add_lora(model, ls: LoraSettings, gradient_checkpointing: bool | int = True)
     """Wrap the base in a trainable PEFT LoRA model (fresh, or from `ls.init_from`).
     `gradient_checkpointing`: True / False, or how many of the first decoder layers to
     checkpoint (engine/planner.checkpoint_split's count for `auto`)."""
+    import_bitsandbytes()  # PEFT imports it when installed: with the compiler deferred (see there)
     from peft import PeftModel, get_peft_model
 
     # Not PEFT's prepare_model_for_kbit_training: it upcasts the frozen embeddings, norms
