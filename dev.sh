@@ -35,6 +35,11 @@ case "${1:-}" in
     # one busy thread (imports, a worker starting, a tiny model), so two cores halve it. The
     # slow tests keep the machine to themselves.
     if [ "$1" = test ]; then marks="not slow"; par="-n 2 --dist loadfile --no-loadscope-reorder"; else marks="slow"; par=""; fi
+    # One torch thread a process in the fast suite: its two test processes and their workers
+    # already keep both cores busy, and torch's threads, spinning for each other on shared
+    # cores, cost more than they bring (three test_faults tests on a loaded machine: 330 s
+    # with torch's default threads, 208 s with one). The slow tests keep torch's default.
+    if [ "$1" = test ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
     set +e
     # shellcheck disable=SC2086  # $par: separate words
     "$VENV/bin/pytest" -q -m "$marks" $par --durations=25 "${@:2}"
