@@ -370,6 +370,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also time each kernel alone")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, TRITON_INTERPRET: checks the script")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     global DEVICE, BATCH, SEQ, SHAPES
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
