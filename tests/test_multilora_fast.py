@@ -115,3 +115,34 @@ def test_essa_batched_fitness_on_the_fast_loop_equals_sequential(setup):
                          fast=True).population(xs, rows)
     assert got == seq
     assert len(set(seq)) > 1
+
+
+@pytest.mark.slow  # ~20 s: the kernel runs in Triton's interpreter
+def test_batched_candidates_through_the_fused_nf4_kernel():
+    # NF4 base through the fused kernel's packs (interpreted on the CPU), the candidates'
+    # stacked factors beside it: each block equals its candidate decoded alone
+    from test_nf4_matmul import PROMPTS as NF4_PROMPTS
+    from test_nf4_matmul import IdTokenizer as NF4Tokenizer
+    from test_nf4_matmul import tiny_nf4_model
+
+    model = tiny_nf4_model()
+    prompts = NF4_PROMPTS[:2]
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompts[0]]))  # bitsandbytes repacks its CPU weights on the first forward
+        space = SVDSpace(model)
+        xs = np.random.default_rng(3).normal(scale=1.5, size=(2, space.dim))
+        kw = dict(max_new_tokens=3, greedy=True, fast=True, nf4_kernel=True)
+        alone = []
+        for x in xs:
+            space.write(x)
+            alone.append(generate(model, NF4Tokenizer(), prompts, **kw))
+        space.restore()
+        with batched_lora(space.modules, space.stacked(xs), torch.arange(2).repeat_interleave(2)):
+            got = generate(model, NF4Tokenizer(), prompts * 2, **kw)
+    assert got.info["nf4_kernel"] is True and got.info["packed"] is True
+    for j, ref in enumerate(alone):
+        t = ref.completion_ids.shape[1]
+        assert torch.equal(got.completion_ids[2 * j:2 * j + 2, :t], ref.completion_ids)
+        # bf16 products inside the kernel: the LoRA sums' order may move a rounding
+        assert torch.allclose(got.logprobs[2 * j:2 * j + 2, :t], ref.logprobs, atol=5e-2)
+    assert alone[0].texts != alone[1].texts
