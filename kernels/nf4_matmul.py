@@ -151,17 +151,15 @@ if triton is not None:
             return v.to(tl.bfloat16)
 
     @triton.jit
-    def _nf4_half(b_ptrs, s_ptrs, code_ptr, mask, HIGH: tl.constexpr, EMULATE: tl.constexpr):
-        """bf16 weights of one nibble of the loaded bytes (codes looked up in the 16-entry
-        table, times the block's fp32 absmax, one rounding: bitsandbytes' values)."""
+    def _nf4_tile(b_ptrs, s_ptrs, code_ptr, mask, EMULATE: tl.constexpr):
+        """bf16 weights of the loaded bytes, (high nibbles = even k, low nibbles = odd k):
+        codes looked up in the 16-entry table (one cache line), times the block's fp32
+        absmax, one rounding: bitsandbytes' values. Bytes and scales are loaded once."""
         b = tl.load(b_ptrs, mask=mask, other=0)
-        if HIGH:
-            q = (b >> 4) & 0xF
-        else:
-            q = b & 0xF
-        c = tl.load(code_ptr + q.to(tl.int32))
         s = tl.load(s_ptrs, mask=mask, other=0.0)
-        return _to_bf16(c * s, EMULATE)
+        hi = tl.load(code_ptr + ((b >> 4) & 0xF).to(tl.int32))
+        lo = tl.load(code_ptr + (b & 0xF).to(tl.int32))
+        return _to_bf16(hi * s, EMULATE), _to_bf16(lo * s, EMULATE)
 
     @triton.jit
     def _nf4_mm_kernel(
@@ -192,13 +190,13 @@ if triton is not None:
         x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
-            ke = k0 + 2 * offs_j  # the even k of each byte
+            kb = k0 // 2 + offs_j  # byte index in the row: contiguous, so loads vectorise
+            ke = 2 * kb  # the even k of each byte
             k_ok = ke < k_end
             wmask = k_ok[:, None] & n_ok[None, :]
-            b_ptrs = row_b + (ke // 2)[:, None]  # [HALF, BLOCK_N]: W.T's layout for the dot
-            s_ptrs = row_s + (ke // BS)[:, None]
-            w_hi = _nf4_half(b_ptrs, s_ptrs, Code, wmask, True, EMULATE)
-            w_lo = _nf4_half(b_ptrs, s_ptrs, Code, wmask, False, EMULATE)
+            b_ptrs = row_b + kb[:, None]  # [HALF, BLOCK_N]: W.T's layout for the dot
+            s_ptrs = row_s + (kb // (BS // 2))[:, None]
+            w_hi, w_lo = _nf4_tile(b_ptrs, s_ptrs, Code, wmask, EMULATE)
             xmask = m_ok[:, None] & k_ok[None, :]
             x_even = tl.load(x_rows + ke[None, :], mask=xmask, other=0.0).to(tl.bfloat16)
             x_odd = tl.load(x_rows + ke[None, :] + 1, mask=xmask, other=0.0).to(tl.bfloat16)
@@ -240,12 +238,12 @@ if triton is not None:
         """The kernel's bf16 weights written out [N, K] (for the bit-exactness test)."""
         HALF: tl.constexpr = BLOCK_K // 2
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ke = tl.program_id(1) * BLOCK_K + 2 * tl.arange(0, HALF)
+        kb = tl.program_id(1) * HALF + tl.arange(0, HALF)
+        ke = 2 * kb
         mask = (ke < K)[:, None] & (offs_n < N)[None, :]
-        b_ptrs = Wq + offs_n[None, :] * (K // 2) + (ke // 2)[:, None]
-        s_ptrs = S + offs_n[None, :] * (K // BS) + (ke // BS)[:, None]
-        w_hi = _nf4_half(b_ptrs, s_ptrs, Code, mask, True, EMULATE)
-        w_lo = _nf4_half(b_ptrs, s_ptrs, Code, mask, False, EMULATE)
+        b_ptrs = Wq + offs_n[None, :] * (K // 2) + kb[:, None]
+        s_ptrs = S + offs_n[None, :] * (K // BS) + (kb // (BS // 2))[:, None]
+        w_hi, w_lo = _nf4_tile(b_ptrs, s_ptrs, Code, mask, EMULATE)
         o = Out + offs_n[None, :] * K + ke[:, None]
         tl.store(o, w_hi, mask=mask)
         tl.store(o + 1, w_lo, mask=mask)
