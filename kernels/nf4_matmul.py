@@ -34,7 +34,9 @@ kernel sums in a fixed order (deterministic, unlike atomics: equal inputs give e
 tokens), adding the bias and casting. Even and odd k are handled as two half-width dots
 (x's even columns with the high nibbles, odd with the low ones), so the nibbles never
 need to be interleaved in registers. The config is picked per (M bucket, N, K) by timing
-the candidates once (`tune`), outside CUDA-graph capture (the fast loop's warm-up steps).
+the candidates once (`tune`), outside CUDA-graph capture (the fast loop's warm-up steps);
+not with @triton.autotune, because SPLIT_K changes the launch (a workspace and a second
+kernel), so whole launches are what must be timed.
 """
 
 from __future__ import annotations
