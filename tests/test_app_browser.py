@@ -127,10 +127,11 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         # the preset's own values (sft.steps 40, lr 1e-3) replaced the defaults (60, 2e-4)
         _wait(lambda: page.locator("#field-sft-steps input").input_value() == "40", 30, "the preset's steps")
         assert float(page.locator("#field-sft-lr input").input_value()) == 1e-3
-        # The CPU is shared in CI: a small batch and a one-batch eval keep steps short.
+        # The CPU is shared in CI: a step's cost follows its rows, so two rows a step and a
+        # one-batch eval (its line still shows, as "initial eval 0/1 batches").
         page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
-        for field, value in (("sft-steps", STEPS), ("sft-eval_every", 8), ("sft-batch_size", 4),
-                             ("sft-eval_batches", 3)):
+        for field, value in (("sft-steps", STEPS), ("sft-eval_every", 8), ("sft-batch_size", 2),
+                             ("sft-eval_batches", 1)):
             box = page.locator(f"#field-{field} input")
             box.fill(str(value))
             box.press("Tab")
