@@ -37,9 +37,10 @@ case "${1:-}" in
     if [ "$1" = test ]; then marks="not slow"; par="-n 2 --dist loadfile --no-loadscope-reorder"; else marks="slow"; par=""; fi
     # One torch thread a process in the fast suite: its two test processes and their workers
     # already keep both cores busy, and torch's threads, spinning for each other on shared
-    # cores, cost more than they bring. Measured on a loaded 2-core machine, default threads
-    # -> one: three test_faults tests 330 s -> 208 s; the browser test's three chat turns
-    # (SmolLM2-135M, 4 tokens a side) 92 s -> 25 s. The slow tests keep torch's default.
+    # cores, cost more than they bring. Measured on 2 cores, two pytest processes side by
+    # side (test_cli+test_safety+test_sft | test_faults+test_app), default threads -> one:
+    # 94 s | 98 s -> 75 s | 61 s; with other work loading the machine, the browser test's
+    # three chat turns 92 s -> 25 s. The slow tests keep torch's default.
     if [ "$1" = test ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
     set +e
     # shellcheck disable=SC2086  # $par: separate words
