@@ -36,7 +36,9 @@ Why it is faster than `model.generate` for rollouts:
   and dequantises in registers, 0.56 bytes per weight per step, against 4.5 for
   bitsandbytes' dequantise-then-matmul and 2 for the bf16 copy. The packs below hold the
   NF4 weights as they are (no copy of the codes; q|k|v write column slices of one output).
-  Which base path a call takes is decided in one place, `base_path`.
+  Opt-in only: on an H200 it is slower than bitsandbytes (see `base_path`), the bytes it
+  saves are outweighed by the per-weight unpacking. Which base path a call takes is
+  decided in one place, `base_path`.
 - torch.compile of the packed step (`compile_step`): fuses the elementwise work; 13 ms
   instead of 16 ms per step, but the first call per (batch, cache length) compiles for
   ~35 s, so it is opt-in (worth it for long runs with fixed shapes).
@@ -146,7 +148,11 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
     for NF4 layers, the weights themselves otherwise), "nf4_kernel" (the fused NF4
     kernel over the 4-bit codes) or "module" (the layers' own forward: bitsandbytes for
     NF4). None picks: the bf16 copy when it fits (fastest measured at 7B: cuBLAS on bf16),
-    else the fused kernel, else bitsandbytes."""
+    else bitsandbytes. The fused kernel is opt-in (nf4_kernel=True): measured on one H200
+    (7B, batch 64 x 256 new tokens, bench/rollouts.py, same run) it decoded 1,043 tokens/s
+    against bitsandbytes' 2,556 and the bf16 copy's 4,561; per matmul it reaches 45-119 GB/s
+    of weights against bitsandbytes' 164-425 (bench/nf4_matmul.py): the per-weight unpack,
+    table lookup and scale cost more than the bytes it saves."""
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
     if not nf4:
@@ -155,8 +161,6 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
         return "dense"
     if bf16_weights is None and cuda and bf16_copy_fits(model, reserve_bytes):
         return "dense"
-    if nf4_kernel is None:
-        nf4_kernel = cuda and nf4_kernel_available(device)
     if nf4_kernel and nf4_kernel_available(device):
         return "nf4_kernel"
     return "module"

@@ -112,7 +112,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     fast_decode.py). compile_step: torch.compile the packed decode step (None =
     fast_decode.COMPILE). nf4_kernel (fast loop, NF4 base, no bf16 copy): the fused
     dequantise-and-matmul kernel (kernels/nf4_matmul.py) instead of bitsandbytes' layers;
-    None = on CUDA when triton is there (fast_decode.base_path decides).
+    None/False = bitsandbytes (the kernel measured slower; fast_decode.base_path decides).
     on_chunk(rows): called before each chunk is decoded with the global row indices it
     holds (for per-row adapters).
     """
