@@ -11,7 +11,8 @@ Layer kinds: "linear" (bf16 weight, trainable: dX + dW) and "lora-nf4" (PEFT LoR
 over a bitsandbytes NF4 Linear4bit: dX + dA + dB). Times are medians of
 triton.testing.do_bench; "host" is the median time to enqueue one backward (launch-bound
 when it reaches the GPU time); "extra" is the backward's peak memory minus dense's. For
-LoRA-NF4 at f < 1, "pieces_ms" times each kernel of the sparse backward alone.
+LoRA-NF4 at f < 1, "pieces_ms" times each kernel of the sparse backward alone (the
+Triton path's, summed, then the cuBLAS path's two dX kernels).
 "at_quarter" in the JSON is the headline: f = 0.25 against unpadded, target <= 1.3.
 
     python bench/sebp.py --out DIR [--quick]
@@ -209,6 +210,12 @@ def lora_pieces(holder, x, dy, mask, do_bench):
         "dx_gemm": do_bench(lambda: st.gathered_mm(g2, idx, w, dx, scatter=True, extra=(dh, a))),
     }
     out["sum"] = sum(out.values())
+    # dX of the index_select + cuBLAS path (not in the sum above: the other path's dX):
+    # the compact product, then one pass writing every row of dX (LoRA's share added).
+    gr = g2.index_select(0, idx.long())
+    part = gr @ w
+    out["gather_dx_cublas"] = do_bench(lambda: gr @ w)
+    out["gather_dx_scatter_rows"] = do_bench(lambda: st.scatter_rows(part, rows.position, dx, extra=(dh, a)))
     return out
 
 

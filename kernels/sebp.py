@@ -56,6 +56,7 @@ to bf16 rounding of the rank-r intermediate.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -93,6 +94,20 @@ class ActiveRows:
         keep = torch.ones(self.n_total, dtype=torch.bool, device=self.index.device)
         keep[self.index.long()] = False
         return keep.nonzero().squeeze(1)
+
+    @functools.cached_property
+    def long_index(self) -> torch.Tensor:
+        """int64 copy of `index` for torch's index ops, made once per step, not per layer."""
+        return self.index.long()
+
+    @functools.cached_property
+    def position(self) -> torch.Tensor:
+        """int32 [n_total]: each row's place in `index`, -1 outside R (4 bytes a row, built
+        once per step on the GPU without a sync). Lets one kernel write every row of a
+        padded dX from the compact rows (`sebp_triton.scatter_rows`)."""
+        pos = torch.full((self.n_total,), -1, dtype=torch.int32, device=self.index.device)
+        ids = torch.arange(self.n_active, dtype=torch.int32, device=self.index.device)
+        return pos.index_copy_(0, self.long_index, ids)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "ActiveRows":
@@ -230,10 +245,15 @@ def _sparse_backward_triton(g2, x2, rows, weight, lora, need):
 
 def _sparse_backward_torch(g2, x2, rows, weight, lora, need):
     """The same math through index_select and dense matmuls on the gathered rows (CPU,
-    and a CUDA comparison in bench/sebp.py). Each of X[R] and dY[R] is gathered once;
-    the copies cost n_active x (K + N) elements of memory for the layer's backward."""
+    and on CUDA the cuBLAS path `choose_backend` compares). Each of X[R] and dY[R] is
+    gathered once; the copies cost n_active x (K + N) elements of memory for the layer's
+    backward. dX: cuBLAS writes dY[R] W compactly, then on CUDA (and under the Triton
+    interpreter) one `scatter_rows` pass adds LoRA's rank-r share in fp32 and writes every
+    row of dX once (zeros outside R). With K wide (a down_proj) that pass moves about a
+    quarter of the bytes of the memset + fp32 add + casts + index_copy_ it replaces."""
     M, K = x2.shape
-    idx = rows.index.to(x2.device).long()
+    same = rows.index.device == x2.device
+    idx = rows.long_index if same else rows.index.to(x2.device).long()
     want_dx, want_dw, want_db, want_da, want_dbb = need
     dx = dw = db = da = dbb = None
     gr = g2.index_select(0, idx)
@@ -249,12 +269,24 @@ def _sparse_backward_torch(g2, x2, rows, weight, lora, need):
                 dbb = (grf.t() @ (xrf @ A.t())) * s
             if want_da:
                 da = dh.t() @ xrf
+            del xrf  # an fp32 [n_active, K] copy: freed before dX's buffers are allocated
+        if not want_dw:
+            xr = None
     if want_dx:
-        part = (gr @ weight.to(g2.dtype)).float()
-        if dh is not None:
-            part = part + dh.float() @ lora[0].float()
-        dx = torch.zeros((M, K), device=x2.device, dtype=x2.dtype)
-        dx.index_copy_(0, idx, part.to(dx.dtype))
+        part = gr @ weight.to(g2.dtype)
+        if _use_triton(x2, "auto"):
+            from .sebp_triton import scatter_rows
+
+            pos = rows.position if same else rows.position.to(x2.device)
+            dx = torch.empty((M, K), device=x2.device, dtype=x2.dtype)
+            extra = (dh, lora[0].contiguous()) if dh is not None else None
+            scatter_rows(part, pos, dx, extra=extra)
+        else:
+            if dh is not None:
+                part = part.float() + dh.float() @ lora[0].float()
+            dx = torch.zeros((M, K), device=x2.device, dtype=x2.dtype)
+            dx.index_copy_(0, idx, part.to(dx.dtype))
+        del part
     if want_dw:
         dw = (gr.t() @ xr.to(g2.dtype)).to(weight.dtype)
     if want_db:

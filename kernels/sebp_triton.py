@@ -240,6 +240,56 @@ def zero_rows(out, idx):
     return out
 
 
+@triton.jit
+def _scatter_rows_kernel(Part, Pos, D, E, Out, M, C,
+                         stride_pm, stride_dm, stride_dr, stride_er, stride_om,
+                         R: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    pos = tl.load(Pos + offs_m, mask=m_ok, other=-1)
+    act = m_ok & (pos >= 0)
+    src = tl.maximum(pos, 0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    # Rows outside R load nothing (masked) and store zeros: one write of every row of dX.
+    acc = tl.load(Part + src[:, None] * stride_pm + offs_c[None, :], mask=act[:, None] & c_ok[None, :],
+                  other=0.0).to(tl.float32)
+    if HAS_EXTRA:  # LoRA's rank-R share in IEEE fp32 FMAs, summed before it meets the base part
+        low = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for r in tl.static_range(R):
+            d = tl.load(D + src * stride_dm + r * stride_dr, mask=act, other=0.0).to(tl.float32)
+            e = tl.load(E + r * stride_er + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+            low += d[:, None] * e[None, :]
+        acc = acc + low
+    tl.store(Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_c[None, :], acc.to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & c_ok[None, :])
+
+
+def scatter_rows(part, pos, out, extra=None):
+    """out[m] = part[pos[m]] (+ d[pos[m]] @ e with extra=(d, e)) where pos[m] >= 0, else 0.
+
+    part: [n, C] compact rows (a cuBLAS product on the gathered rows); pos: int32 [M], the
+    compact row of each output row or -1 (ActiveRows.position); out: [M, C]; d: [n, r],
+    e: [r, C], both small. One pass writes every row of `out` once and reads `part` once:
+    it replaces a memset of `out`, an index_copy_ and, for LoRA, an fp32 [n, C] product,
+    its add and the casts around them (about 4x the bytes of this pass on a wide dX).
+    The rank-r share is summed in fp32 FMAs (no tf32), as the fp32 matmul it replaces."""
+    M, C = out.shape
+    if part.shape[0] == 0:  # no active row: nothing to read (and no pointer to pass)
+        return out.zero_()
+    assert part.stride(1) == 1 and out.stride(1) == 1 and pos.numel() == M
+    d, e = extra if extra is not None else (part, part)  # placeholders, never read
+    if extra is not None:
+        assert e.stride(1) == 1
+    r = e.shape[0] if extra is not None else 0
+    block_m, block_c = (16, 32) if _INTERPRET else (32, 256)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(C, block_c))
+    _scatter_rows_kernel[grid](part, pos, d, e, out, M, C,
+                               part.stride(0), d.stride(0), d.stride(1), e.stride(0), out.stride(0),
+                               R=r, HAS_EXTRA=extra is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
 _MM_KEY = ["C", "K", "rows_bucket", "DOT_FP32", "HAS_EXTRA", "SPLIT_K"]
 _TN_KEY = ["A", "B", "rows_bucket", "DOT_FP32", "GATHER_Q"]
 

@@ -527,6 +527,33 @@ def test_sparse_lm_head_loss_matches_transformers(num_items):
     assert (dh[shifted == -100] == 0).all() and (dh[shifted != -100] != 0).any()
 
 
+@pytest.mark.parametrize("kind", ["random", "right_padded", "one"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_writes_every_row_once(kind, out_dtype):
+    """dX from compact rows in one pass: part[i] (+ d[i] @ e) on row R[i], exact zeros
+    elsewhere, also over a buffer full of garbage (no memset before it)."""
+    from edgetune.kernels.sebp_triton import scatter_rows
+
+    gen = torch.Generator().manual_seed(11)
+    rows = sebp.ActiveRows.from_mask(make_mask(kind, 3, 20, gen))
+    n, C, r = rows.n_active, 70, 5
+    part = torch.randn(n, C, generator=gen).to(out_dtype)
+    d, e = torch.randn(n, r, generator=gen), torch.randn(r, C, generator=gen)
+    pos = rows.position
+    assert (pos[rows.index.long()] == torch.arange(n, dtype=torch.int32)).all() and int((pos >= 0).sum()) == n
+    for extra in (None, (d, e)):
+        ref = torch.zeros(rows.n_total, C)
+        ref[rows.index.long()] = part.float() + (d @ e if extra is not None else 0)
+        out = torch.full((rows.n_total, C), float("nan"), dtype=out_dtype)
+        scatter_rows(part, pos, out, extra=extra)
+        inactive = pos < 0
+        assert (out[inactive] == 0).all()
+        if out_dtype == torch.float32:
+            assert rel(out, ref) <= 1e-6
+        else:  # within one bf16 step of the fp32 value (the interpreter truncates, a GPU rounds)
+            assert ((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all()
+
+
 def test_choose_backend_measures_once_per_key_and_keeps_the_faster(monkeypatch):
     monkeypatch.setattr(sebp, "_CHOICE", {})
     runs = {"triton": 0, "torch": 0}
