@@ -255,12 +255,15 @@ def _scatter_rows_kernel(Part, Pos, D, E, Out, M, C,
     acc = tl.load(Part + src[:, None] * stride_pm + offs_c[None, :], mask=act[:, None] & c_ok[None, :],
                   other=0.0).to(tl.float32)
     if HAS_EXTRA:  # LoRA's rank-R share in IEEE fp32 FMAs, summed before it meets the base part
-        low = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-        for r in tl.static_range(R):
-            d = tl.load(D + src * stride_dm + r * stride_dr, mask=act, other=0.0).to(tl.float32)
-            e = tl.load(E + r * stride_er + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-            low += d[:, None] * e[None, :]
-        acc = acc + low
+        # Skipped on tiles without an active row (most of them at low fractions): no reads
+        # of E, no FMAs, the tile is a plain store of zeros.
+        if tl.sum(act.to(tl.int32), axis=0) > 0:
+            low = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+            for r in tl.static_range(R):
+                d = tl.load(D + src * stride_dm + r * stride_dr, mask=act, other=0.0).to(tl.float32)
+                e = tl.load(E + r * stride_er + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+                low += d[:, None] * e[None, :]
+            acc = acc + low
     tl.store(Out + offs_m.to(tl.int64)[:, None] * stride_om + offs_c[None, :], acc.to(Out.dtype.element_ty),
              mask=m_ok[:, None] & c_ok[None, :])
 
