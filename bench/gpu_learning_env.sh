@@ -11,8 +11,8 @@
 #   .gpu-site/                 bitsandbytes (NF4), already used by the other GPU benches
 #
 # Usage, in two calls to the same warm machine:
-#   bash bench/gpu_learning_env.sh --stage      # call 1: carry .learn-site and .learn-gguf/part1
-#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # call 2: carry .learn-gguf/part2, .gpu-site
+#   bash bench/gpu_learning_env.sh --stage      # one call: carry .learn-site and .learn-gguf/part1
+#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # the next call: carry .learn-gguf/part2, .gpu-site
 #
 # --stage copies what was carried to $LEARN_STAGE (default /root/learn-stage), which outlives
 # the call's working tree while the machine stays warm. Without --stage it stages what is
