@@ -5,10 +5,12 @@ run of the same model and settings (engine/quant_cache.py: the stored 4-bit weig
 
 The checkpoint is a random-init Qwen2.5-7B architecture in bf16 with a small tokenizer,
 written by .ref/unsloth_bench.py's save phase. Each run is its own process, as a user's
-second `edgetune train` would be: imports, engine/model.load_base (the cache's decision
-inside), add_lora, one SFT step of 1 x 512 tokens; every phase timed, each big import
-on its own, with the seconds of bytecode compilation and torch custom-op registration
-inside the run and which package triggered each registration.
+second `edgetune train` would be: the worker's imports, engine/model.load (load_base with
+the cache's decision inside, peft imported alongside, add_lora; engine/startup.py's
+collector pauses as in the worker), one SFT step of 1 x 512 tokens; every phase timed,
+each big import on its own, with the seconds of bytecode compilation, garbage-collection
+pauses and torch custom-op registration inside the run and which package triggered each
+registration.
 
     PYTHONPATH=$PWD/.gpu-site python bench/quant_cache_gpu.py      # GPU: $OUT/quant_cache.json
     python bench/quant_cache_gpu.py --tiny                          # CPU: the plumbing
@@ -17,6 +19,7 @@ inside the run and which package triggered each registration.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -145,44 +148,50 @@ class Tracer:
 
 def child(folder: str) -> dict:
     """One run: imports (each big package timed on its own), load, LoRA, one step; seconds
-    of each, bytecode compilation and custom-op registration inside them, printed as JSON."""
+    of each, bytecode compilation and custom-op registration inside them, printed as JSON.
+
+    The start-up is the worker's own (engine/worker.run): its imports with the collector off
+    (engine/startup.pause_gc ... imports_done, which freezes the imported objects), then
+    engine/model.load, which loads the base with peft imported on a side thread and the
+    collector off until the adapter is on. import_peft is what that import still took
+    after the load (model.load's peft_wait); load_base includes importing bitsandbytes."""
     tracer = Tracer()
     tracer.install_compile()
     tracer.install_gc()
     t = {}
+    sys.path.insert(0, str(HERE))
+    startup = _engine_startup()
+    startup.pause_gc()  # as engine/worker.run: the collector off for the imports of the run
     t0 = time.perf_counter()
     import torch
 
     t["import_torch"] = time.perf_counter() - t0
     tracer.install_registration()
-    sys.path.insert(0, str(HERE))
     import _common as C  # noqa: F401  (edgetune importable)
 
-    # In the engine's order: bitsandbytes through engine/model.import_bitsandbytes (its
-    # import-time torch.compile calls deferred), before PEFT, which imports it too.
-    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.model"),
-                       ("import_bitsandbytes", None), ("import_peft", "peft")]:
+    # what the worker imports before the method's train: transformers, the method's module
+    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.sft")]:
         t0 = time.perf_counter()
-        if mod is None:
-            sys.modules["edgetune.engine.model"].import_bitsandbytes()
-        else:
-            importlib.import_module(mod)
+        importlib.import_module(mod)
         t[label] = time.perf_counter() - t0
-    t["compiler_imported"] = "torch._inductor.compile_fx" in sys.modules  # what the deferral avoids
+    startup.imports_done()
     from edgetune.engine import model as model_lib
-    from edgetune.engine.settings import LoraSettings, ModelSettings
+    from edgetune.engine.settings import from_dict
 
     t["imports"] = time.perf_counter() - T_START
     before = tracer.summary()
+    cfg = from_dict({"method": "sft", "model": {"name": folder, "quant": "nf4", "gradient_checkpointing": True},
+                     "lora": {"r": 16, "alpha": 32}, "data": {"path": "unused.jsonl"}})
+    parts: dict = {}
     t0 = time.perf_counter()
-    model, _, _ = model_lib.load_base(ModelSettings(name=folder, quant="nf4"))
+    model, _, _ = model_lib.load(cfg, parts)  # the engine's start-up, gc pause and peft overlap included
     C.sync()
-    t["load_base"] = time.perf_counter() - t0
+    t["load_and_lora"] = time.perf_counter() - t0
+    t["load_base"], t["import_peft"], t["add_lora"] = parts["load_base"], parts["peft_wait"], parts["add_lora"]
+    t["gc_enabled_at_step"] = gc.isenabled()
+    t["compiler_imported"] = "torch._inductor.compile_fx" in sys.modules  # what deferring bitsandbytes' compile avoids
     t0 = time.perf_counter()
-    model = model_lib.add_lora(model, LoraSettings(r=16, alpha=32), gradient_checkpointing=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    t["add_lora"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     ids = torch.randint(3, model.config.vocab_size, (1, 64 if args.tiny else 512), device=model.device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     C.engine_step(model, opt, batch)
@@ -194,6 +203,16 @@ def child(folder: str) -> dict:
     t["during_imports"] = {k: v for k, v in before.items() if k != "registrations_by_source"}
     t["whole_run"] = after
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()}
+
+
+def _engine_startup():
+    """engine/startup.py before torch is imported (bench/_common.py imports torch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("edgetune_startup", HERE.parent / "engine" / "startup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 RUNS = [
@@ -259,8 +278,8 @@ def main():
                    "met": isinstance(second.get("to_first_step"), (int, float)) and second["to_first_step"] <= 10}
     subprocess.run(["rm", "-rf", folder, str(work)])
     (out / "quant_cache.json").write_text(json.dumps(R, indent=1))
-    cols = ["import_torch", "import_transformers", "import_engine", "import_bitsandbytes", "import_peft", "imports",
-            "load_base", "add_lora", "first_step", "to_first_step", "process_wall_s"]
+    cols = ["import_torch", "import_transformers", "import_engine", "imports", "load_base", "import_peft",
+            "add_lora", "first_step", "to_first_step", "process_wall_s"]
     print("\n| run | " + " | ".join(cols) + " | .pyc compile s (files) | custom-op reg s (n) |")
     print("|---|" + "---|" * (len(cols) + 2))
     for name, _ in RUNS:

@@ -26,6 +26,7 @@ import traceback
 
 import yaml
 
+from . import startup
 from .errors import EdgetuneError
 from .events import TERMINAL, EventWriter, read_events
 from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
@@ -186,11 +187,12 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     owns_pid = (not multi) if owns_pid is None else owns_pid
     if owns_pid:
         atomic_write_text(run.pid_path, str(os.getpid()))
-    from .loop import RunContext, pick_checkpoint
-
     ctx = watch = None
     beat = start_heartbeat(run) if main else threading.Event()
+    startup.pause_gc()  # until the run's imports are done (engine/startup.py); back on in `finally` at the latest
     try:
+        from .loop import RunContext, pick_checkpoint
+
         if multi:
             watch = RankWatch(emit, run)
         text = run.config_path.read_text() if main else None
@@ -210,7 +212,11 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
              device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
              pid=os.getpid(), **extra)
-        method_module(cfg.method).train(ctx)
+        import transformers  # noqa: F401  (the tokenizer and the model load need it first)
+
+        train = method_module(cfg.method).train
+        startup.imports_done()  # the collector back on, the imported objects out of its walks
+        train(ctx)
         if multi:  # no rank leaves while rank 0 still writes (its watch would take that for a death)
             watch.stop()
             try:
@@ -252,6 +258,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
              kind="bug")
         return 1
     finally:
+        startup.resume_gc()
         beat.set()
         if watch is not None:
             watch.stop()
