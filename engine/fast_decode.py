@@ -151,7 +151,7 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
     else bitsandbytes. The fused kernel is opt-in (nf4_kernel=True): measured on one H200
     (7B, batch 64 x 256 new tokens, bench/rollouts.py, same run) it decoded 1,043 tokens/s
     against bitsandbytes' 2,556 and the bf16 copy's 4,561; per matmul it reaches 45-119 GB/s
-    of weights against bitsandbytes' 164-425 (bench/nf4_matmul.py): the per-weight unpack,
+    of weights against bitsandbytes' 63-425 (bench/nf4_matmul.py): the per-weight unpack,
     table lookup and scale cost more than the bytes it saves."""
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
