@@ -135,14 +135,6 @@ def bf16_copy_fits(model, reserve_bytes: int) -> bool:
     return free >= bf16_copy_bytes(model) + reserve_bytes + max(2 << 30, total // 20)
 
 
-def nf4_kernel_available(device) -> bool:
-    """The fused kernel runs compiled on CUDA; on the CPU only under TRITON_INTERPRET=1
-    (tests), and only when asked for."""
-    from ..kernels import nf4_matmul
-
-    return nf4_matmul.available() and (device.type == "cuda" or nf4_matmul._INTERPRET)
-
-
 def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int) -> str:
     """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
     for NF4 layers, the weights themselves otherwise), "nf4_kernel" (the fused NF4
@@ -161,8 +153,11 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
         return "dense"
     if bf16_weights is None and cuda and bf16_copy_fits(model, reserve_bytes):
         return "dense"
-    if nf4_kernel and nf4_kernel_available(device):
-        return "nf4_kernel"
+    if nf4_kernel:
+        from ..kernels import nf4_matmul
+
+        if nf4_matmul.available(device):
+            return "nf4_kernel"
     return "module"
 
 
@@ -487,7 +482,7 @@ class Decoder:
         None = on for NF4 models on CUDA when it fits. On the CPU only when asked (tests:
         a plain fp32 model then gets a packed fp32 copy). nf4_kernel: without the copy,
         NF4 layers go through the fused kernel (packed like the copy when the layout
-        allows, else swapped into the Linear4bit layers); None = on CUDA with triton.
+        allows, else swapped into the Linear4bit layers); opt-in, None = bitsandbytes.
         The choice is `base_path`'s."""
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))

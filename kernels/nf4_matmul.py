@@ -334,5 +334,7 @@ def dequantize(w: NF4Weight) -> Tensor:
     return out
 
 
-def available() -> bool:
-    return triton is not None
+def available(device) -> bool:
+    """Whether the kernel can run on `device`: compiled on CUDA, or on the CPU under
+    TRITON_INTERPRET=1 (tests)."""
+    return triton is not None and (device.type == "cuda" or _INTERPRET)
