@@ -25,8 +25,8 @@ Speed trade-offs:
   when they have few row tiles, for the same reason as gathered_tn.
 - Rows of dX outside R: the caller (sebp.py) clears dX with one memset before the
   scattering GEMM. That writes the rows of R twice, but a memset is one cheap launch at
-  full bandwidth, where an indexed kernel (`zero_rows`, kept for callers that need dX
-  written once) costs a Python-side Triton launch on every layer.
+  full bandwidth, where an indexed zeroing kernel costs a Python-side Triton launch on
+  every layer.
 - A LoRA scaling factor is applied in the kernels' stores (`alpha`), not by a separate
   multiply: at low active fractions the backward is short enough that each launch counts.
 """
@@ -215,29 +215,6 @@ def _gathered_tn_kernel(
         acc.to(Out.dtype.element_ty),
         mask=a_ok[:, None] & b_ok[None, :],
     )
-
-
-@triton.jit
-def _zero_rows_kernel(Out, Idx, n_rows, C, stride_om, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < n_rows
-    rows = tl.load(Idx + offs_r, mask=r_ok, other=0).to(tl.int64)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    zeros = tl.zeros((BLOCK_R, BLOCK_C), dtype=Out.dtype.element_ty)
-    tl.store(Out + rows[:, None] * stride_om + offs_c[None, :], zeros, mask=r_ok[:, None] & (offs_c < C)[None, :])
-
-
-def zero_rows(out, idx):
-    """out[idx] = 0 for a row-contiguous [rows, C] out: wide stores, one pass over those rows
-    (torch's index_fill_ took 2-5x the copy time on an H200)."""
-    n, C = idx.numel(), out.shape[1]
-    if n == 0:
-        return out
-    assert out.stride(1) == 1
-    block_c = 32 if _INTERPRET else 512
-    grid = (triton.cdiv(n, 16), triton.cdiv(C, block_c))
-    _zero_rows_kernel[grid](out, idx, n, C, out.stride(0), BLOCK_R=16, BLOCK_C=block_c, num_warps=4)
-    return out
 
 
 @triton.jit
