@@ -4,7 +4,7 @@ the fused kernel (kernels/nf4_matmul.py) and a plain bf16 matmul, at decode batc
 Shapes are Qwen2.5-7B's (out x in): q/o 3584x3584, gate/up 18944x3584, down 3584x18944;
 M = 64 rows (and 16, 128). Random weights quantised by bitsandbytes (blocksize 64,
 double-quantised absmax, as the engine loads NF4). Each method is timed with
-triton.testing.do_bench (median ms); the fused kernel after its own config search,
+triton.testing.do_bench_cudagraph (median ms, GPU time); the fused kernel after its own config search,
 whose pick is reported. Also reported: effective weight bandwidth of each method
 (NF4 bytes / time for the NF4 paths, bf16 bytes / time for the bf16 matmul) and the
 largest difference of the fused output from dequantise + matmul.
@@ -50,7 +50,9 @@ def bench(fn) -> float:
     if DEV == "cuda":
         import triton
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        # replayed in a CUDA graph, as the decode loop runs them: GPU time without the
+        # host-side launch cost (as long as these short kernels themselves)
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100))
     fn()
     t = time.perf_counter()
     fn()
@@ -72,8 +74,8 @@ def one_shape(N: int, Kd: int, M: int) -> dict:
     y = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
     cfg = K.tune(x, w, None, y)
     K.linear(x, w, out=y, config=cfg)
-    r = {"N": N, "K": Kd, "M": M, "config": dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "stages"), cfg)),
-         "block_m": K.block_m(M), "max_abs_diff_vs_dequant_matmul": float((y.float() - y_ref.float()).abs().max()),
+    r = {"N": N, "K": Kd, "M": M, "config": dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "stages", "weights_left", "lookup"), cfg)),
+         "block_m": K.block_m(M, bool(cfg[5])), "max_abs_diff_vs_dequant_matmul": float((y.float() - y_ref.float()).abs().max()),
          "ref_max_abs": float(y_ref.float().abs().max())}
     ms = {
         "bnb_matmul_4bit": bench(lambda: bnb.matmul_4bit(x, q.t(), quant_state=qs)),
@@ -81,6 +83,23 @@ def one_shape(N: int, Kd: int, M: int) -> dict:
         "fused_nf4": bench(lambda: K.linear(x, w, out=y, config=cfg)),
         "bf16_matmul": bench(lambda: F.linear(x, wd)),
     }
+    # every config of the search, by family (layout x lookup), so the table shows what wins
+    sweep = {}
+    for c in K.CONFIGS:
+        try:
+            sweep[c] = bench(lambda: K.linear(x, w, out=y, config=c))
+        except Exception as e:  # noqa: BLE001 - a config the GPU cannot hold
+            print(f"config {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    diffs = {}
+    for c in sweep:  # each config's output against dequantise + matmul (a wrong variant must not win)
+        diffs[c] = float((K.linear(x, w, config=c).float() - y_ref.float()).abs().max())
+    r["sweep"] = [{"config": list(c), "ms": round(t, 4), "max_abs_diff": diffs[c]}
+                  for c, t in sorted(sweep.items(), key=lambda kv: kv[1])]
+    fam = {}
+    for c, t in sweep.items():
+        name = ("weights-left" if c[5] else "x-left") + ("/select" if c[6] else "/table")
+        fam[name] = min(fam.get(name, t), t)
+    r["best_ms_by_family"] = {k: round(v, 4) for k, v in sorted(fam.items())}
     nf4_bytes = N * Kd // 2 + N * Kd // 64 * 4  # codes + fp32 absmax the kernel reads
     r["ms"] = {k: round(v, 4) for k, v in ms.items()}
     r["weight_GB_per_s"] = {k: round((N * Kd * 2 if k == "bf16_matmul" else nf4_bytes) / (v / 1000) / 1e9, 1)
@@ -110,7 +129,8 @@ def main():
              ("bnb_matmul_4bit", "dequant_then_matmul", "fused_nf4", "bf16_matmul")]
         cfg = r["config"]
         lines.append(f"| {r['shape']} | {r['M']} | {' | '.join(c)} | {r['fused_vs_bf16']} | "
-                     f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} w{cfg['warps']} s{cfg['stages']} |")
+                     f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} w{cfg['warps']} s{cfg['stages']}"
+                     f"{' weights-left' if cfg['weights_left'] else ''}{' select' if cfg['lookup'] else ' table'} |")
     R["table"] = "\n".join(lines)
     (out / "nf4_matmul.json").write_text(json.dumps(R, indent=1))
     print("\n" + R["table"])
