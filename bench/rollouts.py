@@ -231,10 +231,10 @@ def time_hf(model, ids, static, reps=1):
             "peak_GiB": peak_gib()}
 
 
-def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, nf4_kernel=False):
+def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, nf4_kernel=False, dense_layers=None):
     prompts = ids.tolist()
     kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, compile_step=compile_step,
-              nf4_kernel=nf4_kernel)
+              nf4_kernel=nf4_kernel, dense_layers=dense_layers)
     B.sync()
     t = time.perf_counter()
     rollouts.generate(model, tok, prompts, **kw)  # warm-up (graph capture, allocator, compile)
@@ -307,12 +307,15 @@ def main():
         ("ours_bf16", lambda: time_ours(pm, tok, ids, True), 30),
         ("ours_nf4_fused", lambda: time_ours(pm, tok, ids, False, nf4_kernel=True), 30),
         ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
+        # the copy of as many layers as the free memory holds (72B), or of half of them (7B,
+        # where the whole copy fits): between the two rows above
+        ("ours_mixed", lambda: time_ours(pm, tok, ids, None, dense_layers=None if args.big else cfg["num_hidden_layers"] // 2), 30),
         ("default", lambda: time_hf(pm, ids, False), 60),
         ("static", lambda: time_hf(pm, ids, True), 100),
         ("ours_bf16_compiled", lambda: time_ours(pm, tok, ids, True, compile_step=True), 60),
     ]
     if args.big:  # no room for a bf16 copy; model.generate at 72B would take the whole budget
-        rows = [r for r in rows if r[0] in ("ours_nf4_fused", "ours_nf4")]
+        rows = [r for r in rows if r[0] in ("ours_nf4_fused", "ours_nf4", "ours_mixed")]
     for key, fn, need in rows:
         r = guarded(key, fn, need)
         if r is not None:
@@ -328,6 +331,7 @@ def table():
              "ours_nf4": "rollouts.generate, NF4 base through bitsandbytes (CUDA graph)",
              "ours_nf4_fused": "rollouts.generate, NF4 base through the fused kernel, packed (CUDA graph)",
              "ours_bf16": "rollouts.generate, packed bf16 copy (CUDA graph)",
+             "ours_mixed": "rollouts.generate, bf16 copy of some layers, the rest NF4 through bitsandbytes (CUDA graph)",
              "ours_bf16_compiled": "rollouts.generate, packed bf16 copy, torch.compile + CUDA graph"}
     lines = [f"{R['env'].get('date', '')}, {R['env'].get('device', '')}, torch {R['env'].get('torch')}, "
              f"transformers {R['env'].get('transformers')}; {ARCH} NF4 ({R['setup'].get('layers', 'all')} layers) + "
@@ -335,7 +339,7 @@ def table():
              f"{NEW} new tokens, sampling", "",
              "| method | tokens/s | ms/step | x default | x static | peak GiB | first call s |",
              "|---|---|---|---|---|---|---|"]
-    for k in ("default", "static", "ours_nf4", "ours_nf4_fused", "ours_bf16", "ours_bf16_compiled"):
+    for k in ("default", "static", "ours_nf4", "ours_nf4_fused", "ours_mixed", "ours_bf16", "ours_bf16_compiled"):
         if k not in S:
             lines.append(f"| {names[k]} | {R['errors'].get(k, 'not run')[:80]} | | | | | |")
             continue
@@ -348,6 +352,11 @@ def table():
     if fused and bf16:
         R["fused_over_bf16_copy"] = round(fused / bf16, 3)
         lines += ["", f"NF4 fused kernel / packed bf16 copy (same run): {fused / bf16:.2f}x tokens/s"]
+    mixed = S.get("ours_mixed", {})
+    if mixed and nf4:
+        R["mixed_over_bnb_nf4"] = round(mixed["tok_per_s"] / nf4, 3)
+        lines += [f"bf16 copy of {mixed['info'].get('dense_layers')} layers, the rest NF4 / NF4 through bitsandbytes "
+                  f"(same run): {mixed['tok_per_s'] / nf4:.2f}x tokens/s"]
     if fused and nf4:
         R["fused_over_bnb_nf4"] = round(fused / nf4, 3)
         lines += [f"NF4 fused kernel / NF4 through bitsandbytes (same run): {fused / nf4:.2f}x tokens/s"]

@@ -2,7 +2,8 @@
 
 Selection (rollouts.generate): fast=None uses this loop whenever the model is on CUDA and
 of a known layout (below); bf16_weights=None adds the packed bf16 copy when the base is
-NF4 and the GPU's free memory holds it; compile_step (default `COMPILE`, off) adds
+NF4 and the GPU's free memory holds it, else a copy of as many layers as it holds;
+compile_step (default `COMPILE`, off) adds
 torch.compile. Measured on one H200, random-init Qwen2.5-7B NF4 + LoRA r16, batch 64,
 128-token prompts, 256 new tokens (bench/results/2026-11-30-h200/rollouts/rollouts.md):
 default generate 675 tokens/s, static-cache generate 1,255; this loop on the NF4 layers
@@ -30,14 +31,22 @@ Why it is faster than `model.generate` for rollouts:
   packed (see "packed weights"); LoRA stays unmerged, in its own dtype. Costs 2 bytes per
   base weight (15 GB for 7B) during the call; `None` = on when the GPU's free memory holds
   the copy, the static cache and a margin (see `bf16_copy_fits`).
-- Fused NF4 kernel (`nf4_kernel`, kernels/nf4_matmul.py) when the bf16 copy is not made
-  (it does not fit, e.g. 72B, or bf16_weights=False): each base matmul reads the 4-bit
-  codes and an fp32 absmax (dequantised once per generate call: 4 bytes per 64 weights)
-  and dequantises in registers, 0.56 bytes per weight per step, against 4.5 for
-  bitsandbytes' dequantise-then-matmul and 2 for the bf16 copy. The packs below hold the
-  NF4 weights as they are (no copy of the codes; q|k|v write column slices of one output).
-  Opt-in only: on an H200 it is slower than bitsandbytes (see `base_path`), the bytes it
-  saves are outweighed by the per-weight unpacking. Which base path a call takes is
+- A copy of some layers (`base_path` "mixed"): when the whole bf16 copy does not fit
+  (72B: 145 GB), the first layers that do get it and the rest stay NF4, packed the same
+  way, their packs calling bitsandbytes. The card's spare memory becomes decode speed
+  in proportion: one H200, 72B NF4 + LoRA, 64 x 64 new tokens, same run: 53 of 80 layers
+  copied, 462 tokens/s against 330 with none (1.40x), peak 133.9 GiB; 7B with half the
+  layers forced: 3,476 against 2,571 (1.35x) and 4,743 with all. The copy is taken from
+  the memory free at the call (under the process's allocator cap, see `free_for_copies`)
+  and given back when the call ends; the planner does not count it.
+- Fused NF4 kernel (`nf4_kernel`, kernels/nf4_matmul.py) when the bf16 copy is not made:
+  each base matmul reads the 4-bit codes and an fp32 absmax (dequantised once per
+  generate call: 4 bytes per 64 weights) and dequantises in registers, 0.56 bytes per
+  weight per step, against 4.5 for bitsandbytes' dequantise-then-matmul and 2 for the
+  bf16 copy. The packs below hold the NF4 weights as they are (no copy of the codes;
+  q|k|v write column slices of one output). Opt-in only: on an H200 it decodes at
+  0.97x bitsandbytes' speed at 7B and 0.88x at 72B (see `base_path`): the per-weight
+  unpacking costs about what the bytes it saves would. Which base path a call takes is
   decided in one place, `base_path`.
 - torch.compile of the packed step (`compile_step`): fuses the elementwise work; 13 ms
   instead of 16 ms per step, but the first call per (batch, cache length) compiles for
@@ -128,31 +137,74 @@ def kv_bytes(model, batch: int, length: int, dtype=torch.bfloat16) -> int:
     return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * hd * dtype.itemsize
 
 
+def free_for_copies() -> tuple[int, int]:
+    """(bytes this process may still take, card total): the card's free memory, and no
+    more than the allocator's per-process cap (torch.cuda.set_per_process_memory_fraction,
+    e.g. a run held to 80 GB on a bigger card) leaves."""
+    free, total = torch.cuda.mem_get_info()
+    frac = torch.cuda.get_per_process_memory_fraction()
+    if frac < 1.0:
+        free = min(free, int(frac * total) - torch.cuda.memory_reserved())
+    return free, total
+
+
 def bf16_copy_fits(model, reserve_bytes: int) -> bool:
     """Free GPU memory holds the copy, `reserve_bytes` (static cache) and a margin of
     max(2 GiB, 5% of the card) for prefill activations and logits."""
-    free, total = torch.cuda.mem_get_info()
+    free, total = free_for_copies()
     return free >= bf16_copy_bytes(model) + reserve_bytes + max(2 << 30, total // 20)
 
 
-def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int) -> str:
+def layer_copy_bytes(model) -> list[int]:
+    """Bytes of a bf16 copy of each decoder layer's NF4 linears, in layer order."""
+    import bitsandbytes as bnb
+
+    return [sum(m.in_features * m.out_features * 2 for m in layer.modules() if isinstance(m, bnb.nn.Linear4bit))
+            for layer in inner_model(model).model.layers]
+
+
+def dense_layers_that_fit(model, reserve_bytes: int) -> int:
+    """How many decoder layers, from the first, get a bf16 copy in the GPU's free memory
+    next to `reserve_bytes` and the margin of `bf16_copy_fits`."""
+    free, total = free_for_copies()
+    room = free - reserve_bytes - max(2 << 30, total // 20)
+    n = 0
+    for b in layer_copy_bytes(model):
+        if b > room:
+            break
+        room -= b
+        n += 1
+    return n
+
+
+def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int,
+              dense_layers: int | None = None) -> str:
     """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
-    for NF4 layers, the weights themselves otherwise), "nf4_kernel" (the fused NF4
+    for NF4 layers, the weights themselves otherwise), "mixed" (a packed bf16 copy of the
+    first decoder layers, the others on their NF4 codes), "nf4_kernel" (the fused NF4
     kernel over the 4-bit codes) or "module" (the layers' own forward: bitsandbytes for
-    NF4). None picks: the bf16 copy when it fits (fastest measured at 7B: cuBLAS on bf16),
-    else bitsandbytes. The fused kernel is opt-in (nf4_kernel=True): measured on one H200
-    (7B, batch 64 x 256 new tokens, bench/rollouts.py, same run) it decoded 1,043 tokens/s
-    against bitsandbytes' 2,556 and the bf16 copy's 4,561; per matmul it reaches 45-119 GB/s
-    of weights against bitsandbytes' 63-425 (bench/nf4_matmul.py): the per-weight unpack,
-    table lookup and scale cost more than the bytes it saves."""
+    NF4). None picks: the bf16 copy when it fits (fastest measured: cuBLAS on bf16); else
+    as many layers' copies as fit ("mixed", when at least one does: the card's spare
+    memory turned into decode speed, e.g. 72B on a 141 GB card); else bitsandbytes.
+    dense_layers forces the mixed split (tests, benches). NF4 layers outside the copy go
+    through bitsandbytes; the fused kernel is opt-in (nf4_kernel=True): measured on one
+    H200 (bench/RESULTS.md, "NF4 decode"), 7B, batch 64 x 256 new tokens, same run: 2,507
+    tokens/s against bitsandbytes' 2,595 and the bf16 copy's 4,787; 72B x 64 new tokens:
+    287 against bitsandbytes' 328. Its in-register lookup and scale per weight (~25
+    instructions) cost about what the bytes it saves would."""
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
     if not nf4:
         return "dense" if bf16_weights else "module"
     if bf16_weights and cuda:  # on the CPU bitsandbytes repacks NF4 for its own kernel
         return "dense"
-    if bf16_weights is None and cuda and bf16_copy_fits(model, reserve_bytes):
-        return "dense"
+    if dense_layers is not None and bf16_weights is not False:
+        return "mixed" if dense_layers < len(inner_model(model).model.layers) else "dense"
+    if bf16_weights is None and cuda:
+        if bf16_copy_fits(model, reserve_bytes):
+            return "dense"
+        if dense_layers_that_fit(model, reserve_bytes) > 0:
+            return "mixed"
     if nf4_kernel:
         from ..kernels import nf4_matmul
 
@@ -181,6 +233,21 @@ class NF4Pack:
             nf4_matmul.linear(x, w, None if bias is None else bias[off:off + n], out=y[:, off:off + n])
             off += n
         return y
+
+
+class ModulePack:
+    """The base of one pack left to its Linear4bit layers' own forward (bitsandbytes,
+    their own biases included): each computes its slice, concatenated into one [M, sum N]
+    output (the NF4 layers of a "mixed" decode)."""
+
+    def __init__(self, mods):
+        self.mods = mods
+        self.shape = (sum(m.out_features for m in mods), mods[0].in_features)
+        self.dtype = torch.bfloat16  # the dtype of the packs' bias (the modules add their own)
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        ys = [m(x) for m in self.mods]
+        return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
 
 
 # Rows above which the swapped Linear4bit forward goes back to bitsandbytes (prefill:
@@ -257,10 +324,11 @@ def _dense_forward(w: Tensor):
 # packed (the module path runs them).
 
 
-def _base_and_lora(mod, nf4: bool = False):
+def _base_and_lora(mod, base_kind: str = "dense"):
     """(base weight, bias, [(A, scaling * B)]) of a plain or PEFT-LoRA linear, or a reason.
-    The base weight is dense (NF4 layers dequantised to bf16), or with `nf4` an
-    NF4Weight for the fused kernel.
+    The base weight is dense (NF4 layers dequantised to bf16; base_kind "dense"), an
+    NF4Weight for the fused kernel ("nf4_kernel"), or the Linear4bit module itself
+    ("module").
     Inside multilora.batched_lora the factors are the candidates' stacks (A [K, r, in],
     scaling * B [K, out, r]) instead of the layer's own adapters."""
     import bitsandbytes.functional as bnbF
@@ -289,13 +357,21 @@ def _base_and_lora(mod, nf4: bool = False):
                 b = mod.lora_B[ad].weight.detach() * mod.scaling[ad]
                 loras.append((a, b))
         base = mod.base_layer
-    if type(base).__name__ == "Linear4bit" and nf4:
+    if type(base).__name__ == "Linear4bit" and base_kind == "module":
+        w = base
+    elif type(base).__name__ == "Linear4bit" and base_kind == "nf4_kernel":
         from ..kernels import nf4_matmul
 
         try:
             w = nf4_matmul.prepare(base.weight.data, base.weight.quant_state)
         except ValueError as e:
             return None, None, None, str(e)
+    elif type(base).__name__ == "Linear4bit" and getattr(base.weight.quant_state, "packing_format_for_cpu", False):
+        # bitsandbytes' CPU layout (repacked on the first CPU forward), which its
+        # dequantize_4bit does not read back: the kernel module's reader does
+        from ..kernels import nf4_matmul
+
+        w = nf4_matmul.dequantize_ref(nf4_matmul.prepare(base.weight.data, base.weight.quant_state))
     elif type(base).__name__ == "Linear4bit":
         w = bnbF.dequantize_4bit(base.weight.data, base.weight.quant_state).to(torch.bfloat16)
     elif isinstance(base, torch.nn.Linear):
@@ -305,18 +381,23 @@ def _base_and_lora(mod, nf4: bool = False):
     return w, base.bias, loras, ""
 
 
-def pack_linears(mods, nf4: bool = False) -> tuple:
+def pack_linears(mods, base_kind: str = "dense") -> tuple:
     """One pack (w [N, K], bias or None, A [R, K] or None, B [N, R] or None) of linears that
-    read the same input; w is a dense tensor, or an NF4Pack with `nf4`; raises ValueError
-    when one cannot be packed."""
-    parts = [_base_and_lora(m, nf4) for m in mods]
+    read the same input; w is a dense tensor ("dense"), an NF4Pack ("nf4_kernel") or a
+    ModulePack ("module": NF4 layers through bitsandbytes); raises ValueError when one
+    cannot be packed."""
+    parts = [_base_and_lora(m, base_kind) for m in mods]
     for _, _, _, why in parts:
         if why:
             raise ValueError(why)
     ws = [p[0] for p in parts]
-    if len({w.dtype for w in ws}) != 1:
+    if base_kind == "module":
+        if not all(type(x).__name__ == "Linear4bit" for x in ws):
+            raise ValueError("a pack mixes NF4 and dense base layers")
+        w = ModulePack(ws)
+    elif len({w.dtype for w in ws}) != 1:
         raise ValueError("base weights of one pack differ in dtype")
-    if nf4:
+    elif base_kind == "nf4_kernel":
         from ..kernels.nf4_matmul import NF4Weight
 
         if not all(isinstance(x, NF4Weight) for x in ws):
@@ -325,7 +406,7 @@ def pack_linears(mods, nf4: bool = False) -> tuple:
     else:
         w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
     bias = None
-    if any(p[1] is not None for p in parts):
+    if any(p[1] is not None for p in parts) and base_kind != "module":  # the modules add their own
         dev = next(p[1] for p in parts if p[1] is not None).device
         bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None
                           else torch.zeros(p[0].shape[0], dtype=w.dtype, device=dev) for p in parts])
@@ -339,7 +420,7 @@ def pack_linears(mods, nf4: bool = False) -> tuple:
     Bd = A.new_zeros(*A.shape[:-2], w.shape[0], A.shape[-2])
     offs = [0]
     for p in parts:
-        offs.append(offs[-1] + p[0].shape[0])
+        offs.append(offs[-1] + (p[0].out_features if base_kind == "module" else p[0].shape[0]))
     r0 = 0
     for i, a, b in loras:
         r = a.shape[-2]
@@ -361,14 +442,18 @@ def _same_candidates(loras: list) -> list:
             for i, a, b in loras]
 
 
-def pack_model(core, nf4: bool = False) -> list:
+def pack_model(core, base_kind: str = "dense", dense_layers: int | None = None) -> list:
+    """Packs of every decoder layer, the base as `base_kind` ("dense", "nf4_kernel",
+    "module"); with dense_layers, the first that many layers dense and the rest as
+    base_kind (the "mixed" path)."""
     if getattr(core.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {core.config.hidden_act} (packed step knows silu)")
     out = []
-    for layer in core.model.layers:
+    for i, layer in enumerate(core.model.layers):
+        kind = "dense" if dense_layers is not None and i < dense_layers else base_kind
         at, mlp = layer.self_attn, layer.mlp
-        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj], nf4), pack_linears([at.o_proj], nf4),
-                    pack_linears([mlp.gate_proj, mlp.up_proj], nf4), pack_linears([mlp.down_proj], nf4)))
+        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj], kind), pack_linears([at.o_proj], kind),
+                    pack_linears([mlp.gate_proj, mlp.up_proj], kind), pack_linears([mlp.down_proj], kind)))
     return out
 
 
@@ -376,7 +461,7 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
     """What the module path computes (base in the copy's dtype, back to x's dtype, plus
     LoRA in its own dtype), over one pack."""
     w, b, a, bd = p
-    if isinstance(w, NF4Pack):
+    if isinstance(w, (NF4Pack, ModulePack)):
         y = w.linear(x, b).to(x.dtype)
     else:
         y = F.linear(x.to(w.dtype), w, b).to(x.dtype)
@@ -468,7 +553,7 @@ class Decoder:
         self.graphs: dict = {}
         self.parts: list | None = None  # packed weights (see pack_model), when used
         self.compile = False
-        self.info = {"graph": self.use_graph, "bf16_weights": False, "nf4_kernel": False, "packed": False,
+        self.info = {"graph": self.use_graph, "bf16_weights": False, "nf4_kernel": False, "packed": False, "dense_layers": None,
                      "compiled": False,
                      "capture_s": 0.0, "graph_error": "",
                      "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
@@ -476,22 +561,34 @@ class Decoder:
     @classmethod
     @contextlib.contextmanager
     def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0, compile_step: bool = False,
-                  nf4_kernel: bool | None = None):
+                  nf4_kernel: bool | None = None, dense_layers: int | None = None):
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
-        None = on for NF4 models on CUDA when it fits. On the CPU only when asked (tests:
-        a plain fp32 model then gets a packed fp32 copy). nf4_kernel: without the copy,
-        NF4 layers go through the fused kernel (packed like the copy when the layout
-        allows, else swapped into the Linear4bit layers); opt-in, None = bitsandbytes.
-        The choice is `base_path`'s."""
+        None = on for NF4 models on CUDA when it fits, else a copy of as many layers as fit
+        (packed; the other layers' packs call bitsandbytes, or the fused kernel with
+        nf4_kernel). On the CPU only when asked (tests: a plain fp32 model then gets a
+        packed fp32 copy). dense_layers: the copy for the first that many layers only.
+        nf4_kernel: without the copy, NF4 layers go through the fused kernel (packed like
+        the copy when the layout allows, else swapped into the Linear4bit layers); opt-in,
+        None = bitsandbytes. The choice is `base_path`'s."""
+        from ..kernels import nf4_matmul
+
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))
-        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes)
+        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes, dense_layers)
         bf16_weights = path == "dense"
         with contextlib.ExitStack() as stack:
+            if path == "mixed":
+                n = dense_layers if dense_layers is not None else dense_layers_that_fit(model, reserve_bytes)
+                rest = "nf4_kernel" if nf4_kernel and nf4_matmul.available(dec.device) else "module"
+                try:
+                    dec.parts = pack_model(dec.core, rest, dense_layers=n)
+                    dec.info.update(packed=True, bf16_weights=True, dense_layers=n, nf4_kernel=rest == "nf4_kernel")
+                except ValueError as e:  # not packable: every layer through its own forward
+                    dec.info["packed"] = f"no: {e}"
             if path == "nf4_kernel":
                 try:
-                    dec.parts = pack_model(dec.core, nf4=True)
+                    dec.parts = pack_model(dec.core, "nf4_kernel")
                     dec.info["packed"] = True
                 except ValueError as e:
                     dec.info["packed"] = f"no: {e}"

@@ -550,7 +550,8 @@ def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: l
     if cfg.method != "sft" and ctx.quant != "none" and device.startswith("cuda"):
         linear = sum(i * o * cp for i, o, cp in ctx.arch.projections().values()) * ctx.arch.layers
         notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
-                     "engine/fast_decode.py) for speed, only when free memory holds it: not counted")
+                     "or of as many layers as fit; engine/fast_decode.py) for speed, only from free memory "
+                     "during generation: not counted")
     if cfg.method == "sft":
         plan = _plan_sft(cfg, ctx)
     elif cfg.method == "fgrpo":

@@ -100,7 +100,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
              batch_size: int = 0, system_prompt: str = "", fast: bool | None = None,
              bf16_weights: bool | None = None, compile_step: bool | None = None, nf4_kernel: bool | None = None,
-             on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
+             dense_layers: int | None = None, on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
     """Sample `num_generations` completions per prompt (rows of one prompt adjacent).
 
     prompts: strings / chat-message lists (rendered with the chat template), or lists of
@@ -113,6 +113,8 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     fast_decode.COMPILE). nf4_kernel (fast loop, NF4 base, no bf16 copy): the fused
     dequantise-and-matmul kernel (kernels/nf4_matmul.py) instead of bitsandbytes' layers;
     None/False = bitsandbytes (the kernel measured slower; fast_decode.base_path decides).
+    dense_layers (fast loop, NF4 base): the bf16 copy for the first that many decoder
+    layers only (None: all when they fit, else as many as fit).
     on_chunk(rows): called before each chunk is decoded with the global row indices it
     holds (for per-row adapters).
     """
@@ -146,7 +148,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
             decoder = stack.enter_context(
                 fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights, reserve_bytes=reserve,
                                               compile_step=fast_decode.COMPILE if compile_step is None else compile_step,
-                                              nf4_kernel=nf4_kernel))
+                                              nf4_kernel=nf4_kernel, dense_layers=dense_layers))
             info.update(decoder.info)
         for s in range(0, n, bs):
             idx = list(range(s, min(n, s + bs)))

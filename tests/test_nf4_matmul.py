@@ -37,6 +37,8 @@ def test_dequantised_weights_equal_bitsandbytes(nested):
     assert w.absmax.shape == (96, 2) and w.packed.shape == (96, 64)
     assert torch.equal(K.dequantize_ref(w), ref)
     assert torch.equal(K.dequantize(w), ref)  # the kernel's in-register weights
+    assert torch.equal(K.dequantize(w, lookup=1), ref)  # through the select tree
+    assert set((q.view(torch.uint8) >> 4).unique().tolist()) == set(range(16))  # every code seen
 
 
 def close_to_reference(y, x, w, bias=None):
@@ -49,15 +51,20 @@ def close_to_reference(y, x, w, bias=None):
     return bool((err <= exact.abs() * 2**-8 + 1e-3).all()), float(err.max())
 
 
-@pytest.mark.parametrize("M,N,Kd,split,bias", [(4, 96, 128, 1, False), (4, 96, 128, 2, True),
-                                                (20, 80, 192, 2, False), (40, 48, 64, 1, True)])
-def test_linear_matches_reference(M, N, Kd, split, bias):
+@pytest.mark.parametrize("left,lookup", [(0, 0), (0, 1), (1, 1), (1, 0)],
+                         ids=["x-left-table", "x-left-select", "weights-left-select", "weights-left-table"])
+@pytest.mark.parametrize("M,N,Kd,split,bias,bk", [(4, 96, 128, 1, False, 64), (4, 96, 128, 2, True, 128),
+                                                   (20, 80, 192, 2, False, 64), (40, 48, 64, 1, True, 64),
+                                                   (20, 80, 192, 1, True, 128)])
+def test_linear_matches_reference(M, N, Kd, split, bias, bk, left, lookup):
+    # BLOCK_K 64 = one scale per row and step; 128 reads a scale per weight (and a ragged
+    # last step when K = 192)
     q, qs = quantized(N, Kd, nested=True, seed=M)
     w = K.prepare(q, qs)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M, Kd, generator=g)
     b = torch.randn(N, generator=g) if bias else None
-    y = K.linear(x, w, b, config=(32, 64, split, 4, 1))
+    y = K.linear(x, w, b, config=(32, bk, split, 4, 1, left, lookup))
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     ok, err = close_to_reference(y, x, w, b)
     assert ok, err
@@ -182,3 +189,54 @@ def test_base_path_choice(nf4_model):
     assert base_path(model, cpu, None, True, 0) == "nf4_kernel"
     assert base_path(model, cpu, True, True, 0) == "nf4_kernel"  # no bf16 copy of NF4 on the CPU
     assert base_path(model, cpu, False, False, 0) == "module"
+
+
+def greedy_mixed(model, dense_layers, n=5):
+    from edgetune.engine.rollouts import generate
+
+    return generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=n, fast=True,
+                    dense_layers=dense_layers)
+
+
+def test_mixed_copy_gives_the_module_paths_tokens(nf4_model):
+    # the bf16 copy for the first layers only, the rest through bitsandbytes in packs
+    ref = greedy(nf4_model, False)
+    none = greedy_mixed(nf4_model, 0)  # every pack calls its Linear4bit layers: the same products
+    assert none.info["packed"] is True and none.info["dense_layers"] == 0
+    assert torch.equal(none.completion_ids, ref.completion_ids) and torch.equal(none.logprobs, ref.logprobs)
+    half = greedy_mixed(nf4_model, 1)
+    assert half.info["dense_layers"] == 1 and half.info["bf16_weights"] is True
+    assert torch.equal(half.completion_ids, ref.completion_ids)
+    # layer 0 in cuBLAS-style bf16 products, bitsandbytes' CPU matmul rounds differently
+    assert torch.allclose(half.logprobs, ref.logprobs, atol=5e-2)
+    assert not torch.equal(half.logprobs, ref.logprobs)  # layer 0 really took the copy
+
+
+def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch):
+    from edgetune.engine import fast_decode as fd
+
+    per_layer = fd.layer_copy_bytes(nf4_model)
+    assert len(per_layer) == 2 and per_layer[0] == per_layer[1] > 0
+    margin, reserve, cuda = 2 << 30, 1000, torch.device("cuda")
+
+    def free(b, frac=1.0, reserved=0):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (b, 8 << 30))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: frac)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: reserved)
+
+    free(margin + reserve + per_layer[0] * 3 // 2)  # one layer's copy fits, not two
+    assert fd.dense_layers_that_fit(nf4_model, reserve) == 1
+    assert fd.base_path(nf4_model, cuda, None, None, reserve) == "mixed"
+    assert fd.base_path(nf4_model, cuda, False, None, reserve) == "module"  # no copy when told so
+    free(margin + reserve + sum(per_layer) + 4096)  # lm_head etc. are not NF4 here: all fits
+    assert fd.base_path(nf4_model, cuda, None, None, reserve) == "dense"
+    # the card has room for all, but the process is held to 5 GiB with 3 GiB taken: one layer
+    free(6 << 30, frac=5 / 8, reserved=(3 << 30) - reserve - per_layer[0] * 3 // 2)
+    assert fd.dense_layers_that_fit(nf4_model, reserve) == 1
+    free(margin + reserve + per_layer[0] // 2)  # not one layer
+    assert fd.dense_layers_that_fit(nf4_model, reserve) == 0
+    assert fd.base_path(nf4_model, cuda, None, None, reserve) == "module"
+    # asked for a split: mixed below the layer count, dense at it
+    assert fd.base_path(nf4_model, torch.device("cpu"), None, None, 0, dense_layers=1) == "mixed"
+    assert fd.base_path(nf4_model, torch.device("cpu"), None, None, 0, dense_layers=2) == "dense"
+    assert fd.base_path(nf4_model, torch.device("cpu"), False, None, 0, dense_layers=1) == "module"
