@@ -156,6 +156,13 @@ def budget_bytes(cfg, gpu_free: int | None) -> int | None:
     return int(gpu_free - max(BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE * gpu_free))
 
 
+def copy_budget(cfg) -> int | None:
+    """Bytes the process may hold while rollouts take their opportunistic bf16 copy of the
+    base (engine/fast_decode.py): model.memory_budget_gib when set, so that a run told to
+    stay small stays small; None = the card's free memory decides."""
+    return int(cfg.model.memory_budget_gib * GiB) if cfg.model.memory_budget_gib else None
+
+
 def checkpoint_split(cfg, layers: int, gpu_free: int | None = None,
                      planned_total: Callable[[int], int] | None = None, min_layers: int = 0) -> dict:
     """How many of the first decoder layers a run checkpoints (model.gradient_checkpointing):

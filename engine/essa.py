@@ -50,7 +50,7 @@ from . import distributed as dist
 from . import essa_fitness
 from . import model as model_lib
 from . import phases
-from .effective import decide, record
+from .effective import copy_budget, decide, record
 from .errors import ConfigError
 from .essa_space import SVDSpace
 from .essa_state import SearchLog
@@ -93,8 +93,9 @@ class Evaluator:
     """Scores candidates (offset vectors) by the mean reward of their completions."""
 
     def __init__(self, model, tokenizer, space: SVDSpace, reward, s: ESSASettings, system_prompt: str = "",
-                 candidates_per_batch: int = 0, fast: bool | None = None):
+                 candidates_per_batch: int = 0, fast: bool | None = None, memory_budget: int | None = None):
         self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
+        self.memory_budget = memory_budget  # rollouts.generate's (effective.copy_budget)
         self.system_prompt = system_prompt
         self.k = candidates_per_batch
         self.fast = fast  # rollouts' decode loop choice (None: the fast loop on CUDA when supported)
@@ -102,7 +103,8 @@ class Evaluator:
     def _generate(self, prompts, seed, fast):
         s = self.s
         return generate(self.model, self.tok, prompts, max_new_tokens=s.max_new_tokens, greedy=s.greedy,
-                        temperature=s.temperature, seed=seed, system_prompt=self.system_prompt, fast=fast)
+                        temperature=s.temperature, seed=seed, system_prompt=self.system_prompt, fast=fast,
+                        memory_budget=self.memory_budget)
 
     def _fitness(self, rows, seed, fast, k: int = 1, kind: str | None = None) -> list[float]:
         """Fitness (`essa.fitness`, or `kind`) of the k candidates whose rows are the k
@@ -286,7 +288,8 @@ def train(ctx: RunContext) -> dict:
     longest = data.report.token_lengths.get("max") or None
     eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=longest)
     record(ctx.run, cfg, eff)
-    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch)
+    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
+                          memory_budget=copy_budget(cfg))
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
     es, log = make_es(space.dim, s, seed), SearchLog()

@@ -37,8 +37,9 @@ Why it is faster than `model.generate` for rollouts:
   in proportion: one H200, 72B NF4 + LoRA, 64 x 64 new tokens, same run: 53 of 80 layers
   copied, 462 tokens/s against 330 with none (1.40x), peak 133.9 GiB; 7B with half the
   layers forced: 3,476 against 2,571 (1.35x) and 4,743 with all. The copy is taken from
-  the memory free at the call (under the process's allocator cap, see `free_for_copies`)
-  and given back when the call ends; the planner does not count it.
+  the memory free at the call, after the chunk's static cache and prefill (under the
+  process's allocator cap and model.memory_budget_gib, see `free_for_copies`), and given
+  back when the call ends; the planner does not count it.
 - Fused NF4 kernel (`nf4_kernel`, kernels/nf4_matmul.py) when the bf16 copy is not made:
   each base matmul reads the 4-bit codes and an fp32 absmax (dequantised once per
   generate call: 4 bytes per 64 weights) and dequantises in registers, 0.56 bytes per
@@ -137,21 +138,33 @@ def kv_bytes(model, batch: int, length: int, dtype=torch.bfloat16) -> int:
     return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * hd * dtype.itemsize
 
 
-def free_for_copies() -> tuple[int, int]:
+def prefill_bytes(model, batch: int, prompt_len: int) -> int:
+    """Upper bound of the prefill's transient memory (one forward of batch x prompt_len
+    tokens): the gate|up intermediate and a few hidden-sized tensors per token in fp32,
+    plus the prompt's K/V held twice while they move into the static cache."""
+    cfg = inner_model(model).config
+    per_token = (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4
+    return batch * prompt_len * per_token + kv_bytes(model, batch, prompt_len, torch.float32)
+
+
+def free_for_copies(memory_budget: int | None = None) -> tuple[int, int]:
     """(bytes this process may still take, card total): the card's free memory, and no
     more than the allocator's per-process cap (torch.cuda.set_per_process_memory_fraction,
-    e.g. a run held to 80 GB on a bigger card) leaves."""
+    e.g. a run held to 80 GB on a bigger card) or `memory_budget` (bytes the process may
+    hold: model.memory_budget_gib) leaves."""
     free, total = torch.cuda.mem_get_info()
     frac = torch.cuda.get_per_process_memory_fraction()
     if frac < 1.0:
         free = min(free, int(frac * total) - torch.cuda.memory_reserved())
+    if memory_budget:
+        free = min(free, memory_budget - torch.cuda.memory_reserved())
     return free, total
 
 
-def bf16_copy_fits(model, reserve_bytes: int) -> bool:
-    """Free GPU memory holds the copy, `reserve_bytes` (static cache) and a margin of
-    max(2 GiB, 5% of the card) for prefill activations and logits."""
-    free, total = free_for_copies()
+def bf16_copy_fits(model, reserve_bytes: int, memory_budget: int | None = None) -> bool:
+    """Free GPU memory holds the copy, `reserve_bytes` (static cache, prefill) and a margin
+    of max(2 GiB, 5% of the card) for the allocator's slack and logits."""
+    free, total = free_for_copies(memory_budget)
     return free >= bf16_copy_bytes(model) + reserve_bytes + max(2 << 30, total // 20)
 
 
@@ -163,10 +176,10 @@ def layer_copy_bytes(model) -> list[int]:
             for layer in inner_model(model).model.layers]
 
 
-def dense_layers_that_fit(model, reserve_bytes: int) -> int:
+def dense_layers_that_fit(model, reserve_bytes: int, memory_budget: int | None = None) -> int:
     """How many decoder layers, from the first, get a bf16 copy in the GPU's free memory
     next to `reserve_bytes` and the margin of `bf16_copy_fits`."""
-    free, total = free_for_copies()
+    free, total = free_for_copies(memory_budget)
     room = free - reserve_bytes - max(2 << 30, total // 20)
     n = 0
     for b in layer_copy_bytes(model):
@@ -178,7 +191,7 @@ def dense_layers_that_fit(model, reserve_bytes: int) -> int:
 
 
 def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int,
-              dense_layers: int | None = None) -> str:
+              dense_layers: int | None = None, memory_budget: int | None = None) -> str:
     """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
     for NF4 layers, the weights themselves otherwise), "mixed" (a packed bf16 copy of the
     first decoder layers, the others on their NF4 codes), "nf4_kernel" (the fused NF4
@@ -201,9 +214,9 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
     if dense_layers is not None and bf16_weights is not False:
         return "mixed" if dense_layers < len(inner_model(model).model.layers) else "dense"
     if bf16_weights is None and cuda:
-        if bf16_copy_fits(model, reserve_bytes):
+        if bf16_copy_fits(model, reserve_bytes, memory_budget):
             return "dense"
-        if dense_layers_that_fit(model, reserve_bytes) > 0:
+        if dense_layers_that_fit(model, reserve_bytes, memory_budget) > 0:
             return "mixed"
     if nf4_kernel:
         from ..kernels import nf4_matmul
@@ -561,13 +574,15 @@ class Decoder:
     @classmethod
     @contextlib.contextmanager
     def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0, compile_step: bool = False,
-                  nf4_kernel: bool | None = None, dense_layers: int | None = None):
+                  nf4_kernel: bool | None = None, dense_layers: int | None = None,
+                  memory_budget: int | None = None):
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
         None = on for NF4 models on CUDA when it fits, else a copy of as many layers as fit
         (packed; the other layers' packs call bitsandbytes, or the fused kernel with
         nf4_kernel). On the CPU only when asked (tests: a plain fp32 model then gets a
         packed fp32 copy). dense_layers: the copy for the first that many layers only.
+        memory_budget: bytes the process may hold; the copy stays within it.
         nf4_kernel: without the copy, NF4 layers go through the fused kernel (packed like
         the copy when the layout allows, else swapped into the Linear4bit layers); opt-in,
         None = bitsandbytes. The choice is `base_path`'s."""
@@ -575,11 +590,12 @@ class Decoder:
 
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))
-        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes, dense_layers)
+        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes, dense_layers, memory_budget)
         bf16_weights = path == "dense"
         with contextlib.ExitStack() as stack:
             if path == "mixed":
-                n = dense_layers if dense_layers is not None else dense_layers_that_fit(model, reserve_bytes)
+                n = (dense_layers if dense_layers is not None
+                     else dense_layers_that_fit(model, reserve_bytes, memory_budget))
                 rest = "nf4_kernel" if nf4_kernel and nf4_matmul.available(dec.device) else "module"
                 try:
                     dec.parts = pack_model(dec.core, rest, dense_layers=n)

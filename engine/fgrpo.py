@@ -48,7 +48,7 @@ from . import data as data_lib
 from . import distributed as dist
 from . import model as model_lib
 from . import phases
-from .effective import LOSS_CHUNK_ROWS, decide, record
+from .effective import LOSS_CHUNK_ROWS, copy_budget, decide, record
 from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
@@ -120,21 +120,22 @@ def eval_passes(s: FGRPOSettings, greedy: bool = True) -> int:
 
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
-             seed: int = 0, greedy: bool = True, tick=None) -> dict | None:
+             seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None) -> dict | None:
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
     pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
     The sampling seed is fixed, so before/after compare on the same random numbers.
 
     Rows are decoded in chunks of one training rollout batch (a size the run already
     fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
-    when it returns True: a stop asked for during a long evaluation ends it there."""
+    when it returns True: a stop asked for during a long evaluation ends it there.
+    memory_budget: rollouts.generate's (effective.copy_budget)."""
     out: dict = {"prompts": len(rows)}
     prompts = [r["prompt"] for r in rows]
     chunk_rows = max(1, s.prompts_per_step * s.num_generations)
 
     def chunks(per_prompt: int, offset: int) -> dict:
         # The same chunks with or without progress: sampled metrics depend on them.
-        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt)}
+        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "memory_budget": memory_budget}
         if tick is None:
             return size
 
@@ -196,7 +197,8 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
     reward = build_reward(cfg.fgrpo.reward, cfg.fgrpo.reward_file)
     total = len(rows) * eval_passes(cfg.fgrpo)
     tick = (lambda done: progress(done, total)) if progress is not None else None
-    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed, tick=tick)
+    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed, tick=tick,
+                       memory_budget=copy_budget(cfg))
     return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
 
 
@@ -313,7 +315,8 @@ def train(ctx: RunContext) -> dict:
             unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
             tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
         with sebp.lifted():  # generation: the model's own forwards (fast_decode)
-            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick)
+            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick,
+                         memory_budget=copy_budget(cfg))
         if m is None:  # stopped during the evaluation
             return
         for k, v in m.items():
@@ -339,7 +342,7 @@ def train(ctx: RunContext) -> dict:
                 roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 seed=cfg.run.seed * _TRAIN_STREAM + step + dist.rank() * _RANK_STREAM,
-                                system_prompt=sys_prompt)
+                                system_prompt=sys_prompt, memory_budget=copy_budget(cfg))
             gen_s = time.time() - t_step
             row_of = [rows[i] for i in roll.prompt_index]
             sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)

@@ -62,8 +62,8 @@ class ModelSettings:
         "the rest keep their activations and skip the recompute).")
     memory_budget_gib: float = setting(
         0.0,
-        "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it); 0 = the card's "
-        "free memory minus a margin.")
+        "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it; rollouts' bf16 "
+        "copy of the base stays within it); 0 = the card's free memory minus a margin.")
     offload_activations: bool = setting(
         False,
         "With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU memory "

@@ -92,6 +92,13 @@ def test_batched_essa_on_a_card_takes_what_half_the_free_memory_holds():
     assert effective.decide(cfg, "cuda", arch, gpu_free=0).candidates_per_batch == 32
 
 
+def test_rollout_copies_stay_inside_the_runs_memory_budget():
+    # the opportunistic bf16 copy of the base reads free memory, capped by the budget when set
+    assert effective.copy_budget(settings.resolve(overrides=["method=fgrpo"])) is None
+    cfg = settings.resolve(overrides=["method=essa", "model.memory_budget_gib=24"])
+    assert effective.copy_budget(cfg) == 24 * 2**30
+
+
 def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     from edgetune.engine import sft
     from inline_run import run_inline

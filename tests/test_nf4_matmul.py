@@ -230,6 +230,10 @@ def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch)
     assert fd.base_path(nf4_model, cuda, False, None, reserve) == "module"  # no copy when told so
     free(margin + reserve + sum(per_layer) + 4096)  # lm_head etc. are not NF4 here: all fits
     assert fd.base_path(nf4_model, cuda, None, None, reserve) == "dense"
+    # ... unless the run's memory budget (model.memory_budget_gib) holds one layer only
+    one = margin + reserve + per_layer[0] * 3 // 2
+    assert fd.base_path(nf4_model, cuda, None, None, reserve, memory_budget=one) == "mixed"
+    assert fd.dense_layers_that_fit(nf4_model, reserve, memory_budget=one) == 1
     # the card has room for all, but the process is held to 5 GiB with 3 GiB taken: one layer
     free(6 << 30, frac=5 / 8, reserved=(3 << 30) - reserve - per_layer[0] * 3 // 2)
     assert fd.dense_layers_that_fit(nf4_model, reserve) == 1
@@ -240,3 +244,23 @@ def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch)
     assert fd.base_path(nf4_model, torch.device("cpu"), None, None, 0, dense_layers=1) == "mixed"
     assert fd.base_path(nf4_model, torch.device("cpu"), None, None, 0, dense_layers=2) == "dense"
     assert fd.base_path(nf4_model, torch.device("cpu"), False, None, 0, dense_layers=1) == "module"
+
+
+def test_generate_reserves_the_prefill_and_passes_the_budget(nf4_model, monkeypatch):
+    from edgetune.engine import fast_decode as fd
+
+    seen = {}
+    real = fd.Decoder.for_model
+
+    def spy(model, **kw):
+        seen.update(kw)
+        return real(model, **kw)
+
+    monkeypatch.setattr(fd.Decoder, "for_model", spy)
+    from edgetune.engine.rollouts import generate
+
+    generate(nf4_model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=2, fast=True, memory_budget=123)
+    rows, longest = len(PROMPTS), max(map(len, PROMPTS))
+    assert seen["memory_budget"] == 123
+    assert seen["reserve_bytes"] == fd.kv_bytes(nf4_model, rows, longest + 2 + 64) + fd.prefill_bytes(nf4_model, rows, longest)
+    assert fd.prefill_bytes(nf4_model, 2 * rows, longest) == 2 * fd.prefill_bytes(nf4_model, rows, longest)
