@@ -74,8 +74,8 @@ def one_shape(N: int, Kd: int, M: int) -> dict:
     y = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
     cfg = K.tune(x, w, None, y)
     K.linear(x, w, out=y, config=cfg)
-    r = {"N": N, "K": Kd, "M": M, "config": dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "stages", "weights_left", "lookup"), cfg)),
-         "block_m": K.block_m(M, bool(cfg[5])), "max_abs_diff_vs_dequant_matmul": float((y.float() - y_ref.float()).abs().max()),
+    r = {"N": N, "K": Kd, "M": M, "config": dict(zip(("BLOCK_N", "BLOCK_K", "SPLIT_K", "warps", "stages"), cfg)),
+         "block_m": K.block_m(M), "max_abs_diff_vs_dequant_matmul": float((y.float() - y_ref.float()).abs().max()),
          "ref_max_abs": float(y_ref.float().abs().max())}
     ms = {
         "bnb_matmul_4bit": bench(lambda: bnb.matmul_4bit(x, q.t(), quant_state=qs)),
@@ -83,7 +83,7 @@ def one_shape(N: int, Kd: int, M: int) -> dict:
         "fused_nf4": bench(lambda: K.linear(x, w, out=y, config=cfg)),
         "bf16_matmul": bench(lambda: F.linear(x, wd)),
     }
-    # every config of the search, by family (layout x lookup), so the table shows what wins
+    # every config of the search, so the table shows what wins
     sweep = {}
     for c in K.CONFIGS:
         try:
@@ -95,11 +95,6 @@ def one_shape(N: int, Kd: int, M: int) -> dict:
         diffs[c] = float((K.linear(x, w, config=c).float() - y_ref.float()).abs().max())
     r["sweep"] = [{"config": list(c), "ms": round(t, 4), "max_abs_diff": diffs[c]}
                   for c, t in sorted(sweep.items(), key=lambda kv: kv[1])]
-    fam = {}
-    for c, t in sweep.items():
-        name = ("weights-left" if c[5] else "x-left") + ("/select" if c[6] else "/table")
-        fam[name] = min(fam.get(name, t), t)
-    r["best_ms_by_family"] = {k: round(v, 4) for k, v in sorted(fam.items())}
     nf4_bytes = N * Kd // 2 + N * Kd // 64 * 4  # codes + fp32 absmax the kernel reads
     r["ms"] = {k: round(v, 4) for k, v in ms.items()}
     r["weight_GB_per_s"] = {k: round((N * Kd * 2 if k == "bf16_matmul" else nf4_bytes) / (v / 1000) / 1e9, 1)
@@ -129,8 +124,7 @@ def main():
              ("bnb_matmul_4bit", "dequant_then_matmul", "fused_nf4", "bf16_matmul")]
         cfg = r["config"]
         lines.append(f"| {r['shape']} | {r['M']} | {' | '.join(c)} | {r['fused_vs_bf16']} | "
-                     f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} w{cfg['warps']} s{cfg['stages']}"
-                     f"{' weights-left' if cfg['weights_left'] else ''}{' select' if cfg['lookup'] else ' table'} |")
+                     f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']} split {cfg['SPLIT_K']} w{cfg['warps']} s{cfg['stages']} |")
     R["table"] = "\n".join(lines)
     (out / "nf4_matmul.json").write_text(json.dumps(R, indent=1))
     print("\n" + R["table"])

@@ -26,21 +26,21 @@ The price is arithmetic: each weight is unpacked, looked up and scaled in regist
 (~25 integer/float instructions per weight, independent of M), so the kernel is bound by
 instruction issue, not by the bytes it reads.
 
-Two layouts and two lookups, all chosen by timing (`tune`), measured on one H200
-(bench/nf4_matmul.py, Qwen2.5-7B shapes; bench/RESULTS.md "NF4 decode"):
-- weights on the dot's LEFT (`_nf4_mm_wl_kernel`, a tile of y.T = W @ x.T): the long N
-  side fills the MMA's M, the small batch its N. 1.3-2.5x faster than x on the left at
-  M = 16..128 in one sweep (host-timed); picked for every shape.
-- lookup by a select tree on the code's 4 bits (`_nf4_select`, constants in registers)
-  instead of a load from the 16-value table per weight: 1.3-3.4x faster with the weights
-  on the left.
+The layout and the lookup were chosen by measurement on one H200 (bench/nf4_matmul.py,
+Qwen2.5-7B shapes, M = 16..128; bench/RESULTS.md "NF4 decode"), against the alternatives
+they replaced, which lost every cell and were removed:
+- the weights as the dot's LEFT operand (a tile of y.T = W @ x.T): the long N side fills
+  the MMA's M, the small batch its N; 1.3-2.5x faster than x on the left.
+- the code value by a select tree on the code's 4 bits (`_nf4_select`, constants in
+  registers): 1.3-3.4x faster than loading it from the 16-value table per weight.
 - BLOCK_K a multiple of the 64-weight quantisation block, walked a block at a time, so
   the scale is one load per row and block, not per weight.
-With these, per matmul (graph-timed) the kernel takes 0.99x bitsandbytes' time at M = 16
-on q/o and down (1.33x on gate/up), 1.24-1.32x at M = 64, 1.6x on q/o at M = 128; it
-decodes a 7B model at 0.97x bitsandbytes' speed (2,507 vs 2,595 tokens/s, 64 x 256 new
-tokens; 1,043 before these three) and 0.52x the bf16 copy's; 72B at 0.88x (287 vs 328). It stays opt-in (fast_decode.base_path). Splitting x into contiguous
-even/odd halves first was measured slower (one more kernel per product) and dropped.
+Per matmul (CUDA-graph timed) the kernel then takes 0.99x bitsandbytes' time at M = 16 on
+q/o and down (1.33x on gate/up), 1.24-1.32x at M = 64, 1.6x on q/o at M = 128; it decodes
+a 7B model at 0.97x bitsandbytes' speed (2,507 vs 2,595 tokens/s, 64 x 256 new tokens;
+1,043 before these three) and 0.52x the bf16 copy's; 72B at 0.88x (287 vs 328). It stays
+opt-in (fast_decode.base_path). Splitting x into contiguous even/odd halves first was
+measured slower (one more kernel per product) and dropped.
 
 Tiling: x's row tile (BLOCK_M = 16..128 by M) is re-read from L2 once per N tile; to fill
 the GPU when N / BLOCK_N is small, the K loop is split over programs (SPLIT_K), each
@@ -190,92 +190,23 @@ if triton is not None:
         return tl.where(b3, tl.where(b2, m3, m2), tl.where(b2, m1, m0))
 
     @triton.jit
-    def _nf4_values(b, s, code_ptr, LOOKUP: tl.constexpr, EMULATE: tl.constexpr):
+    def _nf4_values(b, s, EMULATE: tl.constexpr):
         """bf16 weights of loaded bytes b (high nibble = even k, low = odd k) with their
         blocks' fp32 absmax s (same shape, or broadcastable): code value times absmax in fp32,
-        one rounding, which is bitsandbytes' dequantize_4bit(...).to(bfloat16) bit for bit.
-        LOOKUP 0 reads the 16-value table (one cache line; a load per weight), 1 selects in
-        registers (`_nf4_select`)."""
-        hi_c = ((b >> 4) & 0xF).to(tl.int32)
-        lo_c = (b & 0xF).to(tl.int32)
-        if LOOKUP == 1:
-            hi = _nf4_select(hi_c)
-            lo = _nf4_select(lo_c)
-        else:
-            hi = tl.load(code_ptr + hi_c)
-            lo = tl.load(code_ptr + lo_c)
+        one rounding, which is bitsandbytes' dequantize_4bit(...).to(bfloat16) bit for bit."""
+        hi = _nf4_select(((b >> 4) & 0xF).to(tl.int32))
+        lo = _nf4_select((b & 0xF).to(tl.int32))
         return _to_bf16(hi * s, EMULATE), _to_bf16(lo * s, EMULATE)
 
     @triton.jit
     def _nf4_mm_kernel(
-        X, Wq, S, Code, Bias, Y, P,
+        X, Wq, S, Bias, Y, P,
         M, N, K, stride_xm, stride_ym, stride_ps,
         BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        LOOKUP: tl.constexpr, EMULATE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
     ):
-        # pid 0 walks M tiles fastest: the programs of one N tile run together and share
-        # its weight bytes through L2 when M needs several tiles.
-        num_m = tl.cdiv(M, BLOCK_M)
-        pid = tl.program_id(0)
-        pid_m = pid % num_m
-        pid_n = pid // num_m
-        pid_k = tl.program_id(1)
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_j = tl.arange(0, HALF)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = pid_k * chunk
-        k_end = tl.minimum(K, k_begin + chunk)
-        nl = offs_n.to(tl.int64)
-        row_b = Wq + nl[None, :] * (K // 2)  # [1, BLOCK_N] row starts of the packed bytes
-        row_s = S + nl[None, :] * (K // BS)
-        x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            kb = k0 // 2 + offs_j  # byte index in the row: contiguous, so loads vectorise
-            ke = 2 * kb  # the even k of each byte
-            k_ok = ke < k_end
-            wmask = k_ok[:, None] & n_ok[None, :]
-            b_ptrs = row_b + kb[:, None]  # [HALF, BLOCK_N]: W.T's layout for the dot
-            b = tl.load(b_ptrs, mask=wmask, other=0)
-            if BLOCK_K == BS:
-                s = tl.load(row_s + k0 // BS, mask=n_ok[None, :], other=0.0)  # [1, BLOCK_N]
-            else:
-                s = tl.load(row_s + (kb // (BS // 2))[:, None], mask=wmask, other=0.0)
-            w_hi, w_lo = _nf4_values(b, s, Code, LOOKUP, EMULATE)
-            xmask = m_ok[:, None] & k_ok[None, :]
-            x_even = tl.load(x_rows + ke[None, :], mask=xmask, other=0.0).to(tl.bfloat16)
-            x_odd = tl.load(x_rows + ke[None, :] + 1, mask=xmask, other=0.0).to(tl.bfloat16)
-            if EMULATE:  # the interpreter's dot multiplies bf16's raw bits: go through fp32
-                # (exact: a bf16 x bf16 product fits fp32, as on the tensor cores)
-                acc = tl.dot(x_even.to(tl.float32), w_hi.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(x_odd.to(tl.float32), w_lo.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_even, w_hi, acc)
-                acc = tl.dot(x_odd, w_lo, acc)
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y_ptrs, _to_bf16(acc, EMULATE), mask=m_ok[:, None] & n_ok[None, :])
-        else:
-            p_ptrs = P + pid_k * stride_ps + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-            tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _nf4_mm_wl_kernel(
-        X, Wq, S, Code, Bias, Y, P,
-        M, N, K, stride_xm, stride_ym, stride_ps,
-        BS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        LOOKUP: tl.constexpr, EMULATE: tl.constexpr,
-    ):
-        """The same product with the weights as the dot's LEFT operand: a [BLOCK_N, M]
-        tile of y.T = W @ x.T. At decode sizes M is small and N large, so the weight tile
+        """y = x @ W.T with the weights as the dot's LEFT operand: a [BLOCK_N, M] tile of
+        y.T = W @ x.T. At decode sizes M is small and N large, so the weight tile
         takes the MMA's long side (and, dequantised in registers, it can stay in
         registers as the left operand instead of going through shared memory); x.T is
         the small right operand (its even and odd columns read with stride 2: splitting x
@@ -310,7 +241,7 @@ if triton is not None:
                 b = tl.load(row_b + kb[None, :], mask=wmask, other=0)  # [BLOCK_N, HB], rows contiguous
                 s_ok = n_ok[:, None] & (tl.full((BLOCK_N, 1), kk, tl.int32) < k_end)  # a ragged last step
                 s = tl.load(row_s + kk // BS, mask=s_ok, other=0.0)  # [BLOCK_N, 1]
-                w_hi, w_lo = _nf4_values(b, s, Code, LOOKUP, EMULATE)
+                w_hi, w_lo = _nf4_values(b, s, EMULATE)
                 xmask = k_ok[:, None] & m_ok[None, :]
                 x_even = tl.load(X + x_off + 2 * kb[:, None], mask=xmask, other=0.0).to(tl.bfloat16)  # [HB, BLOCK_M]
                 x_odd = tl.load(X + x_off + 2 * kb[:, None] + 1, mask=xmask, other=0.0).to(tl.bfloat16)
@@ -347,8 +278,8 @@ if triton is not None:
         tl.store(Y + m.to(tl.int64) * stride_ym + n, _to_bf16(acc, EMULATE), mask=ok)
 
     @triton.jit
-    def _nf4_dequant_kernel(Wq, S, Code, Out, N, K, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, LOOKUP: tl.constexpr, EMULATE: tl.constexpr):
+    def _nf4_dequant_kernel(Wq, S, Out, N, K, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
         """The kernel's bf16 weights written out [N, K] (for the bit-exactness test)."""
         HALF: tl.constexpr = BLOCK_K // 2
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -357,59 +288,42 @@ if triton is not None:
         mask = (ke < K)[:, None] & (offs_n < N)[None, :]
         b = tl.load(Wq + offs_n[None, :] * (K // 2) + kb[:, None], mask=mask, other=0)
         s = tl.load(S + offs_n[None, :] * (K // BS) + (kb // (BS // 2))[:, None], mask=mask, other=0.0)
-        w_hi, w_lo = _nf4_values(b, s, Code, LOOKUP, EMULATE)
+        w_hi, w_lo = _nf4_values(b, s, EMULATE)
         o = Out + offs_n[None, :] * K + ke[:, None]
         tl.store(o, w_hi, mask=mask)
         tl.store(o + 1, w_lo, mask=mask)
 
 
-def block_m(M: int, weights_left: bool = False) -> int:
-    """Row tile by batch: tl.dot needs at least 16. With x on the left, above 64 rows the
-    batch takes two or more tiles (each re-reads the weight tile, mostly from L2); with the
-    weights on the left the batch is the dot's short side and one tile takes up to 128."""
-    if weights_left:
-        return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    return 16 if M <= 16 else 32 if M <= 32 else 64
+def block_m(M: int) -> int:
+    """Batch tile: the dot's short side (tl.dot needs at least 16); one tile takes up to
+    128 rows, more take several (each re-reads the weight tile, mostly from L2)."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, weights_left, lookup): wide N tiles (x is
-# re-read once per N tile), split K where N alone gives too few programs for 132 SMs;
-# weights_left puts the dequantised tile on the dot's left (`_nf4_mm_wl_kernel`), lookup 1
-# selects code values in registers instead of reading the table. BLOCK_K = 64 (the
-# bitsandbytes block) makes the scale one load per row and step.
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): narrow N tiles with K split over
+# programs won the sweep on an H200 (many programs per SM hide the lookup's latency).
 CONFIGS = [
-    (128, 64, 8, 4, 4, 0, 0), (128, 64, 4, 4, 4, 0, 1),
-    (64, 64, 2, 4, 4, 1, 1), (64, 64, 4, 4, 4, 1, 1), (64, 64, 8, 4, 4, 1, 1), (64, 64, 16, 4, 4, 1, 1),
-    (64, 128, 2, 4, 3, 1, 1), (64, 128, 4, 4, 3, 1, 1), (64, 128, 8, 4, 3, 1, 1),
-    (128, 64, 4, 4, 4, 1, 1), (128, 64, 2, 8, 4, 1, 1), (128, 128, 2, 8, 3, 1, 1), (128, 128, 4, 8, 3, 1, 1),
+    (64, 64, 2, 4, 4), (64, 64, 4, 4, 4), (64, 64, 8, 4, 4), (64, 64, 16, 4, 4),
+    (64, 128, 2, 4, 3), (64, 128, 4, 4, 3), (64, 128, 8, 4, 3),
+    (128, 64, 4, 4, 4), (128, 64, 2, 8, 4), (128, 128, 2, 8, 3), (128, 128, 4, 8, 3),
 ]
-INTERPRET_CONFIG = (32, 64, 1, 4, 1, 0, 0)  # small tiles keep the numpy interpreter fast (tests pass others too)
+INTERPRET_CONFIG = (32, 64, 1, 4, 1)  # small tiles keep the numpy interpreter fast (tests pass others too)
 _best: dict = {}  # (M bucket, N, K) -> config
 
 
-def _full(cfg: tuple) -> tuple:
-    """A config with the layout fields (older 5-field configs: x left, table lookup)."""
-    return tuple(cfg) + (0, 0)[: 7 - len(cfg)]
-
-
 def _launch(x: Tensor, w: NF4Weight, bias: Tensor | None, y: Tensor, cfg: tuple) -> None:
-    BN, BK, SK, warps, stages, left, lookup = _full(cfg)
+    BN, BK, SK, warps, stages = cfg
     M, K = x.shape
     N = w.shape[0]
-    BM = block_m(M, bool(left))
+    if BK % w.blocksize:
+        raise ValueError(f"BLOCK_K {BK} is not a multiple of the block size {w.blocksize}")
+    BM = block_m(M)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), SK)
     part = torch.empty(SK, M, N, dtype=torch.float32, device=x.device) if SK > 1 else y
     b = bias if bias is not None else y
-    meta = dict(BS=w.blocksize, HAS_BIAS=bias is not None, SPLIT_K=SK, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                LOOKUP=lookup, EMULATE=_INTERPRET, num_warps=warps, num_stages=stages)
-    if left:
-        if BK % w.blocksize:
-            raise ValueError(f"BLOCK_K {BK} is not a multiple of the block size {w.blocksize}")
-        _nf4_mm_wl_kernel[grid](x, w.packed, w.absmax, w.code, b, y, part, M, N, K, x.stride(0), y.stride(0),
-                                part.stride(0) if SK > 1 else 0, **meta)
-    else:
-        _nf4_mm_kernel[grid](x, w.packed, w.absmax, w.code, b, y, part, M, N, K, x.stride(0), y.stride(0),
-                             part.stride(0) if SK > 1 else 0, **meta)
+    _nf4_mm_kernel[grid](x, w.packed, w.absmax, b, y, part, M, N, K, x.stride(0), y.stride(0),
+                         part.stride(0) if SK > 1 else 0, BS=w.blocksize, HAS_BIAS=bias is not None, SPLIT_K=SK,
+                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EMULATE=_INTERPRET, num_warps=warps, num_stages=stages)
     if SK > 1:
         BLOCK = 1024
         _split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, b, y, M, N, part.stride(0), y.stride(0),
@@ -430,7 +344,7 @@ def _time(fn) -> float:
 def tune(x: Tensor, w: NF4Weight, bias: Tensor | None, y: Tensor) -> tuple:
     """The fastest config for this (M bucket, N, K), timed once (`_time`)
     (a few ms per shape; must not run inside CUDA-graph capture)."""
-    key = (block_m(x.shape[0], True), w.shape[0], w.shape[1])
+    key = (block_m(x.shape[0]), w.shape[0], w.shape[1])
     if _INTERPRET or x.device.type != "cuda":
         return INTERPRET_CONFIG
     if key not in _best:
@@ -465,15 +379,13 @@ def linear(x: Tensor, w: NF4Weight, bias: Tensor | None = None, out: Tensor | No
     return y
 
 
-def dequantize(w: NF4Weight, lookup: int = 0) -> Tensor:
-    """The kernel's own bf16 weights [N, K] (what `linear` multiplies with), through the
-    table (lookup 0) or the select tree (1)."""
+def dequantize(w: NF4Weight) -> Tensor:
+    """The kernel's own bf16 weights [N, K] (what `linear` multiplies with)."""
     N, K = w.shape
     out = torch.empty(N, K, dtype=w.dtype, device=w.packed.device)
     BN, BK = 32, 64
-    _nf4_dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](w.packed, w.absmax, w.code, out, N, K,
-                                                                  BS=w.blocksize, BLOCK_N=BN, BLOCK_K=BK, LOOKUP=lookup,
-                                                                  EMULATE=_INTERPRET)
+    _nf4_dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](w.packed, w.absmax, out, N, K, BS=w.blocksize,
+                                                                  BLOCK_N=BN, BLOCK_K=BK, EMULATE=_INTERPRET)
     return out
 
 

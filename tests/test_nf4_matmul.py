@@ -36,8 +36,7 @@ def test_dequantised_weights_equal_bitsandbytes(nested):
     w = K.prepare(q, qs)
     assert w.absmax.shape == (96, 2) and w.packed.shape == (96, 64)
     assert torch.equal(K.dequantize_ref(w), ref)
-    assert torch.equal(K.dequantize(w), ref)  # the kernel's in-register weights
-    assert torch.equal(K.dequantize(w, lookup=1), ref)  # through the select tree
+    assert torch.equal(K.dequantize(w), ref)  # the kernel's in-register weights (select tree)
     assert set((q.view(torch.uint8) >> 4).unique().tolist()) == set(range(16))  # every code seen
 
 
@@ -51,12 +50,10 @@ def close_to_reference(y, x, w, bias=None):
     return bool((err <= exact.abs() * 2**-8 + 1e-3).all()), float(err.max())
 
 
-@pytest.mark.parametrize("left,lookup", [(0, 0), (0, 1), (1, 1), (1, 0)],
-                         ids=["x-left-table", "x-left-select", "weights-left-select", "weights-left-table"])
 @pytest.mark.parametrize("M,N,Kd,split,bias,bk", [(4, 96, 128, 1, False, 64), (4, 96, 128, 2, True, 128),
                                                    (20, 80, 192, 2, False, 64), (40, 48, 64, 1, True, 64),
-                                                   (20, 80, 192, 1, True, 128)])
-def test_linear_matches_reference(M, N, Kd, split, bias, bk, left, lookup):
+                                                   (20, 80, 192, 1, True, 128), (70, 48, 128, 2, False, 64)])
+def test_linear_matches_reference(M, N, Kd, split, bias, bk):
     # BLOCK_K 64 = one scale per row and step; 128 reads a scale per weight (and a ragged
     # last step when K = 192)
     q, qs = quantized(N, Kd, nested=True, seed=M)
@@ -64,7 +61,7 @@ def test_linear_matches_reference(M, N, Kd, split, bias, bk, left, lookup):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M, Kd, generator=g)
     b = torch.randn(N, generator=g) if bias else None
-    y = K.linear(x, w, b, config=(32, bk, split, 4, 1, left, lookup))
+    y = K.linear(x, w, b, config=(32, bk, split, 4, 1))
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     ok, err = close_to_reference(y, x, w, b)
     assert ok, err
