@@ -48,6 +48,9 @@ ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,
 ap.add_argument("--72b", dest="big", action="store_true", help="Qwen2.5-72B architecture (GPU)")
 ap.add_argument("--max-build-s", type=float, default=150.0, help="72B: stop building layers after this (noted)")
 ap.add_argument("--new", type=int, default=0, help="new tokens per row (default 256; 64 with --72b)")
+ap.add_argument("--mixed-layers", type=int, default=-1,
+                help="layers the ours_mixed row copies to bf16 (default: half the layers at 7B, as many as fit "
+                     "with --72b; 0 = none: every layer NF4 through bitsandbytes, but packed)")
 args = ap.parse_known_args()[0]
 if args.tiny:  # the fused NF4 kernel runs in Triton's interpreter on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -231,6 +234,12 @@ def time_hf(model, ids, static, reps=1):
             "peak_GiB": peak_gib()}
 
 
+def mixed_layers(cfg) -> int | None:
+    if args.mixed_layers >= 0:
+        return args.mixed_layers
+    return None if args.big else cfg["num_hidden_layers"] // 2
+
+
 def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, nf4_kernel=False, dense_layers=None):
     prompts = ids.tolist()
     kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, compile_step=compile_step,
@@ -309,7 +318,7 @@ def main():
         ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
         # the copy of as many layers as the free memory holds (72B), or of half of them (7B,
         # where the whole copy fits): between the two rows above
-        ("ours_mixed", lambda: time_ours(pm, tok, ids, None, dense_layers=None if args.big else cfg["num_hidden_layers"] // 2), 30),
+        ("ours_mixed", lambda: time_ours(pm, tok, ids, None, dense_layers=mixed_layers(cfg)), 30),
         ("default", lambda: time_hf(pm, ids, False), 60),
         ("static", lambda: time_hf(pm, ids, True), 100),
         ("ours_bf16_compiled", lambda: time_ours(pm, tok, ids, True, compile_step=True), 60),
