@@ -254,8 +254,12 @@ def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
         args = ["train", "--preset", "sft-quickstart", "--runs-dir", str(tmp_path / "runs"), "--name", name]
         for s in _tiny_sets(tiny_model_dir, steps=500):
             args += ["--set", s]
+        # A terminal's Ctrl-C reaches a CLI whose SIGINT is at its default. Under a shell's
+        # background job (`... &`, as a CI runner may start the suite) SIGINT is inherited
+        # as ignored, and Python then never raises KeyboardInterrupt: reset it in the child.
         return subprocess.Popen([sys.executable, "-m", "edgetune.engine.cli", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def stepping(name, proc):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
