@@ -161,11 +161,17 @@ def free_for_copies(memory_budget: int | None = None) -> tuple[int, int]:
     return free, total
 
 
+def copy_margin(total: int) -> int:
+    """Memory a copy of the base leaves free beside its reserve: max(2 GiB, 5% of the
+    card), for the allocator's slack and logits."""
+    return max(2 << 30, total // 20)
+
+
 def bf16_copy_fits(model, reserve_bytes: int, memory_budget: int | None = None) -> bool:
-    """Free GPU memory holds the copy, `reserve_bytes` (static cache, prefill) and a margin
-    of max(2 GiB, 5% of the card) for the allocator's slack and logits."""
+    """Free GPU memory holds the copy, `reserve_bytes` (static cache, prefill) and
+    `copy_margin`."""
     free, total = free_for_copies(memory_budget)
-    return free >= bf16_copy_bytes(model) + reserve_bytes + max(2 << 30, total // 20)
+    return free >= bf16_copy_bytes(model) + reserve_bytes + copy_margin(total)
 
 
 def layer_copy_bytes(model) -> list[int]:
@@ -178,9 +184,9 @@ def layer_copy_bytes(model) -> list[int]:
 
 def dense_layers_that_fit(model, reserve_bytes: int, memory_budget: int | None = None) -> int:
     """How many decoder layers, from the first, get a bf16 copy in the GPU's free memory
-    next to `reserve_bytes` and the margin of `bf16_copy_fits`."""
+    next to `reserve_bytes` and `copy_margin`."""
     free, total = free_for_copies(memory_budget)
-    room = free - reserve_bytes - max(2 << 30, total // 20)
+    room = free - reserve_bytes - copy_margin(total)
     n = 0
     for b in layer_copy_bytes(model):
         if b > room:
@@ -256,7 +262,6 @@ class ModulePack:
     def __init__(self, mods):
         self.mods = mods
         self.shape = (sum(m.out_features for m in mods), mods[0].in_features)
-        self.dtype = torch.bfloat16  # the dtype of the packs' bias (the modules add their own)
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         ys = [m(x) for m in self.mods]

@@ -117,9 +117,9 @@ def test_essa_batched_fitness_on_the_fast_loop_equals_sequential(setup):
     assert len(set(seq)) > 1
 
 
-def test_batched_candidates_through_a_mixed_copy():
-    # the first layer from the bf16 copy, the second through bitsandbytes in packs, the
-    # candidates' stacked factors in both: each block equals its candidate decoded alone
+def nf4_candidates_alone_and_batched(**kw):
+    """Two ESSA candidates on the tiny NF4 model, each decoded alone and then both as
+    candidate-major blocks of one batch, through the fast loop with `kw`'s base path."""
     from test_nf4_matmul import PROMPTS as NF4_PROMPTS
     from test_nf4_matmul import IdTokenizer as NF4Tokenizer
     from test_nf4_matmul import tiny_nf4_model
@@ -130,7 +130,7 @@ def test_batched_candidates_through_a_mixed_copy():
         model(input_ids=torch.tensor([prompts[0]]))  # bitsandbytes repacks its CPU weights on the first forward
         space = SVDSpace(model)
         xs = np.random.default_rng(3).normal(scale=1.5, size=(2, space.dim))
-        kw = dict(max_new_tokens=3, greedy=True, fast=True, dense_layers=1)
+        kw = dict(max_new_tokens=3, greedy=True, fast=True, **kw)
         alone = []
         for x in xs:
             space.write(x)
@@ -138,40 +138,30 @@ def test_batched_candidates_through_a_mixed_copy():
         space.restore()
         with batched_lora(space.modules, space.stacked(xs), torch.arange(2).repeat_interleave(2)):
             got = generate(model, NF4Tokenizer(), prompts * 2, **kw)
-    assert got.info["dense_layers"] == 1 and got.info["packed"] is True
+    return alone, got
+
+
+def assert_blocks_equal_alone(alone, got):
     for j, ref in enumerate(alone):
         t = ref.completion_ids.shape[1]
         assert torch.equal(got.completion_ids[2 * j:2 * j + 2, :t], ref.completion_ids)
+        # bf16 products (the copy's or the kernel's): the LoRA sums' order may move a rounding
         assert torch.allclose(got.logprobs[2 * j:2 * j + 2, :t], ref.logprobs, atol=5e-2)
     assert alone[0].texts != alone[1].texts
+
+
+def test_batched_candidates_through_a_mixed_copy():
+    # the first layer from the bf16 copy, the second through bitsandbytes in packs, the
+    # candidates' stacked factors in both: each block equals its candidate decoded alone
+    alone, got = nf4_candidates_alone_and_batched(dense_layers=1)
+    assert got.info["dense_layers"] == 1 and got.info["packed"] is True
+    assert_blocks_equal_alone(alone, got)
 
 
 @pytest.mark.slow  # ~20 s: the kernel runs in Triton's interpreter
 def test_batched_candidates_through_the_fused_nf4_kernel():
     # NF4 base through the fused kernel's packs (interpreted on the CPU), the candidates'
     # stacked factors beside it: each block equals its candidate decoded alone
-    from test_nf4_matmul import PROMPTS as NF4_PROMPTS
-    from test_nf4_matmul import IdTokenizer as NF4Tokenizer
-    from test_nf4_matmul import tiny_nf4_model
-
-    model = tiny_nf4_model()
-    prompts = NF4_PROMPTS[:2]
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompts[0]]))  # bitsandbytes repacks its CPU weights on the first forward
-        space = SVDSpace(model)
-        xs = np.random.default_rng(3).normal(scale=1.5, size=(2, space.dim))
-        kw = dict(max_new_tokens=3, greedy=True, fast=True, nf4_kernel=True)
-        alone = []
-        for x in xs:
-            space.write(x)
-            alone.append(generate(model, NF4Tokenizer(), prompts, **kw))
-        space.restore()
-        with batched_lora(space.modules, space.stacked(xs), torch.arange(2).repeat_interleave(2)):
-            got = generate(model, NF4Tokenizer(), prompts * 2, **kw)
+    alone, got = nf4_candidates_alone_and_batched(nf4_kernel=True)
     assert got.info["nf4_kernel"] is True and got.info["packed"] is True
-    for j, ref in enumerate(alone):
-        t = ref.completion_ids.shape[1]
-        assert torch.equal(got.completion_ids[2 * j:2 * j + 2, :t], ref.completion_ids)
-        # bf16 products inside the kernel: the LoRA sums' order may move a rounding
-        assert torch.allclose(got.logprobs[2 * j:2 * j + 2, :t], ref.logprobs, atol=5e-2)
-    assert alone[0].texts != alone[1].texts
+    assert_blocks_equal_alone(alone, got)
