@@ -111,14 +111,15 @@ class Evaluator:
         candidate-major blocks of rows (k > 1: inside batched_lora)."""
         kind, n = kind or self.s.fitness, len(rows)
         rewards = gold = None
-        if kind != "gold_logprob":
+        if kind not in ("gold_logprob", "gold_margin"):
             out = self._generate([r["prompt"] for r in rows] * k, seed, fast)
             rewards = [self.reward(out.texts[j * n:(j + 1) * n], rows, out.truncated[j * n:(j + 1) * n])[0]
                        for j in range(k)]
         if kind != "reward":
             batch = essa_fitness.gold_batch(self.tok, rows, self.s.gold_template, self.system_prompt,
                                             next(self.model.parameters()).device)
-            lp = essa_fitness.gold_logprob(self.model, batch, copies=k)
+            score = essa_fitness.gold_margin if kind == "gold_margin" else essa_fitness.gold_logprob
+            lp = score(self.model, batch, copies=k)
             gold = [lp[j * n:(j + 1) * n] for j in range(k)]
         return [essa_fitness.combine(kind, None if rewards is None else rewards[j], None if gold is None else gold[j])
                 for j in range(k)]

@@ -14,6 +14,23 @@ over rows. It moves with every small change of the weights, so candidates are ra
 `reward+gold_logprob` keeps the reward first and breaks its ties with the gold answer:
 mean reward + exp(mean gold log-prob per token) / (P + 1), which stays below one
 prompt's worth (1/P) of a 0/1 reward, so it never reorders candidates the reward ranks.
+
+`gold_margin` asks what the held-out greedy success asks: does greedy decoding write the
+right answer? Teacher-forced on the gold text, greedy writes the answer exactly when each
+of the answer's own tokens has the highest logit there. A row's margin is the smallest,
+over the answer's tokens (those of {answer}; the template's words around it are read but
+not scored), of the gold token's logit minus the best other token's (in nats of
+log-probability: positive = greedy, once it has written the template's lead-in, writes
+the right answer); the fitness is the mean over rows of sigmoid(margin), a soft count of
+the rows greedy answers right. The template's words are left out because a warm start
+that does not yet use them ("The GCD of 4 and 6 is 2" instead of "Answer: 2") would make
+its first word the smallest margin of every row, and the search would then chase the
+wording instead of the answers (measured on gcd: bench/RESULTS.md). Where gold_logprob
+rewards raising the gold text's probability anywhere (also on rows greedy still gets
+wrong, and on rows already right), the margin moves most with rows near the point where
+greedy flips. Like gold_logprob it is one forward pass: far cheaper a prompt than
+decoding, so a generation can score more prompts (the fitness of few prompts ranks
+candidates by noise: bench/essa_noise.py).
 """
 
 from __future__ import annotations
@@ -33,21 +50,35 @@ def gold_texts(rows: list[dict], template: str) -> list[str]:
         raise ValueError(f"essa.gold_template: a row has no 'answer', or the template names {e}") from None
 
 
+def answer_span(template: str, answer: str) -> tuple[int, int]:
+    """Characters of the (last) {answer} in the template written with this answer."""
+    lead = template.rpartition("{answer}")[0]
+    start = len(lead.format(answer=answer))
+    return start, start + len(answer)
+
+
 def gold_batch(tok, rows: list[dict], template: str, system_prompt: str, device):
-    """Left-padded prompts and right-padded gold completions (each ended by EOS)."""
+    """Left-padded prompts, right-padded gold completions (each ended by EOS), and which
+    completion tokens spell the answer: (prompt_ids, prompt_mask, ids, mask, answer_mask)."""
     prompts = render_prompts(tok, [r["prompt"] for r in rows], system_prompt)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    golds = [list(tok(t, add_special_tokens=False)["input_ids"]) + ([eos] if eos is not None else [])
-             for t in gold_texts(rows, template)]
+    golds, answers = [], []
+    for row, text in zip(rows, gold_texts(rows, template)):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        start, end = answer_span(template, str(row["answer"]))
+        golds.append(list(enc["input_ids"]) + ([eos] if eos is not None else []))
+        answers.append([a < end and b > start for a, b in enc["offset_mapping"]] + [False])
     prompt_ids, prompt_mask = left_pad(prompts, pad, device)
     T = max(len(g) for g in golds)
     ids = torch.full((len(golds), T), pad, dtype=torch.long)
     mask = torch.zeros((len(golds), T), dtype=torch.long)
-    for i, g in enumerate(golds):
+    answer = torch.zeros((len(golds), T), dtype=torch.bool)
+    for i, (g, a) in enumerate(zip(golds, answers)):
         ids[i, : len(g)] = torch.tensor(g, dtype=torch.long)
         mask[i, : len(g)] = 1
-    return prompt_ids, prompt_mask, ids.to(device), mask.to(device)
+        answer[i, : len(g)] = torch.tensor(a[: len(g)])
+    return prompt_ids, prompt_mask, ids.to(device), mask.to(device), answer.to(device)
 
 
 @torch.inference_mode()
@@ -57,16 +88,47 @@ def gold_logprob(model, batch, copies: int = 1) -> list[float]:
     [copies * rows] floats, candidate-major."""
     from .fgrpo import completion_logprobs
 
-    prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch)
+    prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
     lp = completion_logprobs(model, prompt_ids, prompt_mask, ids, mask)
     per_row = (lp * mask).sum(1) / mask.sum(1).clamp(min=1)
     return per_row.float().cpu().tolist()
 
 
+@torch.inference_mode()
+def gold_margin(model, batch, copies: int = 1, chunk_rows: int = 256) -> list[float]:
+    """Per row, the smallest margin over its scored tokens of the gold token's logit over
+    the best other token's (> 0: greedy writes them), [copies * rows] floats,
+    candidate-major as gold_logprob. The scored tokens: the batch's fifth tensor (the
+    answer's tokens, from gold_batch), or every completion token of a 4-tensor batch."""
+    from .fgrpo import completion_hidden
+
+    prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
+    scored = (batch[4] if len(batch) > 4 else batch[3].bool()).repeat(copies, 1)
+    hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, ids, mask)
+    margins = []
+    for s in range(0, hs.shape[0], chunk_rows):  # [chunk, vocab] logits at a time, not [tokens, vocab]
+        logits = torch.nn.functional.linear(hs[s:s + chunk_rows], head.weight).float()
+        y = ys[s:s + chunk_rows, None]
+        gold = logits.gather(-1, y).squeeze(-1)
+        margins.append(gold - logits.scatter(-1, y, -math.inf).amax(-1))
+    per_token = torch.full(keep.shape, math.inf, device=hs.device)
+    if margins:
+        per_token = per_token.masked_scatter(keep, torch.cat(margins))
+    per_token = per_token.masked_fill(~scored[:, : keep.shape[1]], math.inf)
+    return per_token.amin(1).cpu().tolist()
+
+
+def _sigmoid(m: float) -> float:
+    return 1.0 / (1.0 + math.exp(-m)) if m >= 0 else math.exp(m) / (1.0 + math.exp(m))
+
+
 def combine(kind: str, rewards: list[float] | None, gold: list[float] | None) -> float:
-    """A candidate's fitness from its rows' rewards and gold log-probs (see the module doc)."""
+    """A candidate's fitness from its rows' rewards and gold scores: log-probs, or margins
+    for gold_margin (see the module doc)."""
     if kind == "reward":
         return float(sum(rewards) / len(rewards)) if rewards else 0.0
+    if kind == "gold_margin":  # gold holds the rows' margins here
+        return float(sum(_sigmoid(m) for m in gold) / len(gold)) if gold else 0.0
     g = float(sum(gold) / len(gold)) if gold else -math.inf
     if kind == "gold_logprob":
         return g

@@ -73,14 +73,13 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperat
     return logits.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
-    """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
-    logits divided by `temperature` as at sampling time. Prompts are left-padded, so
-    positions come from the attention mask, as during decoding. With `sebp` (the handle of
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp=None):
+    """The last hidden state that predicts each completion token: (hs [tokens, H], ys
+    [tokens], keep [B, last], head), the tokens being those of completion_mask in row-major
+    order and `last` the longest completion. Prompts are left-padded, so positions come
+    from the attention mask, as during decoding. With `sebp` (the handle of
     kernels/sebp.enabled) the backward skips the padding rows of the trimmed batch."""
-    B, P = prompt_ids.shape
-    T = completion_ids.shape[1]
+    P = prompt_ids.shape[1]
     # Trim columns that are padding in every row of this batch: less work, same values.
     first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else P
     last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 0
@@ -94,17 +93,25 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     p = P - first
     h = hidden[:, p - 1 : p - 1 + last]  # position t predicts completion token t
     keep = completion_mask[:, :last].bool()
-    hs, ys = h[keep], completion_ids[:, :last][keep]
+    return h[keep], completion_ids[:, :last][keep], keep, head
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
+    """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
+    logits divided by `temperature` as at sampling time (see completion_hidden)."""
+    B, T = completion_ids.shape
+    hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp)
     parts = []
     for s in range(0, hs.shape[0], chunk_rows):
         args = (hs[s : s + chunk_rows], head.weight, ys[s : s + chunk_rows], temperature)
         # Recompute each chunk's logits in the backward instead of storing [tokens, vocab].
         parts.append(checkpoint(_chunk_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
                      else _chunk_logp(*args))
-    out = torch.zeros(B, last, dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(keep.shape, dtype=torch.float32, device=hs.device)
     if parts:
         out = out.masked_scatter(keep, torch.cat(parts))
-    return F.pad(out, (0, T - last))
+    return F.pad(out, (0, T - keep.shape[1]))
 
 
 # --------------------------------------------------------------------------- evaluation

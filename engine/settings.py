@@ -345,11 +345,13 @@ class ESSASettings:
         "reward = mean reward of the candidate's completions; gold_logprob = mean log-probability "
         "per token of each prompt's answer written as gold_template, teacher-forced (continuous, no "
         "decoding: candidates rarely tie); reward+gold_logprob = the reward, ties broken by the "
-        "gold answer's probability (engine/essa_fitness.py).",
+        "gold answer's probability; gold_margin = a soft count of the prompts whose greedy answer, "
+        "teacher-forced, is the gold text (one forward, no decoding; engine/essa_fitness.py).",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     gold_template: str = setting(
         "Answer: {answer}",
-        "How the gold answer is written for the gold_logprob fitness ({answer} = the row's answer): "
+        "How the gold answer is written for the gold_logprob and gold_margin fitnesses "
+        "({answer} = the row's answer): "
         "the way the warm start's demonstrations state it.",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     greedy: bool = setting(
@@ -625,7 +627,7 @@ CHOICES = {
     "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
     "fgrpo.scale_rewards": ("group", "batch", "none"),
     "essa.evaluation": ("sequential", "batched"),
-    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob"),
+    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin"),
     "essa.export": ("mean", "best"),
 }
 

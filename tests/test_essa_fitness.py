@@ -1,6 +1,7 @@
-"""ESSA's continuous fitness (essa.fitness: gold_logprob / reward+gold_logprob) on a tiny
-random Llama with the embedded model's tokenizer, in fp32 on the CPU: the gold answer's
-log-probability is what a plain forward gives, batched equals sequential, candidates that
+"""ESSA's continuous fitness (essa.fitness: gold_logprob / reward+gold_logprob / gold_margin)
+on a tiny random Llama with the embedded model's tokenizer, in fp32 on the CPU: the gold
+answer's log-probability is what a plain forward gives, the gold margin is positive exactly
+where greedy decoding writes the gold tokens, batched equals sequential, candidates that
 tie on the reward are told apart, and a run's held-out evaluation stays the reward."""
 
 import json
@@ -56,7 +57,60 @@ def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
     assert alone[0] == pytest.approx(got[2], abs=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gold_logprob", "reward+gold_logprob"])
+def test_gold_margin_is_positive_exactly_where_greedy_writes_the_gold_tokens(tiny, tmp_path):
+    from edgetune.engine.rollouts import generate
+
+    model, tok, _ = essa.load_model(config(tiny, tmp_path), tiny / "warm")
+    roll = generate(model, tok, [r["prompt"] for r in ROWS], max_new_tokens=5, greedy=True, fast=False)
+    greedy = (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    margins = essa_fitness.gold_margin(model, greedy)
+    assert all(m > 0 for m in margins)  # greedy's own tokens, teacher-forced: each one the argmax
+
+    # The margin is the smallest over the tokens of the gold logit less the best other one,
+    # as a plain forward of prompt + tokens gives it.
+    for i in range(len(ROWS)):
+        prompt = roll.prompt_ids[i][roll.prompt_mask[i].bool()].tolist()
+        gold = roll.completion_ids[i][roll.completion_mask[i].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + gold])).logits[0, len(prompt) - 1:-1].float()
+        top2 = logits.topk(2, -1).values
+        assert margins[i] == pytest.approx(float((top2[:, 0] - top2[:, 1]).min()), abs=1e-4)
+
+    # Change one token of each row to the runner-up: greedy no longer writes it, the margin
+    # turns negative by the runner-up's gap, and the soft count falls.
+    off = roll.completion_ids.clone()
+    logits = model(input_ids=torch.cat([roll.prompt_ids, roll.completion_ids], 1),
+                   attention_mask=torch.cat([roll.prompt_mask, roll.completion_mask], 1)).logits
+    second = logits[:, roll.prompt_ids.shape[1] - 1].float().topk(2, -1).indices[:, 1]
+    off[:, 0] = second
+    wrong = essa_fitness.gold_margin(model, (roll.prompt_ids, roll.prompt_mask, off, roll.completion_mask))
+    assert all(m < 0 for m in wrong)
+    assert essa_fitness.combine("gold_margin", None, wrong) < 0.5 < essa_fitness.combine("gold_margin", None, margins)
+    assert essa_fitness.combine("gold_margin", None, [-1e4, 1e4]) == 0.5  # no overflow far from the flip
+
+
+@pytest.mark.parametrize("template", ["Answer: {answer}", "{answer}, so: Answer: {answer}."])
+def test_gold_margin_scores_the_answer_tokens_only(tiny, tmp_path, template):
+    model, tok, _ = essa.load_model(config(tiny, tmp_path), tiny / "warm")
+    rows = ROWS + [{"prompt": "What is 40 plus 2?", "answer": "42"}]
+    batch = essa_fitness.gold_batch(tok, rows, template, "", "cpu")
+    prompt_ids, prompt_mask, ids, mask, answer = batch
+    for i, row in enumerate(rows):  # the scored tokens spell the (last) answer, nothing else
+        assert tok.decode(ids[i][answer[i]].tolist()).strip() == row["answer"]
+    got = essa_fitness.gold_margin(model, batch)
+    everything = essa_fitness.gold_margin(model, batch[:4])
+    for i in range(len(rows)):
+        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        gold = ids[i][mask[i].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + gold])).logits[0, len(prompt) - 1:-1].float()
+        y = torch.tensor(gold)[:, None]
+        m = logits.gather(-1, y).squeeze(-1) - logits.scatter(-1, y, -math.inf).amax(-1)
+        assert got[i] == pytest.approx(float(m[answer[i][: len(gold)]].min()), abs=1e-4)
+        assert everything[i] == pytest.approx(float(m.min()), abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gold_logprob", "reward+gold_logprob", "gold_margin"])
 def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kind):
     cfg = config(tiny, tmp_path, fitness=kind)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
@@ -77,6 +131,8 @@ def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kin
     assert len(set(seq)) == 5
     if kind == "reward+gold_logprob":  # the tie-breaker stays under one prompt's worth
         assert all(0 < f < 1 / len(ROWS) for f in seq)
+    elif kind == "gold_margin":  # a soft count of rows: greedy writes no gold answer here
+        assert all(0 < f < 0.5 for f in seq)
     else:
         assert all(f < 0 for f in seq)
 
