@@ -346,7 +346,8 @@ class ESSASettings:
         "per token of each prompt's answer written as gold_template, teacher-forced (continuous, no "
         "decoding: candidates rarely tie); reward+gold_logprob = the reward, ties broken by the "
         "gold answer's probability; gold_margin = a soft count of the prompts whose greedy answer, "
-        "teacher-forced, is the gold text (one forward, no decoding; engine/essa_fitness.py).",
+        "teacher-forced after the template's lead-in, is the gold one (one forward, no decoding; "
+        "engine/essa_fitness.py).",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     gold_template: str = setting(
         "Answer: {answer}",
