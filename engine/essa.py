@@ -7,7 +7,7 @@
         xs = es.ask()                             # population of offset vectors
         rows = the generation's mini-batch        # shared by every candidate
         fitness[i] = mean reward of candidate i's completions on rows (or, essa.fitness,
-                     the gold answer's log-probability: engine/essa_fitness.py)
+                     the gold answer's log-probability or greedy margin: engine/essa_fitness.py)
         es.tell(xs, -fitness)                     # CMA-ES minimises
 
 Population evaluation, `essa.evaluation`:
