@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from .effective import LOSS_CHUNK_ROWS
 from .rollouts import left_pad, render_prompts
 
 
@@ -98,7 +99,7 @@ def gold_logprob(model, batch, copies: int = 1) -> list[float]:
 
 
 @torch.inference_mode()
-def gold_margin(model, batch, copies: int = 1, chunk_rows: int = 256) -> list[float]:
+def gold_margin(model, batch, copies: int = 1, chunk_rows: int = LOSS_CHUNK_ROWS) -> list[float]:
     """Per row, the smallest margin over its scored tokens of the gold token's logit over
     the best other token's (> 0: greedy writes them), [copies * rows] floats,
     candidate-major as gold_logprob. The scored tokens: the batch's fifth tensor (the
@@ -108,6 +109,8 @@ def gold_margin(model, batch, copies: int = 1, chunk_rows: int = 256) -> list[fl
     prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
     scored = (batch[4] if len(batch) > 4 else batch[3].bool()).repeat(copies, 1)
     hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, ids, mask)
+    scored = keep & scored[:, : keep.shape[1]]
+    hs, ys = hs[scored[keep]], ys[scored[keep]]  # the head only where a margin is wanted
     margins = []
     for s in range(0, hs.shape[0], chunk_rows):  # [chunk, vocab] logits at a time, not [tokens, vocab]
         logits = torch.nn.functional.linear(hs[s:s + chunk_rows], head.weight).float()
@@ -116,8 +119,7 @@ def gold_margin(model, batch, copies: int = 1, chunk_rows: int = 256) -> list[fl
         margins.append(gold - logits.scatter(-1, y, -math.inf).amax(-1))
     per_token = torch.full(keep.shape, math.inf, device=hs.device)
     if margins:
-        per_token = per_token.masked_scatter(keep, torch.cat(margins))
-    per_token = per_token.masked_fill(~scored[:, : keep.shape[1]], math.inf)
+        per_token = per_token.masked_scatter(scored, torch.cat(margins))
     return per_token.amin(1).cpu().tolist()
 
 
