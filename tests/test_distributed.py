@@ -53,15 +53,17 @@ def sft_cfg(model_dir, runs, **sft):
     })
 
 
+def one_process_sft(model_dir, root: Path, **sft):
+    """The one-process run (in this process, as the worker would run it): its events and adapter."""
+    from edgetune.engine import sft as sft_recipe
+
+    _, _, events = run_inline(sft_recipe.train, sft_cfg(model_dir, root, **sft), root / "one")
+    return events, root / "one" / "adapter" / "adapter_model.safetensors"
+
+
 @pytest.fixture(scope="module")
 def sft_reference(tiny_model_dir, tmp_path_factory):
-    """The one-process run (in this process, as the worker would run it)."""
-    from edgetune.engine import sft
-
-    root = tmp_path_factory.mktemp("one")
-    cfg = sft_cfg(tiny_model_dir, root)
-    _, _, events = run_inline(sft.train, cfg, root / "one")
-    return events, root / "one" / "adapter" / "adapter_model.safetensors"
+    return one_process_sft(tiny_model_dir, tmp_path_factory.mktemp("one"))
 
 
 def steps(events):
@@ -181,9 +183,12 @@ def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_
 
 
 @pytest.mark.slow  # two ranks, then a worker: the fast suite keeps the SFT and F-GRPO equality on two ranks
-def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path, sft_reference):
-    ref_events, ref_adapter = sft_reference
-    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=4), name="cut", gpus=2)
+def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path):
+    # 40 steps, not the other tests' 4: a tiny-model step takes ~70 ms, and 4 of them can all
+    # end between the first step event and the stop reaching the ranks (measured: the run
+    # finished uncut); 40 leave seconds for the stop to land
+    ref_events, ref_adapter = one_process_sft(tiny_model_dir, tmp_path / "ref", steps=40)
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=40), name="cut", gpus=2)
     for ev in run.events(follow_live=True, timeout=300):
         if ev["type"] == "step":
             # SIGTERM to the process the API started (the launcher): it writes the STOP file,
@@ -193,7 +198,7 @@ def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path, sft_refe
     events = finish(run)
     assert events[-1]["type"] == "stopped", events[-1]
     cut = events[-1]["step"]
-    assert 1 <= cut < 4 and run.dir.last_checkpoint()[0] == cut
+    assert 1 <= cut < 40 and run.dir.last_checkpoint()[0] == cut
     again = api.resume(run.path, gpus=1)
     events = finish(again)
     assert events[-1]["type"] == "finished", events[-1]
