@@ -118,7 +118,7 @@ class Evaluator:
         if kind != "reward":
             batch = essa_fitness.gold_batch(self.tok, rows, self.s.gold_template, self.system_prompt,
                                             next(self.model.parameters()).device)
-            score = essa_fitness.gold_margin if kind == "gold_margin" else essa_fitness.gold_logprob
+            score = essa_fitness.gold_margin if kind.endswith("gold_margin") else essa_fitness.gold_logprob
             lp = score(self.model, batch, copies=k)
             gold = [lp[j * n:(j + 1) * n] for j in range(k)]
         return [essa_fitness.combine(kind, None if rewards is None else rewards[j], None if gold is None else gold[j])

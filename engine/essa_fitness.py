@@ -33,7 +33,8 @@ decoding, so a generation can score more prompts (the fitness of few prompts ran
 candidates by noise: bench/essa_noise.py). What it cannot see: how the free-running
 answer begins. On count_bits a search raised the soft count while the adapter came to open
 34 of 40 held-out answers with its system prompt's words (bench/RESULTS.md), so it is a
-setting, not the default.
+setting, not the default. `reward+gold_margin` keeps the free-running reward first and lets
+the soft count only break its ties (below one prompt's worth, as reward+gold_logprob).
 """
 
 from __future__ import annotations
@@ -129,13 +130,14 @@ def _sigmoid(m: float) -> float:
 
 def combine(kind: str, rewards: list[float] | None, gold: list[float] | None) -> float:
     """A candidate's fitness from its rows' rewards and gold scores: log-probs, or margins
-    for gold_margin (see the module doc)."""
+    for the gold_margin kinds (see the module doc)."""
+    r = float(sum(rewards) / len(rewards)) if rewards else 0.0
     if kind == "reward":
-        return float(sum(rewards) / len(rewards)) if rewards else 0.0
-    if kind == "gold_margin":  # gold holds the rows' margins here
-        return float(sum(_sigmoid(m) for m in gold) / len(gold)) if gold else 0.0
+        return r
+    if kind.endswith("gold_margin"):  # gold holds the rows' margins here
+        soft = float(sum(_sigmoid(m) for m in gold) / len(gold)) if gold else 0.0
+        return soft if kind == "gold_margin" else r + soft / (len(gold) + 1)
     g = float(sum(gold) / len(gold)) if gold else -math.inf
     if kind == "gold_logprob":
         return g
-    r = float(sum(rewards) / len(rewards)) if rewards else 0.0
     return r + math.exp(g) / (len(gold) + 1)

@@ -346,8 +346,8 @@ class ESSASettings:
         "per token of each prompt's answer written as gold_template, teacher-forced (continuous, no "
         "decoding: candidates rarely tie); reward+gold_logprob = the reward, ties broken by the "
         "gold answer's probability; gold_margin = a soft count of the prompts whose greedy answer, "
-        "teacher-forced after the template's lead-in, is the gold one (one forward, no decoding; "
-        "engine/essa_fitness.py).",
+        "teacher-forced after the template's lead-in, is the gold one (one forward, no decoding); "
+        "reward+gold_margin = the reward, ties broken by that soft count (engine/essa_fitness.py).",
         section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
     gold_template: str = setting(
         "Answer: {answer}",
@@ -628,7 +628,7 @@ CHOICES = {
     "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
     "fgrpo.scale_rewards": ("group", "batch", "none"),
     "essa.evaluation": ("sequential", "batched"),
-    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin"),
+    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"),
     "essa.export": ("mean", "best"),
 }
 

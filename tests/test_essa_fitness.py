@@ -1,4 +1,4 @@
-"""ESSA's continuous fitness (essa.fitness: gold_logprob / reward+gold_logprob / gold_margin)
+"""ESSA's continuous fitness (essa.fitness: gold_logprob / gold_margin and their reward+ forms)
 on a tiny random Llama with the embedded model's tokenizer, in fp32 on the CPU: the gold
 answer's log-probability is what a plain forward gives, the gold margin is positive exactly
 where greedy decoding writes the gold tokens, batched equals sequential, candidates that
@@ -110,7 +110,7 @@ def test_gold_margin_scores_the_answer_tokens_only(tiny, tmp_path, template):
         assert everything[i] == pytest.approx(float(m.min()), abs=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gold_logprob", "reward+gold_logprob", "gold_margin"])
+@pytest.mark.parametrize("kind", ["gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"])
 def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kind):
     cfg = config(tiny, tmp_path, fitness=kind)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
@@ -129,7 +129,7 @@ def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kin
     rewards = [ev.one(x, ROWS, kind="reward") for x in xs]
     assert set(rewards) == {0.0}
     assert len(set(seq)) == 5
-    if kind == "reward+gold_logprob":  # the tie-breaker stays under one prompt's worth
+    if kind.startswith("reward+"):  # the tie-breaker stays under one prompt's worth
         assert all(0 < f < 1 / len(ROWS) for f in seq)
     elif kind == "gold_margin":  # a soft count of rows: greedy writes no gold answer here
         assert all(0 < f < 0.5 for f in seq)
@@ -143,6 +143,11 @@ def test_reward_comes_first_in_the_combined_fitness():
     high = essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [0.0] * 3)
     assert low > high
     assert essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [-1.0] * 3) < high
+    # the margin's soft count likewise: every row at a huge margin does not outrank one more right row
+    assert essa_fitness.combine("reward+gold_margin", [1, 1, 0], [-50.0] * 3) > \
+        essa_fitness.combine("reward+gold_margin", [1, 0, 0], [50.0] * 3)
+    assert essa_fitness.combine("reward+gold_margin", [1, 0, 0], [-1.0] * 3) < \
+        essa_fitness.combine("reward+gold_margin", [1, 0, 0], [1.0] * 3)
     assert essa_fitness.combine("reward", [1, 0], None) == 0.5
     assert essa_fitness.combine("gold_logprob", None, [-1.0, -3.0]) == -2.0
     assert math.isinf(essa_fitness.combine("gold_logprob", None, []))
