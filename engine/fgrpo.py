@@ -5,6 +5,7 @@
         roll   = rollouts.generate(rows, G each)           adapter on, eval mode, no grad
         r, ok  = reward.score(roll.texts, rows, roll.truncated)
         A      = group_advantages(r) * (1 - p̂) ** gamma    p̂ = share of the group that succeeds
+        (mask_truncated: completions cut at max_new_tokens get A = 0 and leave the loss)
         num_iterations times:                             one optimizer step each
             for each micro-batch of the rows with A != 0:
                 logp = log-probs of the completion tokens under the current policy
@@ -226,6 +227,10 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
     N_here = adv.numel()
     N = int(dist.all_reduce_sum(N_here))
     mask = roll.completion_mask
+    if s.mask_truncated:  # cut rows: no tokens in the loss nor in its normaliser, no advantage
+        cut = torch.tensor(roll.truncated, dtype=torch.bool, device=mask.device)
+        mask = mask * (~cut).to(mask.dtype)[:, None]
+        adv = adv.masked_fill(cut.to(adv.device), 0.0)
     num_tokens = dist.all_reduce_sum(float(mask.sum()))
     # beta = 0: zero-advantage rows give exactly zero gradient (see the module docstring).
     keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N_here, device=adv.device)

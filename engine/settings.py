@@ -245,6 +245,12 @@ class FGRPOSettings:
         "instead (e.g. 5.0).",
         section="loss")
     beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss")
+    mask_truncated: bool = setting(
+        False,
+        "Leave completions that hit max_new_tokens out of the loss and its token count (DAPO's "
+        "overlong filtering): a cut completion's low reward then says nothing about its tokens. "
+        "They still count in their group's advantages and success share.",
+        section="loss")
     num_iterations: int = setting(
         1,
         "Optimizer steps per rollout batch (more than 1 reuses the rollouts, with the clipped "

@@ -203,6 +203,56 @@ def test_micro_batches_give_the_whole_batch_update(tiny_model_dir, rl_files, tmp
             assert torch.allclose(a, b, atol=1e-6, rtol=0)
 
 
+def test_mask_truncated_updates_as_if_the_cut_rows_were_not_there(tiny_model_dir, rl_files, tmp_path):
+    """mask_truncated (dapo): the update on 8 completions, 3 of them cut at the cap, equals the
+    plain update on the other 5 alone (their tokens leave the loss and its token count)."""
+    import dataclasses
+
+    from edgetune.engine import model as model_lib
+    from edgetune.engine.rollouts import generate
+
+    cfg = config(tiny_model_dir, rl_files, tmp_path, max_grad_norm=0.0)
+    model, tok, _ = model_lib.load(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+    roll = generate(model, tok, ["What is 1 plus 2?", "Hi", "Count to five.", "Name a colour."],
+                    num_generations=2, max_new_tokens=12, temperature=0.7, seed=0)
+    for i, length in enumerate((1, 12, 2, 9, 3, 12, 1, 12)):
+        roll.completion_mask[i, length:] = 0
+        roll.logprobs[i, length:] = 0
+    roll.truncated = [length == 12 for length in (1, 12, 2, 9, 3, 12, 1, 12)]
+    roll.logprobs -= 0.05 * roll.completion_mask
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
+    kept = [i for i, cut in enumerate(roll.truncated) if not cut]
+    rest = dataclasses.replace(
+        roll, **{k: getattr(roll, k)[kept] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                    "completion_mask", "logprobs")},
+        texts=[roll.texts[i] for i in kept], prompt_index=[roll.prompt_index[i] for i in kept],
+        truncated=[False] * len(kept))
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+
+    def update(batch, a, mask_truncated):
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        opt = torch.optim.SGD(params, lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        out = fgrpo.policy_update(model, batch, a, dataclasses.replace(cfg.fgrpo, mask_truncated=mask_truncated),
+                                  opt, sched)
+        return out, [p.detach() - p0 for p, p0 in zip(params, start)]
+
+    out, masked = update(roll, adv, True)
+    _, alone = update(rest, adv[kept], False)
+    _, plain = update(roll, adv, False)
+    assert out["dropped"] == 3
+    for a, b, c in zip(masked, alone, plain):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert max(float((a - c).abs().max()) for a, c in zip(masked, plain)) > 1e-4  # the cut rows did matter
+
+
 def test_zero_advantage_rows_are_dropped(tiny_model_dir, rl_files, tmp_path):
     # A constant reward: every group is uniform, nothing to learn, nothing computed.
     const = rl_files / "const.py"
