@@ -1,0 +1,82 @@
+"""Learning benchmark over several seeds: mean held-out figures per task and method.
+
+One `bench/learning.py` run is one seed: one train/held-out split of 50 questions and one
+training run per method, whose held-out rates move by ±7 points from noise alone. This
+script pools runs made with different `--seed` values (each seed draws its own split and
+its own base figure) and prints, per task and setting, the mean over seeds of greedy
+success and pass@k, the mean gain over the same seed's base, and in how many seeds the
+gain reaches a target.
+
+    python bench/learning_seeds.py default=results/.../default/*.json \\
+        mask_truncated=results/.../mask-truncated/*.json --base results/.../learning.json
+    (a LABEL=FILE argument per file; the base figures come from every file that has them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+NAMES = {"fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0"}
+
+
+def load(files: list[tuple[str, Path]]):
+    """(label, method, task, seed) -> (greedy, pass@k) and (task, seed) -> base's."""
+    runs, base, k = {}, {}, None
+    for label, path in files:
+        d = json.loads(path.read_text())
+        seed, k = d["args"]["seed"], d["args"]["eval_k"]
+        for t in d["tasks"]:
+            for m, v in t["methods"].items():
+                if v.get("success_rate") is None:
+                    continue
+                fig = (v["success_rate"], v.get(f"pass@{k}"))
+                if m == "base":
+                    base[(t["task"], seed)] = fig
+                elif m in NAMES and label:
+                    runs[(label, m, t["task"], seed)] = fig
+    return runs, base, k
+
+
+def report(runs, base, k, target: float) -> str:
+    pct = lambda x: f"{100 * x:.0f}"  # noqa: E731
+    rows = defaultdict(dict)
+    for (label, m, task, seed), fig in runs.items():
+        rows[(task, label, m)][seed] = fig
+    lines = [f"| task | setting | method | seeds | base | greedy | gain over base (per seed) | "
+             f"seeds with gain ≥ +{pct(target)} | pass@{k} |", "|---|---|---|---|---|---|---|---|---|"]
+    for (task, label, m), by_seed in sorted(rows.items()):
+        seeds = sorted(s for s in by_seed if (task, s) in base)
+        if not seeds:
+            continue
+        greedy = [by_seed[s][0] for s in seeds]
+        gains = [by_seed[s][0] - base[(task, s)][0] for s in seeds]
+        passk = [by_seed[s][1] for s in seeds if by_seed[s][1] is not None]
+        lines.append(
+            f"| {task} | {label} | {NAMES[m]} | {len(seeds)} | {pct(statistics.mean(base[(task, s)][0] for s in seeds))}% "
+            f"| {pct(statistics.mean(greedy))}% | {100 * statistics.mean(gains):+.0f} "
+            f"({', '.join(f'{100 * g:+.0f}' for g in gains)}) | {sum(g >= target - 1e-9 for g in gains)} of {len(seeds)} "
+            f"| {pct(statistics.mean(passk)) + '%' if passk else '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="LABEL=FILE", help="a learning.json and the setting it ran")
+    p.add_argument("--base", nargs="*", default=[], metavar="FILE", help="more files to take base figures from")
+    p.add_argument("--target", type=float, default=0.15, help="the gain counted, as a rate")
+    a = p.parse_args(argv)
+    files = [("", Path(f)) for f in a.base]
+    for spec in a.runs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            p.error(f"{spec}: expected LABEL=FILE")
+        files.append((label, Path(path)))
+    print(report(*load(files), a.target))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""bench/learning_seeds.py: per-seed gains against each seed's own base, pooled by hand."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "learning_seeds.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_learning_seeds", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(path: Path, seed: int, methods: dict) -> Path:
+    tasks = [{"task": "gcd", "methods": {m: {"success_rate": g, "pass@4": p} for m, (g, p) in methods.items()}}]
+    path.write_text(json.dumps({"args": {"seed": seed, "eval_k": 4}, "tasks": tasks}))
+    return path
+
+
+def test_gains_are_taken_against_the_same_seeds_base(tmp_path, capsys):
+    a = _run(tmp_path / "a.json", 0, {"base": (0.30, 0.5), "fgrpo": (0.50, 0.7), "grpo": (0.40, 0.6)})
+    b = _run(tmp_path / "b.json", 1, {"base": (0.10, 0.3), "fgrpo": (0.20, 0.5)})
+    c = _run(tmp_path / "c.json", 1, {"fgrpo": (0.40, 0.9)})  # another setting, base from seed 1's file
+    _bench().main([f"default={a}", f"default={b}", f"other={c}"])
+    lines = {tuple(cell.strip() for cell in row.split("|")[1:4]): row for row in capsys.readouterr().out.splitlines()}
+    fgrpo = lines[("gcd", "default", "F-GRPO γ=1")]
+    # seeds 0 and 1: gains +20 and +10 (mean +15), one of two at >= +15; pass@4 mean 60%
+    assert "| 2 | 20% | 35% | +15 (+20, +10) | 1 of 2 | 60% |" in fgrpo
+    assert "| 1 | 30% | 40% | +10 (+10) | 0 of 1 | 60% |" in lines[("gcd", "default", "GRPO γ=0")]
+    assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO γ=1")]
