@@ -117,7 +117,8 @@ class Evaluator:
                        for j in range(k)]
         if kind != "reward":
             batch = essa_fitness.gold_batch(self.tok, rows, self.s.gold_template, self.system_prompt,
-                                            next(self.model.parameters()).device)
+                                            next(self.model.parameters()).device,
+                                            answer_tokens=kind.endswith("gold_margin"))
             score = essa_fitness.gold_margin if kind.endswith("gold_margin") else essa_fitness.gold_logprob
             lp = score(self.model, batch, copies=k)
             gold = [lp[j * n:(j + 1) * n] for j in range(k)]
@@ -274,6 +275,10 @@ def train(ctx: RunContext) -> dict:
         return {}
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = load_model(cfg, adapter)
+    if s.fitness.endswith("gold_margin") and not getattr(tok, "is_fast", False):
+        # the answer's tokens are found by character offsets, which only fast tokenizers give
+        raise ConfigError(f"essa.fitness {s.fitness} needs a fast tokenizer (a tokenizer.json) to find "
+                          f"the answer's tokens; {cfg.model.name} has a slow one: use gold_logprob or reward")
     phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, seed, tok)
     ctx.emit("data", report=data.report.__dict__)

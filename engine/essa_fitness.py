@@ -35,6 +35,8 @@ answer begins. On count_bits a search raised the soft count while the adapter ca
 34 of 40 held-out answers with its system prompt's words (bench/RESULTS.md), so it is a
 setting, not the default. `reward+gold_margin` keeps the free-running reward first and lets
 the soft count only break its ties (below one prompt's worth, as reward+gold_logprob).
+The margin kinds find the answer's tokens by the tokenizer's character offsets, which only
+fast tokenizers give: a run with a slow one is refused at its start (engine/essa.py).
 """
 
 from __future__ import annotations
@@ -62,18 +64,21 @@ def answer_span(template: str, answer: str) -> tuple[int, int]:
     return start, start + len(answer)
 
 
-def gold_batch(tok, rows: list[dict], template: str, system_prompt: str, device):
+def gold_batch(tok, rows: list[dict], template: str, system_prompt: str, device, answer_tokens: bool = True):
     """Left-padded prompts, right-padded gold completions (each ended by EOS), and which
-    completion tokens spell the answer: (prompt_ids, prompt_mask, ids, mask, answer_mask)."""
+    completion tokens spell the answer: (prompt_ids, prompt_mask, ids, mask, answer_mask).
+    answer_tokens=False: answer_mask all False, and no character offsets asked for (which
+    only fast tokenizers give; gold_logprob does not need them)."""
     prompts = render_prompts(tok, [r["prompt"] for r in rows], system_prompt)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     golds, answers = [], []
     for row, text in zip(rows, gold_texts(rows, template)):
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=answer_tokens)
         start, end = answer_span(template, str(row["answer"]))
         golds.append(list(enc["input_ids"]) + ([eos] if eos is not None else []))
-        answers.append([a < end and b > start for a, b in enc["offset_mapping"]] + [False])
+        spans = enc["offset_mapping"] if answer_tokens else [(0, 0)] * len(enc["input_ids"])
+        answers.append([a < end and b > start for a, b in spans] + [False])
     prompt_ids, prompt_mask = left_pad(prompts, pad, device)
     T = max(len(g) for g in golds)
     ids = torch.full((len(golds), T), pad, dtype=torch.long)

@@ -174,3 +174,39 @@ def test_bad_fitness_settings_name_the_setting(override, message):
     sets = [override] if "fitness" in override else [override, "essa.fitness=gold_logprob"]
     with pytest.raises(ConfigError, match=message):
         resolve(preset="essa-quickstart", overrides=sets)
+
+
+class SlowTokenizer:
+    """The embedded tokenizer as a slow (Python) one looks to us: no character offsets."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *args, return_offsets_mapping=False, **kwargs):
+        if return_offsets_mapping:
+            raise NotImplementedError("return_offset_mapping is not available when using Python tokenizers")
+        return self._tok(*args, **kwargs)
+
+
+def test_gold_logprob_needs_no_offsets_and_gold_margin_refuses_a_slow_tokenizer(tiny, tmp_path, monkeypatch):
+    from edgetune.engine.errors import ConfigError
+
+    cfg = config(tiny, tmp_path)
+    model, tok, _ = essa.load_model(cfg, tiny / "warm")
+    fast = essa_fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
+    slow = essa_fitness.gold_batch(SlowTokenizer(tok), ROWS, "Answer: {answer}", "", "cpu", answer_tokens=False)
+    for a, b in zip(fast[:4], slow[:4]):
+        assert torch.equal(a, b)
+    assert essa_fitness.gold_logprob(model, slow) == pytest.approx(essa_fitness.gold_logprob(model, fast))
+
+    load = essa.load_model
+    monkeypatch.setattr(essa, "load_model", lambda *a: (lambda m, t, p: (m, SlowTokenizer(t), p))(*load(*a)))
+    _, _, events = run_inline(essa.train, config(tiny, tmp_path / "lp"), tmp_path / "lp" / "run")
+    assert events[-1]["type"] == "finished"  # gold_logprob runs on a slow tokenizer
+    with pytest.raises(ConfigError, match="essa.fitness gold_margin needs a fast tokenizer"):
+        run_inline(essa.train, config(tiny, tmp_path / "m", fitness="gold_margin"), tmp_path / "m" / "run")
