@@ -267,6 +267,11 @@ def train(ctx: RunContext) -> dict:
     seed_everything(seed)
     t0 = time.time()
 
+    if s.fitness.endswith("gold_margin"):  # refused before minutes of warm start, not after
+        tok = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
+        if not getattr(tok, "is_fast", False):  # the answer's tokens are found by character offsets
+            raise ConfigError(f"essa.fitness {s.fitness} needs a fast tokenizer (a tokenizer.json) to find the "
+                              f"answer's tokens; {cfg.model.name} has a slow one: use gold_logprob or reward")
     if not s.warm_start:
         phases.emit(ctx.emit, "warm_start")
     adapter = warm_start(ctx)
@@ -275,10 +280,6 @@ def train(ctx: RunContext) -> dict:
         return {}
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = load_model(cfg, adapter)
-    if s.fitness.endswith("gold_margin") and not getattr(tok, "is_fast", False):
-        # the answer's tokens are found by character offsets, which only fast tokenizers give
-        raise ConfigError(f"essa.fitness {s.fitness} needs a fast tokenizer (a tokenizer.json) to find "
-                          f"the answer's tokens; {cfg.model.name} has a slow one: use gold_logprob or reward")
     phases.emit(ctx.emit, "data_check")
     data = data_lib.load_rl(cfg.data, seed, tok)
     ctx.emit("data", report=data.report.__dict__)

@@ -204,9 +204,12 @@ def test_gold_logprob_needs_no_offsets_and_gold_margin_refuses_a_slow_tokenizer(
         assert torch.equal(a, b)
     assert essa_fitness.gold_logprob(model, slow) == pytest.approx(essa_fitness.gold_logprob(model, fast))
 
-    load = essa.load_model
-    monkeypatch.setattr(essa, "load_model", lambda *a: (lambda m, t, p: (m, SlowTokenizer(t), p))(*load(*a)))
+    load_model, load_tok = essa.load_model, essa.model_lib.load_tokenizer
+    monkeypatch.setattr(essa, "load_model", lambda *a: (lambda m, t, p: (m, SlowTokenizer(t), p))(*load_model(*a)))
+    monkeypatch.setattr(essa.model_lib, "load_tokenizer", lambda path: SlowTokenizer(load_tok(path)))
     _, _, events = run_inline(essa.train, config(tiny, tmp_path / "lp"), tmp_path / "lp" / "run")
     assert events[-1]["type"] == "finished"  # gold_logprob runs on a slow tokenizer
+    cfg = config(tiny, tmp_path / "m", fitness="gold_margin", warm_start="")  # refused before a warm start
     with pytest.raises(ConfigError, match="essa.fitness gold_margin needs a fast tokenizer"):
-        run_inline(essa.train, config(tiny, tmp_path / "m", fitness="gold_margin"), tmp_path / "m" / "run")
+        run_inline(essa.train, cfg, tmp_path / "m" / "run")
+    assert not (tmp_path / "m" / "run" / "warm_start").exists()
