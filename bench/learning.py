@@ -35,6 +35,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -137,28 +138,57 @@ def sets(pairs: list[str]) -> list[str]:
     return [a for p in pairs for a in ("--set", p)]
 
 
-def run_cmd(args: list[str], log: Path, timeout: float) -> tuple[int, float]:
+def _sigint_default() -> None:
+    """In the command: Ctrl-C as in a terminal (a bench started in the background with `&`
+    passes SIGINT on as ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt_twice(p: subprocess.Popen) -> None:
+    """End a command as a user would: Ctrl-C, then Ctrl-C again, which makes `edgetune
+    train` kill its run's worker too (the worker has its own session, so killing only the
+    command would leave it training)."""
+    for _ in range(2):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=2)
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def _run(args: list[str], log: Path, timeout: float, capture: bool) -> tuple[int, float, str | None]:
+    """(return code, seconds, stdout if captured); 124 past `timeout`. A command still
+    running at the timeout, or when this bench is stopped, is ended by _interrupt_twice."""
     t = time.time()
     with open(log, "w", encoding="utf-8") as f:
+        p = subprocess.Popen(args, stdout=subprocess.PIPE if capture else f, stderr=f if capture else subprocess.STDOUT,
+                             text=True, cwd=log.parent, preexec_fn=_sigint_default)
         try:
-            rc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=log.parent).returncode
+            out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return 124, time.time() - t
-    return rc, time.time() - t
+            _interrupt_twice(p)
+            return 124, time.time() - t, None
+        except BaseException:
+            _interrupt_twice(p)
+            raise
+    return p.returncode, time.time() - t, out
+
+
+def run_cmd(args: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    rc, secs, _ = _run(args, log, timeout, capture=False)
+    return rc, secs
 
 
 def run_json(args: list[str], log: Path, timeout: float) -> tuple[int, float, dict | None]:
-    t = time.time()
-    with open(log, "w", encoding="utf-8") as f:
-        try:
-            p = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout,
-                               cwd=log.parent)
-        except subprocess.TimeoutExpired:
-            return 124, time.time() - t, None
+    rc, secs, out = _run(args, log, timeout, capture=True)
     try:
-        return p.returncode, time.time() - t, json.loads(p.stdout) if p.returncode == 0 else None
+        return rc, secs, json.loads(out) if rc == 0 else None
     except json.JSONDecodeError:
-        return 1, time.time() - t, None
+        return 1, secs, None
 
 
 def curve(run: Path) -> list[dict]:
@@ -413,8 +443,6 @@ def run_parallel(a, out: Path, work: Path, log) -> dict:
     """Every (task, method) in its own process, `--jobs` at a time (each writes its own
     report under work/parts/); at `--deadline-s` the ones still running are stopped with
     their child processes. The parts are merged into one report in `out`."""
-    import signal
-
     jobs = sorted(((t, m) for t in a.tasks for m in a.methods), key=lambda tm: (_ORDER[tm[1]], a.tasks.index(tm[0])))
     parts = work / "parts"
     t0, running, done = time.time(), {}, []
@@ -435,12 +463,16 @@ def run_parallel(a, out: Path, work: Path, log) -> dict:
                 log(f"{key[0]} {key[1]}: exited {proc.returncode} after {time.time() - t0:.0f} s")
         if a.deadline_s and time.time() - t0 > a.deadline_s and running:
             for key, (proc, logf) in running.items():
+                # SIGTERM to the job alone: it ends its command, and that command its worker
+                # (_run); a SIGTERM to the whole group would end the command before it could
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.send_signal(signal.SIGTERM)
                 log(f"{key[0]} {key[1]}: stopped at the deadline ({a.deadline_s:.0f} s)")
             for proc, logf in running.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=20)
+                    proc.wait(timeout=90)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # whatever of the job's group is left
                 logf.close()
             running.clear()
             pending.clear()
@@ -513,6 +545,8 @@ def main(argv=None) -> int:
         log(f"wrote {out}")
         print(table(result))
         return 0
+    # stopped (the parallel runner's deadline): unwind, so the running command ends its worker (_run)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="minutes"), "machine": machine(),
               "command": "python " + printable(["bench/learning.py", *(argv if argv is not None else sys.argv[1:])]),
               "args": {k: v for k, v in vars(a).items()}, "kept_aside": KEPT_ASIDE, "tasks": []}

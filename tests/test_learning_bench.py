@@ -170,7 +170,9 @@ def test_jobs_run_side_by_side_and_the_deadline_keeps_what_finished(tmp_path, mo
         "import json, subprocess, sys, time, pathlib\n"
         "task, method, out = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])\n"
         "if method == 'grpo':\n"
-        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "    (out.parent / f'grandchild-{task}').mkdir(parents=True, exist_ok=True)\n"
+        "    (out.parent / f'grandchild-{task}' / 'pid').write_text(str(g.pid))\n"
         "    time.sleep(60)\n"
         "r = json.loads(sys.argv[4])\n"
         "t = dict(r['tasks'][0], task=task, kept_aside=task == 'products', methods={method: {'success_rate': 0.5}})\n"
@@ -189,3 +191,49 @@ def test_jobs_run_side_by_side_and_the_deadline_keeps_what_finished(tmp_path, mo
     assert result["not_finished"] == ["products grpo", "chain_sum grpo"]
     md = (tmp_path / "out" / "learning.md").read_text()
     assert "Not finished by the deadline (stopped): products grpo, chain_sum grpo." in md
+    for task in ("products", "chain_sum"):  # the stopped jobs' own children were taken too
+        pid = int((tmp_path / "work" / "parts" / f"grandchild-{task}" / "pid").read_text())
+        assert not _alive(pid), pid
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+    return status != "Z"  # a zombie waits for its reaper, it does not run
+
+
+def test_a_command_past_its_limit_gets_ctrl_c_twice(tmp_path):
+    """--max-run-s ends `edgetune train` as a user would: Ctrl-C (a graceful stop), then
+    Ctrl-C again (the CLI kills its run's worker, which has a session of its own and would
+    otherwise train on). Here a stand-in for the CLI records what it got."""
+    import signal
+    import sys
+    import time
+
+    bench = load_bench()
+    cli = tmp_path / "cli.py"
+    cli.write_text(
+        "import pathlib, sys, time\n"
+        "got = pathlib.Path(sys.argv[1])\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    got.write_text('stop')\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        got.write_text('stop, kill')\n"
+        "        sys.exit(130)\n")
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a bench started with `&`
+    try:
+        t0 = time.time()
+        rc, secs = bench.run_cmd([sys.executable, str(cli), str(tmp_path / "got")], tmp_path / "cli.log", 1.5)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert rc == 124 and (tmp_path / "got").read_text() == "stop, kill"
+    assert time.time() - t0 < 20
