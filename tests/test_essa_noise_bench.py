@@ -1,20 +1,14 @@
 """bench/essa_noise.py: its rank statistics against hand-computed values."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "essa_noise.py"
+import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_essa_noise", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script.load("essa_noise")
 
 
 def test_average_ranks_share_ties(bench):

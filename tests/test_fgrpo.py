@@ -160,17 +160,15 @@ def test_sebp_is_lifted_for_generation_and_back_for_the_update(tiny_model_dir, r
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo"])
-def test_micro_batches_give_the_whole_batch_update(tiny_model_dir, rl_files, tmp_path, loss_type):
-    """The update on 8 completions of very different lengths is the same in one micro-batch,
-    in 3 and in 1: each loss type's normaliser is that of the whole rollout batch."""
-    import dataclasses
+ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
 
+
+def fixed_rollouts(cfg, lengths):
+    """The tiny model with random LoRA B factors, and 8 sampled completions cut to `lengths`,
+    whose old log-probs are a little off (the ratio is not 1)."""
     from edgetune.engine import model as model_lib
     from edgetune.engine.rollouts import generate
 
-    cfg = config(tiny_model_dir, rl_files, tmp_path, loss_type=loss_type, max_grad_norm=0.0,
-                 epsilon_high=5.0 if loss_type == "cispo" else 0.28)
     model, tok, _ = model_lib.load(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -178,23 +176,39 @@ def test_micro_batches_give_the_whole_batch_update(tiny_model_dir, rl_files, tmp
                 p.normal_(0, 0.2)
     roll = generate(model, tok, ["What is 1 plus 2?", "Hi", "Count to five.", "Name a colour."],
                     num_generations=2, max_new_tokens=12, temperature=0.7, seed=0)
-    for i, length in enumerate((1, 12, 2, 9, 3, 12, 1, 6)):
+    for i, length in enumerate(lengths):
         roll.completion_mask[i, length:] = 0
         roll.logprobs[i, length:] = 0
-    roll.logprobs -= 0.05 * roll.completion_mask  # old log-probs a little off: the ratio is not 1
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
+    roll.logprobs -= 0.05 * roll.completion_mask
+    return model, roll
+
+
+def sgd_update(model, roll, adv, s) -> tuple[dict, list[torch.Tensor]]:
+    """One policy_update from the model's current LoRA weights with plain SGD at lr 1 (the
+    parameters move by exactly -gradient); the weights are put back. (metrics, change)."""
     params = [p for p in model.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=1.0)
+    out = fgrpo.policy_update(model, roll, adv, s, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
+    change = [p.detach() - p0 for p, p0 in zip(params, start)]
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+    return out, change
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo"])
+def test_micro_batches_give_the_whole_batch_update(tiny_model_dir, rl_files, tmp_path, loss_type):
+    """The update on 8 completions of very different lengths is the same in one micro-batch,
+    in 3 and in 1: each loss type's normaliser is that of the whole rollout batch."""
+    import dataclasses
+
+    cfg = config(tiny_model_dir, rl_files, tmp_path, loss_type=loss_type, max_grad_norm=0.0,
+                 epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    model, roll = fixed_rollouts(cfg, (1, 12, 2, 9, 3, 12, 1, 6))
 
     def update(micro_batch_size):
-        with torch.no_grad():
-            for p, p0 in zip(params, start):
-                p.copy_(p0)
-        opt = torch.optim.SGD(params, lr=1.0)  # the parameters move by exactly -gradient
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        fgrpo.policy_update(model, roll, adv, dataclasses.replace(cfg.fgrpo, micro_batch_size=micro_batch_size),
-                            opt, sched)
-        return [p.detach() - p0 for p, p0 in zip(params, start)]
+        return sgd_update(model, roll, ADV, dataclasses.replace(cfg.fgrpo, micro_batch_size=micro_batch_size))[1]
 
     whole = update(8)
     assert max(float(d.abs().max()) for d in whole) > 1e-4
@@ -208,47 +222,21 @@ def test_mask_truncated_updates_as_if_the_cut_rows_were_not_there(tiny_model_dir
     plain update on the other 5 alone (their tokens leave the loss and its token count)."""
     import dataclasses
 
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.rollouts import generate
-
     cfg = config(tiny_model_dir, rl_files, tmp_path, max_grad_norm=0.0)
-    model, tok, _ = model_lib.load(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.2)
-    roll = generate(model, tok, ["What is 1 plus 2?", "Hi", "Count to five.", "Name a colour."],
-                    num_generations=2, max_new_tokens=12, temperature=0.7, seed=0)
-    for i, length in enumerate((1, 12, 2, 9, 3, 12, 1, 12)):
-        roll.completion_mask[i, length:] = 0
-        roll.logprobs[i, length:] = 0
-    roll.truncated = [length == 12 for length in (1, 12, 2, 9, 3, 12, 1, 12)]
-    roll.logprobs -= 0.05 * roll.completion_mask
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
+    lengths = (1, 12, 2, 9, 3, 12, 1, 12)
+    model, roll = fixed_rollouts(cfg, lengths)
+    roll.truncated = [length == 12 for length in lengths]
     kept = [i for i, cut in enumerate(roll.truncated) if not cut]
     rest = dataclasses.replace(
         roll, **{k: getattr(roll, k)[kept] for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                     "completion_mask", "logprobs")},
         texts=[roll.texts[i] for i in kept], prompt_index=[roll.prompt_index[i] for i in kept],
         truncated=[False] * len(kept))
-    params = [p for p in model.parameters() if p.requires_grad]
-    start = [p.detach().clone() for p in params]
-
-    def update(batch, a, mask_truncated):
-        with torch.no_grad():
-            for p, p0 in zip(params, start):
-                p.copy_(p0)
-        opt = torch.optim.SGD(params, lr=1.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        out = fgrpo.policy_update(model, batch, a, dataclasses.replace(cfg.fgrpo, mask_truncated=mask_truncated),
-                                  opt, sched)
-        return out, [p.detach() - p0 for p, p0 in zip(params, start)]
-
-    out, masked = update(roll, adv, True)
-    _, alone = update(rest, adv[kept], False)
-    _, plain = update(roll, adv, False)
+    out, masked = sgd_update(model, roll, ADV, dataclasses.replace(cfg.fgrpo, mask_truncated=True))
+    _, alone = sgd_update(model, rest, ADV[kept], cfg.fgrpo)
+    _, plain = sgd_update(model, roll, ADV, cfg.fgrpo)
     assert out["dropped"] == 3
-    for a, b, c in zip(masked, alone, plain):
+    for a, b in zip(masked, alone):
         assert torch.allclose(a, b, atol=1e-6, rtol=0)
     assert max(float((a - c).abs().max()) for a, c in zip(masked, plain)) > 1e-4  # the cut rows did matter
 

@@ -2,20 +2,16 @@
 writes, and (slow) real learning on a task the presets never use, measured on held-out
 questions through the CLI as a user would run it."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "learning.py"
+import bench_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_learning", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_script.load("learning")
 
 
 def test_splits_share_no_question_and_files_follow_the_formats(tmp_path):

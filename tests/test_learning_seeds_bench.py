@@ -1,17 +1,13 @@
 """bench/learning_seeds.py: per-seed gains against each seed's own base, pooled by hand."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "learning_seeds.py"
+import bench_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_learning_seeds", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script.load("learning_seeds")
 
 
 def _run(path: Path, seed: int, methods: dict) -> Path:
