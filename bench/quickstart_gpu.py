@@ -9,6 +9,10 @@ checkpoints, adapter), step time and peak memory, that SEBP on and off give the 
 loss curve, and the packed run (flex_attention + Liger, the CUDA defaults for packing).
 
     python bench/quickstart_gpu.py --src .ref/smollm2 [--steps N] [--tiny]     # writes $OUT/quickstart_gpu.json
+
+`--presets NAME[,NAME]` instead runs those presets exactly as a user gets them (the real
+embedded model: run `bash bench/gpu_learning_env.sh` first, see its header) and writes
+$OUT/quickstart_presets-<names>.json: wall time, step time, peak GPU memory, final metrics.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ def build_random_model(src: Path, out: Path, tiny: bool) -> None:
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
 
 
-def train(model_dir: Path, runs: Path, name: str, sets: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart",
-           "--runs-dir", str(runs), "--name", name, "--set", f"model.name={model_dir}"]
+def train(model_dir: Path | None, runs: Path, name: str, sets: list[str], preset: str = "sft-quickstart") -> dict:
+    cmd = [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", preset, "--runs-dir", str(runs),
+           "--name", name]
+    if model_dir is not None:
+        cmd += ["--set", f"model.name={model_dir}"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.time()
@@ -57,7 +63,8 @@ def train(model_dir: Path, runs: Path, name: str, sets: list[str]) -> dict:
         "losses": [round(e["loss"], 6) for e in steps],
         "eval_losses": [round(e["eval_loss"], 6) for e in events if e["type"] == "eval"],
         "median_step_s": round(times[len(times) // 2], 4) if times else None,
-        "peak_gpu_bytes": max((e["gpu"]["peak"] for e in steps), default=0),
+        "peak_gpu_bytes": max((e["gpu"]["peak"] for e in events if (e.get("gpu") or {}).get("peak")), default=0),
+        "metrics": events[-1].get("metrics", {}),
         "adapter": (runs / name / "adapter" / "adapter_model.safetensors").is_file(),
         "worker_log": [l for l in _read(runs / name / "worker.log").splitlines() if l.startswith("liger:")],
     }
@@ -73,7 +80,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--steps", type=int, default=0, help="override sft.steps (0 = the preset's)")
     ap.add_argument("--only", choices=("sebp_on", "sebp_off", "packed"), help="run just one of them")
+    ap.add_argument("--presets", default="", help="comma-separated presets to run as they are, on the real model")
     a = ap.parse_args()
+    if a.presets:
+        return run_presets(a.presets.split(","))
     if a.tiny and not a.steps:
         a.steps = 6
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp())
@@ -104,6 +114,21 @@ def main() -> None:
               f"{r['peak_gpu_bytes'] / 2**30:.3f} | {r['losses'][0] if r['losses'] else '-'} | "
               f"{r['losses'][-1] if r['losses'] else '-'} | {r['eval_losses']} |")
     print(f"max |loss(SEBP on) - loss(SEBP off)| over the curve: {res['max_loss_diff_on_vs_off']}")
+
+
+def run_presets(names: list[str]) -> None:
+    out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    res = {"date": time.strftime("%Y-%m-%d")}
+    path = out_dir / f"quickstart_presets-{'-'.join(names)}.json"
+    for name in names:
+        res[name] = train(None, work / "runs", name, [], preset=name)
+        path.write_text(json.dumps(res, indent=2))
+        r = res[name]
+        print(f"| {name} | {r['returncode']} | {r['last_event']} | {r['device']} | {r['wall_s']} s | "
+              f"{r['median_step_s']} s | {r['peak_gpu_bytes'] / 2**30:.3f} GiB | {json.dumps(r['metrics'])[:300]} |",
+              flush=True)
 
 
 if __name__ == "__main__":
