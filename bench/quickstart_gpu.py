@@ -60,8 +60,8 @@ def train(model_dir: Path | None, runs: Path, name: str, sets: list[str], preset
         "returncode": p.returncode, "stderr_tail": p.stderr[-800:] if p.returncode else "",
         "wall_s": round(wall, 1), "last_event": events[-1]["type"],
         "device": next((e["device"] for e in events if e["type"] == "started"), None),
-        "losses": [round(e["loss"], 6) for e in steps],
-        "eval_losses": [round(e["eval_loss"], 6) for e in events if e["type"] == "eval"],
+        "losses": [round(e["loss"], 6) for e in steps if "loss" in e],  # ESSA's steps have fitness instead
+        "eval_losses": [round(e["eval_loss"], 6) for e in events if e["type"] == "eval" and "eval_loss" in e],
         "median_step_s": round(times[len(times) // 2], 4) if times else None,
         "peak_gpu_bytes": max((e["gpu"]["peak"] for e in events if (e.get("gpu") or {}).get("peak")), default=0),
         "metrics": events[-1].get("metrics", {}),
