@@ -27,3 +27,4 @@ def test_gains_are_taken_against_the_same_seeds_base(tmp_path, capsys):
     assert "| 2 | 20% | 35% | +15 (+20, +10) | 1 of 2 | 60% |" in fgrpo
     assert "| 1 | 30% | 40% | +10 (+10) | 0 of 1 | 60% |" in lines[("gcd", "default", "GRPO γ=0")]
     assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO γ=1")]
+
