@@ -110,17 +110,18 @@ class Evaluator:
         """Fitness (`essa.fitness`, or `kind`) of the k candidates whose rows are the k
         candidate-major blocks of rows (k > 1: inside batched_lora)."""
         kind, n = kind or self.s.fitness, len(rows)
+        with_reward, score = essa_fitness.parts(kind)
         rewards = gold = None
-        if kind not in ("gold_logprob", "gold_margin"):
+        if with_reward:
             out = self._generate([r["prompt"] for r in rows] * k, seed, fast)
             rewards = [self.reward(out.texts[j * n:(j + 1) * n], rows, out.truncated[j * n:(j + 1) * n])[0]
                        for j in range(k)]
-        if kind != "reward":
+        if score is not None:
             batch = essa_fitness.gold_batch(self.tok, rows, self.s.gold_template, self.system_prompt,
                                             next(self.model.parameters()).device,
-                                            answer_tokens=kind.endswith("gold_margin"))
-            score = essa_fitness.gold_margin if kind.endswith("gold_margin") else essa_fitness.gold_logprob
-            lp = score(self.model, batch, copies=k)
+                                            answer_tokens=score == "gold_margin")
+            score_rows = essa_fitness.gold_margin if score == "gold_margin" else essa_fitness.gold_logprob
+            lp = score_rows(self.model, batch, copies=k)
             gold = [lp[j * n:(j + 1) * n] for j in range(k)]
         return [essa_fitness.combine(kind, None if rewards is None else rewards[j], None if gold is None else gold[j])
                 for j in range(k)]
@@ -267,7 +268,7 @@ def train(ctx: RunContext) -> dict:
     seed_everything(seed)
     t0 = time.time()
 
-    if s.fitness.endswith("gold_margin"):  # refused before minutes of warm start, not after
+    if essa_fitness.parts(s.fitness)[1] == "gold_margin":  # refused before minutes of warm start, not after
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
         if not getattr(tok, "is_fast", False):  # the answer's tokens are found by character offsets
             raise ConfigError(f"essa.fitness {s.fitness} needs a fast tokenizer (a tokenizer.json) to find the "

@@ -49,6 +49,15 @@ from .effective import LOSS_CHUNK_ROWS
 from .rollouts import left_pad, render_prompts
 
 
+def parts(kind: str) -> tuple[bool, str | None]:
+    """What an `essa.fitness` kind is made of: (uses the reward of greedy completions, the
+    gold score it uses: "gold_logprob", "gold_margin" or None)."""
+    if kind == "reward":
+        return True, None
+    _, plus, gold = kind.partition("+")  # "reward+<gold>" or "<gold>"
+    return (True, gold) if plus else (False, kind)
+
+
 def gold_texts(rows: list[dict], template: str) -> list[str]:
     """Each row's gold answer in the template's words."""
     try:
@@ -136,13 +145,14 @@ def _sigmoid(m: float) -> float:
 def combine(kind: str, rewards: list[float] | None, gold: list[float] | None) -> float:
     """A candidate's fitness from its rows' rewards and gold scores: log-probs, or margins
     for the gold_margin kinds (see the module doc)."""
+    with_reward, score = parts(kind)
     r = float(sum(rewards) / len(rewards)) if rewards else 0.0
-    if kind == "reward":
+    if score is None:
         return r
-    if kind.endswith("gold_margin"):  # gold holds the rows' margins here
-        soft = float(sum(_sigmoid(m) for m in gold) / len(gold)) if gold else 0.0
-        return soft if kind == "gold_margin" else r + soft / (len(gold) + 1)
-    g = float(sum(gold) / len(gold)) if gold else -math.inf
-    if kind == "gold_logprob":
+    if score == "gold_margin":  # gold holds the rows' margins: a soft count of right rows, in [0, 1]
+        g = float(sum(_sigmoid(m) for m in gold) / len(gold)) if gold else 0.0
+    else:  # mean log-prob per token; exp() of it, in [0, 1], is what breaks a reward's ties
+        g = float(sum(gold) / len(gold)) if gold else -math.inf
+    if not with_reward:
         return g
-    return r + math.exp(g) / (len(gold) + 1)
+    return r + (g if score == "gold_margin" else math.exp(g)) / (len(gold) + 1)
