@@ -51,15 +51,24 @@ def main(argv=None) -> dict:
     p.add_argument("--max-run-s", type=float, default=900)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    out, work = Path(a.out), Path(tempfile.mkdtemp(prefix="edgetune-essa-scale-"))
+    data, out = Path(a.data), Path(a.out)
+    for need in (Path(a.adapter) / "adapter_model.safetensors", data / "train_rl.jsonl", data / "eval_rl.jsonl"):
+        if not need.is_file():
+            p.error(f"{need}: no such file")
+    try:
+        scales = [float(x) for x in a.scales.split(",")]
+    except ValueError:
+        p.error(f"--scales {a.scales!r}: expected numbers separated by commas")
+    if (out / "essa_scale.json").exists():
+        p.error(f"{out / 'essa_scale.json'} exists: give another --out (nothing is overwritten)")
     out.mkdir(parents=True, exist_ok=True)
-    data = Path(a.data)
+    work = Path(tempfile.mkdtemp(prefix="edgetune-essa-scale-"))
     sets = [f"data.path={data / 'train_rl.jsonl'}", f"data.eval_path={data / 'eval_rl.jsonl'}",
             f"fgrpo.reward=rg:{a.task}", f"fgrpo.eval_prompts={a.eval_prompts}", "fgrpo.eval_k=0",
             f"fgrpo.max_new_tokens={a.eval_tokens}", *a.eval_set]
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": lh.machine(),
            "adapter": a.adapter, "task": a.task, "scales": {}}
-    for c in [float(x) for x in a.scales.split(",")]:
+    for c in scales:
         ad = scaled_copy(Path(a.adapter), c, work / f"scale-{c:g}")
         args = [*lh.edgetune(), "eval", "--preset", "fgrpo-quickstart", *lh.sets(sets), "--json",
                 "--adapter", str(ad), "--runs-dir", str(work / "runs")]

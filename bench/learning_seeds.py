@@ -27,17 +27,20 @@ def load(files: list[tuple[str, Path]]):
     """(label, method, task, seed) -> (greedy, pass@k) and (task, seed) -> base's."""
     runs, base, k = {}, {}, None
     for label, path in files:
-        d = json.loads(path.read_text())
-        seed, k = d["args"]["seed"], d["args"]["eval_k"]
-        for t in d["tasks"]:
-            for m, v in t["methods"].items():
-                if v.get("success_rate") is None:
-                    continue
-                fig = (v["success_rate"], v.get(f"pass@{k}"))
-                if m == "base":
-                    base[(t["task"], seed)] = fig
-                elif m in NAMES and label:
-                    runs[(label, m, t["task"], seed)] = fig
+        try:
+            d = json.loads(path.read_text())
+            seed, k = d["args"]["seed"], d["args"]["eval_k"]
+            for t in d["tasks"]:
+                for m, v in t["methods"].items():
+                    if v.get("success_rate") is None:
+                        continue
+                    fig = (v["success_rate"], v.get(f"pass@{k}"))
+                    if m == "base":
+                        base[(t["task"], seed)] = fig
+                    elif m in NAMES and label:
+                        runs[(label, m, t["task"], seed)] = fig
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not a learning.json of bench/learning.py ({type(e).__name__}: {e})") from None
     return runs, base, k
 
 
@@ -75,7 +78,11 @@ def main(argv=None) -> None:
         if not sep:
             p.error(f"{spec}: expected LABEL=FILE")
         files.append((label, Path(path)))
-    print(report(*load(files), a.target))
+    try:
+        runs = load(files)
+    except ValueError as e:
+        p.error(str(e))
+    print(report(*runs, a.target))
 
 
 if __name__ == "__main__":

@@ -118,10 +118,12 @@ def main() -> None:
 
 def run_presets(names: list[str]) -> None:
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp())
+    path = out_dir / f"quickstart_presets-{'-'.join(names)}.json"
+    if path.exists():
+        raise SystemExit(f"{path} exists: set OUT to another folder (nothing is overwritten)")
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
     res = {"date": time.strftime("%Y-%m-%d")}
-    path = out_dir / f"quickstart_presets-{'-'.join(names)}.json"
     for name in names:
         res[name] = train(None, work / "runs", name, [], preset=name)
         path.write_text(json.dumps(res, indent=2))

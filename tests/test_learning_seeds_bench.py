@@ -28,3 +28,14 @@ def test_gains_are_taken_against_the_same_seeds_base(tmp_path, capsys):
     assert "| 1 | 30% | 40% | +10 (+10) | 0 of 1 | 60% |" in lines[("gcd", "default", "GRPO γ=0")]
     assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO γ=1")]
 
+
+
+def test_a_file_that_is_not_a_report_is_named_in_one_line(tmp_path, capsys):
+    import pytest
+
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"tasks": []}')
+    with pytest.raises(SystemExit):
+        _bench().main([f"default={bad}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(bad) in err and "not a learning.json" in err and "Traceback" not in err
