@@ -303,7 +303,7 @@ def table(result: dict) -> str:
              f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
              f"Held-out greedy success (pass@{k} from {2 * k} samples at the preset's temperature in "
-             "brackets; not measured for SFT), then training wall time. Items of the held-out split never "
+             "brackets), then training wall time. Items of the held-out split never "
              f"appear in train (checked by content). The kept-aside task ({KEPT_ASIDE}) is not used to "
              "choose defaults.", ""]
     head = ["task", "train / held-out"] + [LABELS[c] for c in COLUMNS]
@@ -318,7 +318,7 @@ def table(result: dict) -> str:
                 cells.append("failed")
             else:
                 s = _pct(m.get("success_rate"))
-                if c in ("base", "fgrpo", "grpo", "essa_warm_start", "essa") and f"pass@{k}" in m:
+                if f"pass@{k}" in m:
                     s += f" ({_pct(m[f'pass@{k}'])})"
                 if m.get("train_s") is not None:
                     s += f", {m['train_s'] / 60:.1f} min"

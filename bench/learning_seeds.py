@@ -20,10 +20,10 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-NAMES = {"fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0"}
+NAMES = {"sft": "SFT", "fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0"}
 
 
-def load(files: list[tuple[str, Path]]):
+def load(files: list[tuple[str, Path]], methods: set[str]):
     """(label, method, task, seed) -> (greedy, pass@k) and (task, seed) -> base's."""
     runs, base, k = {}, {}, None
     for label, path in files:
@@ -37,7 +37,7 @@ def load(files: list[tuple[str, Path]]):
                     fig = (v["success_rate"], v.get(f"pass@{k}"))
                     if m == "base":
                         base[(t["task"], seed)] = fig
-                    elif m in NAMES and label:
+                    elif m in methods and label:
                         runs[(label, m, t["task"], seed)] = fig
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a learning.json of bench/learning.py ({type(e).__name__}: {e})") from None
@@ -71,7 +71,11 @@ def main(argv=None) -> None:
     p.add_argument("runs", nargs="+", metavar="LABEL=FILE", help="a learning.json and the setting it ran")
     p.add_argument("--base", nargs="*", default=[], metavar="FILE", help="more files to take base figures from")
     p.add_argument("--target", type=float, default=0.15, help="the gain counted, as a rate")
+    p.add_argument("--methods", default=",".join(NAMES), help=f"comma-separated, from {', '.join(NAMES)}")
     a = p.parse_args(argv)
+    methods = set(a.methods.split(","))
+    if methods - set(NAMES):
+        p.error(f"unknown method: {', '.join(sorted(methods - set(NAMES)))}")
     files = [("", Path(f)) for f in a.base]
     for spec in a.runs:
         label, sep, path = spec.partition("=")
@@ -79,7 +83,7 @@ def main(argv=None) -> None:
             p.error(f"{spec}: expected LABEL=FILE")
         files.append((label, Path(path)))
     try:
-        runs = load(files)
+        runs = load(files, methods)
     except ValueError as e:
         p.error(str(e))
     print(report(*runs, a.target))

@@ -29,6 +29,14 @@ def test_gains_are_taken_against_the_same_seeds_base(tmp_path, capsys):
     assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO γ=1")]
 
 
+def test_methods_picks_the_rows_and_target_counts_them(tmp_path, capsys):
+    a = _run(tmp_path / "a.json", 0, {"base": (0.30, 0.5), "sft": (0.62, 0.8), "fgrpo": (0.50, 0.7)})
+    b = _run(tmp_path / "b.json", 1, {"base": (0.10, 0.3), "sft": (0.35, 0.6)})
+    _bench().main(["--methods", "sft", "--target", "0.30", f"steps={a}", f"steps={b}"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gcd")]
+    # sft only (the F-GRPO row of a.json is left out); gains +32 and +25, one of two at >= +30
+    assert rows == ["| gcd | steps | SFT | 2 | 20% | 48% | +28 (+32, +25) | 1 of 2 | 70% |"]
+
 
 def test_a_file_that_is_not_a_report_is_named_in_one_line(tmp_path, capsys):
     import pytest
