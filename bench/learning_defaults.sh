@@ -36,7 +36,7 @@ if [ "$tiny" = "--tiny" ]; then
   tasks=gcd; sft_tasks=gcd; cap=8; deadline=${DEADLINE_S:-1500}
   budget=(--train-items 20 --eval-prompts 3 --eval-k 1 --fgrpo-steps 1 --sft-steps 2 --warm-start-steps 1
           --essa-generations 1 --set fgrpo.num_generations=2 --set fgrpo.prompts_per_step=2
-          --set essa.population=2 --set essa.prompts_per_generation=2)
+          --set essa.population=3 --set essa.prompts_per_generation=2)
   sft_steps=3; j_cap=1; j_hint=1; j_essa=1; j_sft=1
 else
   tasks=chain_sum,basic_arithmetic,gcd,count_bits,products; sft_tasks=gcd,count_bits; cap=64

@@ -695,7 +695,10 @@ RANGES = {
     "fgrpo.micro_batch_size": NON_NEGATIVE, "fgrpo.warmup_steps": NON_NEGATIVE,
     "fgrpo.max_grad_norm": NON_NEGATIVE, "fgrpo.eval_every": NON_NEGATIVE, "fgrpo.eval_prompts": NON_NEGATIVE,
     "fgrpo.eval_k": NON_NEGATIVE, "fgrpo.sample_every": NON_NEGATIVE,
-    "essa.warm_start_steps": NON_NEGATIVE, "essa.alpha": FRACTION, "essa.population": Range(2),
+    "essa.warm_start_steps": NON_NEGATIVE, "essa.alpha": FRACTION,
+    # cma's CMA-ES stops with an internal error when the 2 candidates of a generation tie
+    # (flat fitness: it injects a direction a population of 2 has no room for).
+    "essa.population": Range(3),
     "essa.sigma0": POSITIVE, "essa.generations": POSITIVE, "essa.prompts_per_generation": POSITIVE,
     "essa.max_new_tokens": POSITIVE, "essa.candidates_per_batch": NON_NEGATIVE,
     "essa.eval_every": NON_NEGATIVE, "essa.eval_prompts": NON_NEGATIVE,

@@ -147,9 +147,21 @@ def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):
     ("essa.export=worst", "essa.export"),
     ("essa.evaluation=parallel", "essa.evaluation"),
     ("essa.alpha=0", "essa.alpha"),
+    ("essa.population=2", "essa.population must be >= 3"),
 ])
 def test_bad_essa_settings_name_the_setting(override, message):
     from edgetune.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         resolve(preset="essa-quickstart", overrides=[override])
+
+
+def test_the_smallest_population_survives_generations_that_tie():
+    """Greedy 0/1 fitness on a few prompts often ties a whole generation; with 2 candidates
+    cma then fails in its next tell (so 3 is the least essa.population allows)."""
+    s = resolve(preset="essa-quickstart", overrides=["essa.population=3"]).essa
+    es = essa.make_es(480, s, seed=0)
+    for _ in range(4):
+        xs = es.ask()
+        es.tell(xs, [0.0] * len(xs))
+    assert len(xs) == 3 and np.isfinite(es.result.xfavorite).all()
