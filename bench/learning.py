@@ -204,6 +204,12 @@ def curve(run: Path) -> list[dict]:
             continue
         if e.get("type") == "step":
             out.append({k: e[k] for k in ("step", "reward_mean", "loss", "best", "mean", "truncated") if k in e})
+        elif e.get("type") == "eval" and "step" in e:
+            # Held-out during training (--curve-every): F-GRPO's greedy success and pass@k,
+            # ESSA's greedy reward of the exported point (its rewards here are 0/1: a success rate).
+            p = {"step": e["step"], "held_out": e.get("success_rate", e.get("reward"))}
+            p.update({k: v for k, v in e.items() if k.startswith("pass@")})
+            out.append(p)
     return out
 
 
@@ -263,20 +269,25 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
                 evaluate("sft", str(run / "adapter"), secs, cmd, run)
         elif method in ("fgrpo", "grpo"):
             gamma = [] if method == "fgrpo" else ["fgrpo.gamma=0"]
-            # No held-out rows in training (eval_fraction 0, no eval_path): no training-time
-            # evaluation; `edgetune eval` below judges every method on the same prompts and
-            # sampling seed.
+            # Without --curve-every no held-out rows in training (eval_fraction 0, no eval_path):
+            # `edgetune eval` below judges every method on the same prompts and sampling seed.
+            # With it, the run also evaluates the held-out split every N steps, with the same
+            # evaluation (prompts, k, sampling seed) as `edgetune eval`.
+            curve_sets = [f"data.eval_path={data['eval_rl']}", f"fgrpo.eval_every={a.curve_every}",
+                          f"fgrpo.eval_prompts={a.eval_prompts}", f"fgrpo.eval_k={a.eval_k}"] if a.curve_every else []
             run, secs, cmd = train(method, "fgrpo-quickstart",
                                    [f"data.path={data['train_rl']}", "data.eval_fraction=0",
                                     f"fgrpo.reward=rg:{task}", *budget("fgrpo.steps", a.fgrpo_steps),
-                                    f"run.seed={a.seed}", *gamma])
+                                    f"run.seed={a.seed}", *gamma, *curve_sets])
             if run:
                 evaluate(method, str(run / "adapter"), secs, cmd, run)
         elif method == "essa":
             run, secs, cmd = train("essa", "essa-quickstart",
                                    [*rl_data, f"essa.reward=rg:{task}", f"essa.warm_start_data={data['train_sft']}",
                                     *budget("essa.warm_start_steps", a.warm_start_steps),
-                                    *budget("essa.generations", a.essa_generations), "essa.eval_prompts=0",
+                                    *budget("essa.generations", a.essa_generations),
+                                    *([f"essa.eval_every={a.curve_every}", f"essa.eval_prompts={a.eval_prompts}"]
+                                      if a.curve_every else ["essa.eval_prompts=0"]),
                                     f"run.seed={a.seed}"])
             if run:
                 evaluate("essa_warm_start", str(run / "warm_start" / "adapter"), None, None, None)
@@ -328,10 +339,28 @@ def table(result: dict) -> str:
     if trunc:
         lines += ["", "Share of F-GRPO / GRPO rollouts that hit the completion cap (first 4 / last 4 training "
                   "steps; a completion cut there rarely holds its answer):", "", *trunc]
+    held = held_out_lines(result)
+    if held:
+        lines += ["", f"Held-out greedy success while training (step or generation: success, pass@{k} in brackets "
+                  "where measured; the same prompts as the table):", "", *held]
     if result.get("not_finished"):
         lines += ["", f"Not finished by the deadline (stopped): {', '.join(result['not_finished'])}."]
     lines += ["", "Commands of each run (train, then eval) are in the JSON beside this file."]
     return "\n".join(lines) + "\n"
+
+
+def held_out_lines(result: dict) -> list[str]:
+    """One line per (task, method) that evaluated the held-out split while training."""
+    k = result["args"]["eval_k"]
+    out = []
+    for t in result["tasks"]:
+        for c in ("fgrpo", "grpo", "essa"):
+            pts = [p for p in t["methods"].get(c, {}).get("curve", []) if p.get("held_out") is not None]
+            if pts:
+                cells = [f"{p['step']}: {_pct(p['held_out'])}" + (f" ({_pct(p[f'pass@{k}'])})" if f"pass@{k}" in p else "")
+                         for p in pts]
+                out.append(f"- {t['task']} {LABELS[c]}: " + ", ".join(cells))
+    return out
 
 
 def truncation_lines(result: dict) -> list[str]:
@@ -356,7 +385,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = result["tasks"]
-    fig, axes = plt.subplots(2, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 7), squeeze=False)
+    held = any("held_out" in p for t in tasks for m in t["methods"].values() for p in m.get("curve", []))
+    rows = 3 if held else 2
+    fig, axes = plt.subplots(rows, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.5 * rows), squeeze=False)
     for j, t in enumerate(tasks):
         ax = axes[0][j]
         cols = [c for c in COLUMNS if c in t["methods"] and "success_rate" in t["methods"][c]]
@@ -377,6 +408,21 @@ def plot(result: dict, path: Path) -> None:
             ax.set_ylim(0, 1)
         if ax.lines:
             ax.legend(fontsize=7)
+        if held:
+            ax = axes[2][j]
+            for c in ("fgrpo", "grpo", "essa"):
+                pts = [(p["step"], 100 * p["held_out"]) for p in t["methods"].get(c, {}).get("curve", [])
+                       if p.get("held_out") is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=LABELS[c])
+            base = t["methods"].get("base", {}).get("success_rate")
+            if base is not None:
+                ax.axhline(100 * base, color="grey", linestyle="--", label="base")
+            ax.set_xlabel("step / generation")
+            ax.set_ylabel("held-out greedy success % (in training)")
+            ax.set_ylim(0, 100)
+            if ax.lines:
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -430,7 +476,7 @@ def child_args(a, task: str, method: str, out: Path, work: Path) -> list[str]:
     args = [sys.executable, str(Path(__file__).resolve()), "--tasks", task, "--methods", method,
             "--out", str(out), "--work", str(work)]
     for name in ("train_items", "eval_prompts", "eval_k", "eval_tokens", "sft_steps", "fgrpo_steps",
-                 "warm_start_steps", "essa_generations", "seed", "max_run_s"):
+                 "warm_start_steps", "essa_generations", "seed", "max_run_s", "curve_every"):
         args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
     return args + sets(a.train_set) + [x for v in a.eval_set for x in ("--eval-set", v)]
 
@@ -489,7 +535,7 @@ def run_parallel(a, out: Path, work: Path, log) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
@@ -503,6 +549,9 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start-steps", type=int, default=0)
     p.add_argument("--essa-generations", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--curve-every", type=int, default=0, metavar="N",
+                   help="F-GRPO / GRPO and ESSA runs also evaluate the held-out split every N steps / "
+                        "generations while they train (a held-out curve; each evaluation costs time)")
     p.add_argument("--set", dest="train_set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra setting for every training run (e.g. fgrpo.lr=1e-3)")
     p.add_argument("--eval-set", action="append", default=[], metavar="KEY=VALUE",
@@ -521,6 +570,11 @@ def main(argv=None) -> int:
     bad = [t for t in a.tasks if t not in TASKS] + [m for m in a.methods if m not in METHODS]
     if bad:
         p.error(f"unknown task or method: {', '.join(bad)}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     if a.merge:
         result = merge(a.merge)
         write_report(result, Path(a.out) if a.out else Path(a.merge[0]).parent)

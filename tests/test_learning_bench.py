@@ -235,3 +235,56 @@ def test_a_command_past_its_limit_gets_ctrl_c_twice(tmp_path):
         signal.signal(signal.SIGINT, old)
     assert rc == 124 and (tmp_path / "got").read_text() == "stop, kill"
     assert time.time() - t0 < 20
+
+
+def test_held_out_points_while_training_are_read_reported_and_plotted(tmp_path):
+    """--curve-every: the runs' eval events (F-GRPO: success_rate and pass@k; ESSA: the
+    exported point's greedy reward) become held-out points of the curve, a line of the
+    report and a third row of plots."""
+    bench = load_bench()
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [{"type": "eval", "step": 0, "success_rate": 0.1, "reward": 0.1, "pass@1": 0.05, "pass@4": 0.2},
+              {"type": "step", "step": 1, "reward_mean": 0.3, "truncated": 0.5},
+              {"type": "sample", "step": 1, "completion": "x"},
+              {"type": "eval", "step": 1, "success_rate": 0.4, "reward": 0.4, "pass@1": 0.3, "pass@4": 0.6}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert bench.curve(run) == [{"step": 0, "held_out": 0.1, "pass@1": 0.05, "pass@4": 0.2},
+                                {"step": 1, "reward_mean": 0.3, "truncated": 0.5},
+                                {"step": 1, "held_out": 0.4, "pass@1": 0.3, "pass@4": 0.6}]
+    (run / "events.jsonl").write_text(json.dumps({"type": "eval", "step": 5, "reward": 0.25, "candidate": "mean"}) + "\n")
+    assert bench.curve(run) == [{"step": 5, "held_out": 0.25}]
+
+    result = toy_result()
+    methods = result["tasks"][0]["methods"]
+    methods["fgrpo"]["curve"] += [{"step": 0, "held_out": 0.12, "pass@4": 0.3}, {"step": 8, "held_out": 0.5, "pass@4": 0.7}]
+    methods["essa"] = {"success_rate": 0.6, "curve": [{"step": 0, "held_out": 0.55}, {"step": 4, "held_out": 0.6}]}
+    bench.write_report(result, tmp_path / "with")
+    md = (tmp_path / "with" / "learning.md").read_text()
+    assert "- chain_sum F-GRPO γ=1: 0: 12% (30%), 8: 50% (70%)" in md and "- chain_sum ESSA: 0: 55%, 4: 60%" in md
+    bench.write_report(toy_result(), tmp_path / "without")
+    assert "while training" not in (tmp_path / "without" / "learning.md").read_text()
+    from PIL import Image
+
+    with Image.open(tmp_path / "with" / "learning.png") as a, Image.open(tmp_path / "without" / "learning.png") as b:
+        assert a.size[0] == b.size[0] and a.size[1] > 1.4 * b.size[1]  # three rows of plots, not two
+
+
+def test_curve_every_gives_rl_and_essa_runs_the_held_out_split(tmp_path, monkeypatch):
+    """The settings --curve-every adds to the training commands (and passes to --jobs children)."""
+    bench = load_bench()
+    seen = []
+
+    def fake_run_cmd(args, log, timeout):
+        seen.append(args)
+        return 1, 0.0  # "failed": nothing is evaluated afterwards
+
+    monkeypatch.setattr(bench, "run_cmd", fake_run_cmd)
+    a = bench.parse_args(["--tasks", "gcd", "--methods", "fgrpo,essa", "--curve-every", "4", "--eval-prompts", "7"])
+    data = bench.write_task_data("gcd", tmp_path / "data", 20, 7, 0)
+    bench.bench_task("gcd", a, data, tmp_path, lambda m: None, lambda r: None)
+    fg, es = [" ".join(x) for x in seen]
+    assert f"data.eval_path={data['eval_rl']}" in fg and "fgrpo.eval_every=4" in fg and "fgrpo.eval_prompts=7" in fg
+    assert "essa.eval_every=4" in es and "essa.eval_prompts=7" in es and "essa.eval_prompts=0" not in es
+    child = bench.child_args(a, "gcd", "essa", tmp_path / "o", tmp_path / "w")
+    assert child[child.index("--curve-every") + 1] == "4"
