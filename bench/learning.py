@@ -193,7 +193,11 @@ def run_json(args: list[str], log: Path, timeout: float) -> tuple[int, float, di
 
 def curve(run: Path) -> list[dict]:
     """The run's per-step metrics (events.jsonl), with the warm start's SFT left out."""
-    ev = run / "events.jsonl"
+    return curve_of_events(run / "events.jsonl")
+
+
+def curve_of_events(ev: Path) -> list[dict]:
+    """curve() of one events file (a run's events.jsonl, or a copy of it)."""
     if not ev.is_file():
         return []
     out = []
