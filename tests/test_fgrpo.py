@@ -276,10 +276,10 @@ def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
 @pytest.mark.slow
 def test_quickstart_raises_held_out_success(tmp_path):
     """The fgrpo-quickstart preset, as shipped (seed 0, embedded SmolLM2-135M in NF4, fp32
-    compute on the CPU, 12 steps of 4 prompts x 8 completions), raises greedy success and
+    compute on the CPU, 32 steps of 4 prompts x 8 completions), raises greedy success and
     sampled pass@1 on the 30 held-out pairs above their start, both measured in fp32.
-    10-20 minutes on 2 shared CPU cores (passed in 577 s); a recorded run (10% -> 80%
-    greedy) is in bench/results/2026-11-30-cpu/fgrpo-quickstart.md."""
+    About 12.5 minutes on 2 idle CPU cores; a recorded run (10% -> 100% greedy) is in
+    bench/results/2026-12-02-cpu/fgrpo-quickstart-32/."""
     cfg = resolve(preset="fgrpo-quickstart", overrides=[f"run.runs_dir={tmp_path}"])
     assert cfg.model.dtype == "auto" and not torch.cuda.is_available()  # fp32 before and after
     run, metrics, events = run_fgrpo(cfg, tmp_path / "quickstart")
