@@ -210,7 +210,8 @@ def curve_of_events(ev: Path) -> list[dict]:
             out.append({k: e[k] for k in ("step", "reward_mean", "loss", "best", "mean", "truncated") if k in e})
         elif e.get("type") == "eval" and "step" in e:
             # Held-out during training (--curve-every): F-GRPO's greedy success and pass@k,
-            # ESSA's greedy reward of the exported point (its rewards here are 0/1: a success rate).
+            # ESSA's greedy reward of the exported point at essa.max_new_tokens (0/1 rewards here:
+            # a success rate).
             p = {"step": e["step"], "held_out": e.get("success_rate", e.get("reward"))}
             p.update({k: v for k, v in e.items() if k.startswith("pass@")})
             out.append(p)
@@ -275,8 +276,9 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
             gamma = [] if method == "fgrpo" else ["fgrpo.gamma=0"]
             # Without --curve-every no held-out rows in training (eval_fraction 0, no eval_path):
             # `edgetune eval` below judges every method on the same prompts and sampling seed.
-            # With it, the run also evaluates the held-out split every N steps, with the same
-            # evaluation (prompts, k, sampling seed) as `edgetune eval`.
+            # With it, the run also evaluates the held-out split every N steps: the same prompts,
+            # k and sampling seed as `edgetune eval`, so the same figures when the run keeps the
+            # preset's rollout batch and cap (the sampled chunks follow the batch).
             curve_sets = [f"data.eval_path={data['eval_rl']}", f"fgrpo.eval_every={a.curve_every}",
                           f"fgrpo.eval_prompts={a.eval_prompts}", f"fgrpo.eval_k={a.eval_k}"] if a.curve_every else []
             run, secs, cmd = train(method, "fgrpo-quickstart",
