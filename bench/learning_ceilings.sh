@@ -21,6 +21,9 @@ out=${1:?usage: learning_ceilings.sh OUT [--tiny]}
 tiny=${2:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 py=${PYTHON:-python3}
+for g in rl_long essa_big rl_long.log essa_big.log logs; do
+  if [ -e "$out/$g" ]; then echo "learning_ceilings: $out/$g exists: choose another OUT (nothing was written)" >&2; exit 2; fi
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=${WORK:-$(mktemp -d /tmp/learning-ceilings-XXXXXX)}
