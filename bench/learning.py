@@ -355,17 +355,40 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def held_out_points(curve: list[dict]) -> list[dict]:
+    """The points of a curve that evaluated the held-out split (--curve-every)."""
+    return [p for p in curve if p.get("held_out") is not None]
+
+
+def held_out_cells(pts: list[dict], k: int) -> str:
+    """'0: 12% (30%), 8: 50% (70%)': step, greedy success, pass@k where measured."""
+    return ", ".join(f"{p['step']}: {_pct(p['held_out'])}" + (f" ({_pct(p[f'pass@{k}'])})" if f"pass@{k}" in p else "")
+                     for p in pts)
+
+
+def draw_held_out(ax, by_method: dict[str, list[dict]], base: float | None = None) -> None:
+    """One panel: held-out greedy success against step / generation, a line per method."""
+    for c, pts in by_method.items():
+        if pts:
+            ax.plot([p["step"] for p in pts], [100 * p["held_out"] for p in pts], marker="o", label=LABELS[c])
+    if base is not None:
+        ax.axhline(100 * base, color="grey", linestyle="--", label="base")
+    ax.set_xlabel("step / generation")
+    ax.set_ylabel("held-out greedy success % (while training)")
+    ax.set_ylim(0, 100)
+    if ax.lines:
+        ax.legend(fontsize=7)
+
+
 def held_out_lines(result: dict) -> list[str]:
     """One line per (task, method) that evaluated the held-out split while training."""
     k = result["args"]["eval_k"]
     out = []
     for t in result["tasks"]:
         for c in ("fgrpo", "grpo", "essa"):
-            pts = [p for p in t["methods"].get(c, {}).get("curve", []) if p.get("held_out") is not None]
+            pts = held_out_points(t["methods"].get(c, {}).get("curve", []))
             if pts:
-                cells = [f"{p['step']}: {_pct(p['held_out'])}" + (f" ({_pct(p[f'pass@{k}'])})" if f"pass@{k}" in p else "")
-                         for p in pts]
-                out.append(f"- {t['task']} {LABELS[c]}: " + ", ".join(cells))
+                out.append(f"- {t['task']} {LABELS[c]}: {held_out_cells(pts, k)}")
     return out
 
 
@@ -391,7 +414,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = result["tasks"]
-    held = any("held_out" in p for t in tasks for m in t["methods"].values() for p in m.get("curve", []))
+    held = any(held_out_points(m.get("curve", [])) for t in tasks for m in t["methods"].values())
     rows = 3 if held else 2
     fig, axes = plt.subplots(rows, max(1, len(tasks)), figsize=(4 * max(1, len(tasks)), 3.5 * rows), squeeze=False)
     for j, t in enumerate(tasks):
@@ -415,20 +438,9 @@ def plot(result: dict, path: Path) -> None:
         if ax.lines:
             ax.legend(fontsize=7)
         if held:
-            ax = axes[2][j]
-            for c in ("fgrpo", "grpo", "essa"):
-                pts = [(p["step"], 100 * p["held_out"]) for p in t["methods"].get(c, {}).get("curve", [])
-                       if p.get("held_out") is not None]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=LABELS[c])
-            base = t["methods"].get("base", {}).get("success_rate")
-            if base is not None:
-                ax.axhline(100 * base, color="grey", linestyle="--", label="base")
-            ax.set_xlabel("step / generation")
-            ax.set_ylabel("held-out greedy success % (in training)")
-            ax.set_ylim(0, 100)
-            if ax.lines:
-                ax.legend(fontsize=7)
+            draw_held_out(axes[2][j], {c: held_out_points(t["methods"].get(c, {}).get("curve", []))
+                                       for c in ("fgrpo", "grpo", "essa")},
+                          t["methods"].get("base", {}).get("success_rate"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -36,7 +36,7 @@ def read(paths: list[Path]) -> dict:
     out: dict = defaultdict(dict)
     for p in paths:
         task, method = run_name(p)
-        out[task][method] = [q for q in learning.curve_of_events(p) if q.get("held_out") is not None]
+        out[task][method] = learning.held_out_points(learning.curve_of_events(p))
     return out
 
 
@@ -45,9 +45,7 @@ def table(curves: dict, k: int) -> str:
              "by step (F-GRPO / GRPO) or generation (ESSA):", ""]
     for task, methods in curves.items():
         for method, pts in methods.items():
-            cells = [f"{q['step']}: {100 * q['held_out']:.0f}%"
-                     + (f" ({100 * q[f'pass@{k}']:.0f}%)" if f"pass@{k}" in q else "") for q in pts]
-            lines.append(f"- {task} {learning.LABELS[method]}: " + ", ".join(cells))
+            lines.append(f"- {task} {learning.LABELS[method]}: {learning.held_out_cells(pts, k)}")
     return "\n".join(lines) + "\n"
 
 
@@ -60,15 +58,8 @@ def plot(curves: dict, path: Path) -> None:
     tasks = list(curves)
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for method, pts in curves[task].items():
-            if pts:
-                ax.plot([q["step"] for q in pts], [100 * q["held_out"] for q in pts], marker="o",
-                        label=learning.LABELS[method])
+        learning.draw_held_out(ax, curves[task])
         ax.set_title(task + (" (kept aside)" if task == learning.KEPT_ASIDE else ""))
-        ax.set_xlabel("step / generation")
-        ax.set_ylabel("held-out greedy success %")
-        ax.set_ylim(0, 100)
-        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -89,8 +80,8 @@ def main(argv=None) -> int:
         if (a.out / name).exists():
             raise SystemExit(f"{a.out / name} exists: choose another --out (nothing was written)")
     text = table(curves, a.k)
+    plot(curves, a.out / "curves.png")  # first: the report is written only once its plot is
     (a.out / "curves.md").write_text(text, encoding="utf-8")
-    plot(curves, a.out / "curves.png")
     print(text)
     return 0
 
