@@ -5,7 +5,8 @@ training run per method, whose held-out rates move by ±7 points from noise alon
 script pools runs made with different `--seed` values (each seed draws its own split and
 its own base figure) and prints, per task and setting, the mean over seeds of greedy
 success and pass@k, the mean gain over the same seed's base, and in how many seeds the
-gain reaches a target.
+gain reaches a target. ESSA's gain is over its own warm start (the same run's
+essa_warm_start figures), which its target is about; its "base" cell is that warm start.
 
     python bench/learning_seeds.py default=results/.../default/*.json \\
         mask_truncated=results/.../mask-truncated/*.json --base results/.../learning.json
@@ -20,7 +21,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-NAMES = {"sft": "SFT", "fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0"}
+# F-GRPO without its γ: a setting may change it (the label column says which)
+NAMES = {"sft": "SFT", "fgrpo": "F-GRPO", "grpo": "GRPO γ=0", "essa": "ESSA"}
 
 
 def load(files: list[tuple[str, Path]], methods: set[str]):
@@ -37,7 +39,7 @@ def load(files: list[tuple[str, Path]], methods: set[str]):
                     fig = (v["success_rate"], v.get(f"pass@{k}"))
                     if m == "base":
                         base[(t["task"], seed)] = fig
-                    elif m in methods and label:
+                    elif (m in methods or (m == "essa_warm_start" and "essa" in methods)) and label:
                         runs[(label, m, t["task"], seed)] = fig
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a learning.json of bench/learning.py ({type(e).__name__}: {e})") from None
@@ -48,18 +50,24 @@ def report(runs, base, k, target: float) -> str:
     pct = lambda x: f"{100 * x:.0f}"  # noqa: E731
     rows = defaultdict(dict)
     for (label, m, task, seed), fig in runs.items():
-        rows[(task, label, m)][seed] = fig
-    lines = [f"| task | setting | method | seeds | base | greedy | gain over base (per seed) | "
+        if m != "essa_warm_start":
+            rows[(task, label, m)][seed] = fig
+
+    def ref(task, label, m, s):  # what a gain is measured from
+        return runs.get((label, "essa_warm_start", task, s)) if m == "essa" else base.get((task, s))
+
+    lines = [f"| task | setting | method | seeds | base (ESSA: its warm start) | greedy | gain (per seed) | "
              f"seeds with gain ≥ +{pct(target)} | pass@{k} |", "|---|---|---|---|---|---|---|---|---|"]
     for (task, label, m), by_seed in sorted(rows.items()):
-        seeds = sorted(s for s in by_seed if (task, s) in base)
+        seeds = sorted(s for s in by_seed if ref(task, label, m, s) is not None)
         if not seeds:
             continue
         greedy = [by_seed[s][0] for s in seeds]
-        gains = [by_seed[s][0] - base[(task, s)][0] for s in seeds]
+        start = [ref(task, label, m, s)[0] for s in seeds]
+        gains = [g - b for g, b in zip(greedy, start)]
         passk = [by_seed[s][1] for s in seeds if by_seed[s][1] is not None]
         lines.append(
-            f"| {task} | {label} | {NAMES[m]} | {len(seeds)} | {pct(statistics.mean(base[(task, s)][0] for s in seeds))}% "
+            f"| {task} | {label} | {NAMES[m]} | {len(seeds)} | {pct(statistics.mean(start))}% "
             f"| {pct(statistics.mean(greedy))}% | {100 * statistics.mean(gains):+.0f} "
             f"({', '.join(f'{100 * g:+.0f}' for g in gains)}) | {sum(g >= target - 1e-9 for g in gains)} of {len(seeds)} "
             f"| {pct(statistics.mean(passk)) + '%' if passk else '-'} |")

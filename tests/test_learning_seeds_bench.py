@@ -22,11 +22,11 @@ def test_gains_are_taken_against_the_same_seeds_base(tmp_path, capsys):
     c = _run(tmp_path / "c.json", 1, {"fgrpo": (0.40, 0.9)})  # another setting, base from seed 1's file
     _bench().main([f"default={a}", f"default={b}", f"other={c}"])
     lines = {tuple(cell.strip() for cell in row.split("|")[1:4]): row for row in capsys.readouterr().out.splitlines()}
-    fgrpo = lines[("gcd", "default", "F-GRPO γ=1")]
+    fgrpo = lines[("gcd", "default", "F-GRPO")]
     # seeds 0 and 1: gains +20 and +10 (mean +15), one of two at >= +15; pass@4 mean 60%
     assert "| 2 | 20% | 35% | +15 (+20, +10) | 1 of 2 | 60% |" in fgrpo
     assert "| 1 | 30% | 40% | +10 (+10) | 0 of 1 | 60% |" in lines[("gcd", "default", "GRPO γ=0")]
-    assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO γ=1")]
+    assert "| 1 | 10% | 40% | +30 (+30) | 1 of 1 | 90% |" in lines[("gcd", "other", "F-GRPO")]
 
 
 def test_methods_picks_the_rows_and_target_counts_them(tmp_path, capsys):
@@ -47,3 +47,15 @@ def test_a_file_that_is_not_a_report_is_named_in_one_line(tmp_path, capsys):
         _bench().main([f"default={bad}"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert str(bad) in err and "not a learning.json" in err and "Traceback" not in err
+
+
+def test_essa_gains_are_taken_against_its_own_warm_start(tmp_path, capsys):
+    # each setting has its own warm start (a wider LoRA trains another one); the base is not ESSA's reference
+    a = _run(tmp_path / "a.json", 0, {"base": (0.10, 0.3), "essa_warm_start": (0.40, 0.6), "essa": (0.52, 0.7)})
+    b = _run(tmp_path / "b.json", 1, {"essa_warm_start": (0.30, 0.5), "essa": (0.34, 0.5)})
+    c = _run(tmp_path / "c.json", 0, {"essa_warm_start": (0.60, 0.7), "essa": (0.58, 0.7)})
+    _bench().main(["--methods", "essa", "--target", "0.08", f"wide={a}", f"wide={b}", f"narrow={c}"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gcd")]
+    # wide: +12 and +4 over warm starts 40% and 30% (mean 35%), one of two at >= +8; narrow: -2
+    assert rows == ["| gcd | narrow | ESSA | 1 | 60% | 58% | -2 (-2) | 0 of 1 | 70% |",
+                    "| gcd | wide | ESSA | 2 | 35% | 43% | +8 (+12, +4) | 1 of 2 | 60% |"]
