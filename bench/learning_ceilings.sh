@@ -20,6 +20,7 @@ set -uo pipefail
 out=${1:?usage: learning_ceilings.sh OUT [--tiny]}
 tiny=${2:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/learning_groups.sh"
 py=${PYTHON:-python3}
 for g in rl_long essa_big rl_long.log essa_big.log logs; do
   if [ -e "$out/$g" ]; then echo "learning_ceilings: $out/$g exists: choose another OUT (nothing was written)" >&2; exit 2; fi
@@ -49,11 +50,4 @@ echo "learning_ceilings: work folder $work, reports in $out"
   --out "$out/rl_long" --work "$work/rl" > "$out/rl_long.log" 2>&1 &
 "${L[@]}" --tasks "$essa_tasks" --methods essa --jobs $j_essa "${essa[@]}" \
   --out "$out/essa_big" --work "$work/essa" > "$out/essa_big.log" 2>&1 &
-rc=0
-for p in $(jobs -p); do wait "$p" || rc=1; done
-[ $rc = 0 ] || echo "learning_ceilings: a group exited non-zero: see $out/*.log" >&2
-# Every run's log and events (not its adapters) beside the reports: the work folder may not come
-# back, and a run stopped at the deadline has its held-out points only there.
-mkdir -p "$out/logs" && (cd "$work" && find . \( -name '*.log' -o -name events.jsonl \) -size -2048k | tar -cf - -T - | tar -xf - -C "$out/logs")
-for f in "$out"/*/learning.md; do echo; echo "== $f"; sed -n '/^| task/,$p' "$f"; done
-exit $rc
+finish_groups learning_ceilings "$out" "$work"

@@ -31,6 +31,7 @@ out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_
 part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big [--tiny]}
 tiny=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$here/learning_groups.sh"
 py=${PYTHON:-python3}
 case "$part" in
   fgrpo_gamma2) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("seed$s"); done ;;
@@ -74,11 +75,4 @@ for g in "${groups[@]}"; do
   esac
   "${L[@]}" "${args[@]}" --out "$out/$g" --work "$work/$g" > "$out/$g.log" 2>&1 &
 done
-rc=0
-for p in $(jobs -p); do wait "$p" || rc=1; done
-[ $rc = 0 ] || echo "learning_search: a group exited non-zero: see $out/*.log" >&2
-# Every run's log and events (not its adapters) beside the reports: the work folder may not come
-# back, and a run stopped at the deadline has its held-out points only there.
-mkdir -p "$out/logs" && (cd "$work" && find . \( -name '*.log' -o -name events.jsonl \) -size -2048k | tar -cf - -T - | tar -xf - -C "$out/logs")
-for f in "$out"/*/learning.md; do echo; echo "== $f"; sed -n '/^| task/,$p' "$f"; done
-exit $rc
+finish_groups learning_search "$out" "$work"
