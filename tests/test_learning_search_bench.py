@@ -50,3 +50,30 @@ def test_groups_are_waited_for_their_logs_kept_and_a_failed_one_named(tmp_path):
         logs = out / "essa_linear" / "logs" / f"preset_seed{s}"
         assert (logs / "gcd-essa-train.log").read_text() == "trained\n"
         assert (logs / "runs" / "gcd-essa" / "events.jsonl").is_file()
+
+
+ARGS_STUB = """#!/bin/bash
+# stands in for python3 bench/learning.py: writes the arguments it was given as its report
+while [ $# -gt 0 ]; do case "$1" in --out) o=$2; shift;; esac; a="$a $1"; shift; done
+mkdir -p "$o"; echo "$a" > "$o/learning.md"
+"""
+
+
+def test_the_cpu15_part_runs_each_seed_at_three_times_the_quick_starts_evaluations(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(ARGS_STUB)
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(SCRIPT), str(out), "essa_linear_cpu15"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"),
+                                        "PYTHON": str(stub), "SEEDS": "0 3"})
+    assert r.returncode == 0, r.stderr
+    groups = sorted(p.name for p in (out / "essa_linear_cpu15").iterdir() if p.is_dir() and p.name != "logs")
+    assert groups == ["cpu15_seed0", "cpu15_seed3"]
+    args = (out / "essa_linear_cpu15" / "cpu15_seed3" / "learning.md").read_text().split()
+    setting = {args[i + 1].split("=")[0]: args[i + 1].split("=")[1] for i, a in enumerate(args) if a == "--set"}
+    population, prompts = int(setting["essa.population"]), int(setting["essa.prompts_per_generation"])
+    generations = int(args[args.index("--essa-generations") + 1])
+    assert population * prompts * generations == 3 * 12 * 16 * 8  # the quick start: 12 x 16 prompts x 8
+    assert setting["lora.target_modules"] == "all-linear" and setting["lora.r"] == "16"
+    assert args[args.index("--seed") + 1] == "3" and args[args.index("--methods") + 1] == "essa"
