@@ -21,7 +21,9 @@ Population evaluation, `essa.evaluation`:
   KV cache of K·P rows. With greedy decoding both modes give the same fitness. Both
   modes decode on the rollouts' fast loop when it applies (fast=None: on CUDA, known
   layout): batched candidates run there as stacked per-row factors in its packed step
-  (engine/fast_decode.py), one CUDA graph per chunk of K candidates.
+  (engine/fast_decode.py), one CUDA graph per chunk of K candidates. K is sized from the
+  GPU memory free at the start (engine/effective.py); a chunk that runs out of memory later
+  (another process took some) is scored again at half K, with a warning event.
 
 A checkpoint holds the CMA-ES search as a replayable log (engine/essa_state.py; no
 pickle), the best candidate so far and the RNG states (cma samples from numpy's global
@@ -93,11 +95,13 @@ class Evaluator:
     """Scores candidates (offset vectors) by the mean reward of their completions."""
 
     def __init__(self, model, tokenizer, space: SVDSpace, reward, s: ESSASettings, system_prompt: str = "",
-                 candidates_per_batch: int = 0, fast: bool | None = None, memory_budget: int | None = None):
+                 candidates_per_batch: int = 0, fast: bool | None = None, memory_budget: int | None = None,
+                 warn=None):
         self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
         self.memory_budget = memory_budget  # rollouts.generate's (effective.copy_budget)
         self.system_prompt = system_prompt
         self.k = candidates_per_batch
+        self.warn = warn  # warn(message): a line for the run's events (a smaller batch after an OOM)
         self.fast = fast  # rollouts' decode loop choice (None: the fast loop on CUDA when supported)
 
     def _generate(self, prompts, seed, fast):
@@ -148,9 +152,10 @@ class Evaluator:
     @torch.inference_mode()
     def _batched(self, xs, rows, seed, on_candidate) -> list[float]:
         n, p = len(xs), len(rows)
-        k = self.k if self.k > 0 else n
         fits: list[float] = []
-        for start in range(0, n, k):
+        start = 0
+        while start < n:
+            k = self.k if self.k > 0 else n
             chunk = xs[start:start + k]
             kk = len(chunk)
             t = time.time()
@@ -160,13 +165,31 @@ class Evaluator:
             # The decode loop is picked as for sequential evaluation (fast=None: the CUDA-graph
             # loop on CUDA). Its graph and packed factors live for one generate call, so each
             # chunk's new stacks are read afresh.
-            with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
-                chunk_fits = self._fitness(rows, seed, self.fast, kk)
+            try:
+                with batched_lora(self.space.modules, stacks, row_candidate, self.space.adapter):
+                    chunk_fits = self._fitness(rows, seed, self.fast, kk)
+            except torch.OutOfMemoryError:
+                if kk == 1:
+                    raise
+                chunk_fits = None
+            if chunk_fits is None:
+                # K was sized from the memory free when the run started (engine/effective.py);
+                # another process may hold some of it since. Each candidate's rows are its own,
+                # so fewer candidates a batch change no fitness, only the speed: halve K for the
+                # rest of the run and score this chunk again.
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.k = max(1, kk // 2)
+                if self.warn:
+                    self.warn(f"out of GPU memory scoring {kk} ESSA candidates in one batch: continuing with "
+                              f"{self.k} a batch (essa.candidates_per_batch={self.k} starts there)")
+                continue
             secs = (time.time() - t) / kk
             for j in range(kk):
                 fits.append(chunk_fits[j])
                 if on_candidate:
                     on_candidate(start + j, fits[-1], secs)
+            start += kk
         return fits
 
 
@@ -297,7 +320,7 @@ def train(ctx: RunContext) -> dict:
     eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=longest)
     record(ctx.run, cfg, eff)
     evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
-                          memory_budget=copy_budget(cfg))
+                          memory_budget=copy_budget(cfg), warn=lambda m: ctx.emit("warning", message=m))
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
     es, log = make_es(space.dim, s, seed), SearchLog()

@@ -66,6 +66,40 @@ def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):
     assert len(set(seq)) > 1  # candidates really differ
 
 
+def test_a_batch_that_runs_out_of_gpu_memory_is_scored_again_in_halves(tiny, tmp_path):
+    """Another process taking GPU memory after K was sized: the run goes on with fewer
+    candidates a batch, the same fitness, and one warning each time K is halved."""
+    from edgetune.engine.rewards import build_reward
+
+    cfg = config(tiny, tmp_path)
+    model, tok, _ = essa.load_model(cfg, tiny / "warm")
+    space = essa.SVDSpace(model)
+    reward = build_reward("file", str(tiny / "reward.py"))
+    rows = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
+    xs = np.random.default_rng(1).normal(scale=1.0, size=(5, space.dim))
+    seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
+    cfg.essa.evaluation = "batched"
+    warnings, batches = [], []
+    ev = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=5, warn=warnings.append)
+    real = ev._fitness
+
+    def fitness_that_fits_two(rows_, seed, fast, k=1, kind=None):
+        batches.append(k)
+        if k > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return real(rows_, seed, fast, k, kind)
+
+    ev._fitness = fitness_that_fits_two
+    got = ev.population(xs, rows, on_candidate=lambda i, f, s: None)
+    assert got == seq
+    assert batches == [5, 2, 2, 1] and ev.k == 2  # 5 fails, then 2 + 2 + the last 1
+    assert len(warnings) == 1 and "5 ESSA candidates" in warnings[0] and "continuing with 2" in warnings[0]
+    one = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=1)
+    one._fitness = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("stand-in"))
+    with pytest.raises(torch.OutOfMemoryError):  # one candidate a batch: nothing smaller to try
+        one.population(xs, rows)
+
+
 def test_stopped_run_resumes_to_the_same_end(tiny, tmp_path):
     cfg = config(tiny, tmp_path)
     full, m_full, ev_full = run_essa(cfg, tmp_path / "full")
