@@ -17,9 +17,9 @@
 #                  essa_space's all_linear). Not beside essa_linear in one call: each ESSA run sizes its
 #                  batch of candidates from the GPU memory free when it starts, and 35 runs started
 #                  together ran out of it
-#   essa_linear_cpu15  that all_linear space at the largest budget a 15-minute CPU run affords
-#                  (population 16 x 24 prompts x 12 generations: 3x the quick start's evaluations; held-out
-#                  every 4), seeds SEEDS (default 0 1 2 3)
+#   essa_linear_3x that all_linear space at 3x the quick start's evaluations (population 16 x 24
+#                  prompts x 12 generations; held-out every 4), seeds SEEDS (default 0 1 2 3). On a 2-core
+#                  CPU a generation of this space takes ~110 s on chain_sum: ~24 minutes a run
 #
 # fp32 compute as in the earlier H200 tables. At DEADLINE_S (default 470) the runs still going are
 # stopped; their held-out points so far stay in OUT/logs (events.jsonl). Writes OUT/<group>/...
@@ -28,11 +28,11 @@
 #   bash bench/learning_search.sh OUT essa_space       # GPU: 10 runs side by side, about 4 minutes
 #   bash bench/learning_search.sh OUT essa_linear      # GPU: 20 runs side by side (4.7 min a run beside 15 more)
 #   bash bench/learning_search.sh OUT essa_linear_big  # GPU: 10 runs side by side, about 4 minutes
-#   SEEDS="0 1" bash bench/learning_search.sh OUT essa_linear_cpu15  # GPU: 10 runs side by side
+#   SEEDS="0 1" bash bench/learning_search.sh OUT essa_linear_3x  # GPU: 10 runs side by side
 #   bash bench/learning_search.sh OUT essa_space --tiny   # CPU check: one task, tiny budgets
 set -uo pipefail
-out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_cpu15 [--tiny]}
-part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_cpu15 [--tiny]}
+out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
+part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
 tiny=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/learning_groups.sh"
@@ -42,8 +42,8 @@ case "$part" in
   essa_space) groups=(all_values all_linear) ;;
   essa_linear) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("preset_seed$s"); done ;;
   essa_linear_big) groups=(); for s in ${SEEDS:-1 2}; do groups+=("big_seed$s"); done ;;
-  essa_linear_cpu15) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("cpu15_seed$s"); done ;;
-  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, essa_space, essa_linear, essa_linear_big or essa_linear_cpu15)" >&2
+  essa_linear_3x) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("x3_seed$s"); done ;;
+  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, essa_space, essa_linear, essa_linear_big or essa_linear_3x)" >&2
      exit 2 ;;
 esac
 for g in "${groups[@]}" logs; do
@@ -58,7 +58,7 @@ fp32=(--set model.dtype=fp32 --eval-set model.dtype=fp32)
 tasks=chain_sum,basic_arithmetic,gcd,count_bits,products; deadline=${DEADLINE_S:-470}; budget=()
 rl=(); essa=(--essa-generations 16 --curve-every 4 --set essa.population=32 --set essa.prompts_per_generation=32)
 essa_preset=(--curve-every 2)
-essa_cpu15=(--essa-generations 12 --curve-every 4 --set essa.population=16 --set essa.prompts_per_generation=24)
+essa_3x=(--essa-generations 12 --curve-every 4 --set essa.population=16 --set essa.prompts_per_generation=24)
 linear=(--set lora.target_modules=all-linear --set lora.r=16 --set lora.alpha=32 --set essa.alpha=0.25)
 jobs=5
 if [ "$tiny" = "--tiny" ]; then
@@ -66,7 +66,7 @@ if [ "$tiny" = "--tiny" ]; then
   budget=(--train-items 20 --eval-prompts 3 --eval-k 1 --warm-start-steps 1
           --set fgrpo.num_generations=2 --set fgrpo.prompts_per_step=2 --set essa.prompts_per_generation=2)
   rl=(--fgrpo-steps 2); essa=(--essa-generations 2 --curve-every 1 --set essa.population=3)
-  essa_preset=("${essa[@]}"); essa_cpu15=("${essa[@]}")
+  essa_preset=("${essa[@]}"); essa_3x=("${essa[@]}")
 fi
 L=("$py" "$here/learning.py" "${fp32[@]}" "${budget[@]}" --tasks "$tasks" --jobs $jobs --deadline-s "$deadline")
 echo "learning_search: work folder $work, reports in $out"
@@ -78,7 +78,7 @@ for g in "${groups[@]}"; do
     all_linear) args=(--methods essa "${essa[@]}" "${linear[@]}" --seed 0) ;;
     preset_seed*) args=(--methods essa "${essa_preset[@]}" "${linear[@]}" --seed "${g#preset_seed}") ;;
     big_seed*) args=(--methods essa "${essa[@]}" "${linear[@]}" --seed "${g#big_seed}") ;;
-    cpu15_seed*) args=(--methods essa "${essa_cpu15[@]}" "${linear[@]}" --seed "${g#cpu15_seed}") ;;
+    x3_seed*) args=(--methods essa "${essa_3x[@]}" "${linear[@]}" --seed "${g#x3_seed}") ;;
   esac
   "${L[@]}" "${args[@]}" --out "$out/$g" --work "$work/$g" > "$out/$g.log" 2>&1 &
 done

@@ -59,18 +59,18 @@ mkdir -p "$o"; echo "$a" > "$o/learning.md"
 """
 
 
-def test_the_cpu15_part_runs_each_seed_at_three_times_the_quick_starts_evaluations(tmp_path):
+def test_the_3x_part_runs_each_seed_at_three_times_the_quick_starts_evaluations(tmp_path):
     stub = tmp_path / "python"
     stub.write_text(ARGS_STUB)
     stub.chmod(0o755)
     out = tmp_path / "out"
-    r = subprocess.run(["bash", str(SCRIPT), str(out), "essa_linear_cpu15"], capture_output=True, text=True,
+    r = subprocess.run(["bash", str(SCRIPT), str(out), "essa_linear_3x"], capture_output=True, text=True,
                        timeout=60, env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"),
                                         "PYTHON": str(stub), "SEEDS": "0 3"})
     assert r.returncode == 0, r.stderr
-    groups = sorted(p.name for p in (out / "essa_linear_cpu15").iterdir() if p.is_dir() and p.name != "logs")
-    assert groups == ["cpu15_seed0", "cpu15_seed3"]
-    args = (out / "essa_linear_cpu15" / "cpu15_seed3" / "learning.md").read_text().split()
+    groups = sorted(p.name for p in (out / "essa_linear_3x").iterdir() if p.is_dir() and p.name != "logs")
+    assert groups == ["x3_seed0", "x3_seed3"]
+    args = (out / "essa_linear_3x" / "x3_seed3" / "learning.md").read_text().split()
     setting = {args[i + 1].split("=")[0]: args[i + 1].split("=")[1] for i, a in enumerate(args) if a == "--set"}
     population, prompts = int(setting["essa.population"]), int(setting["essa.prompts_per_generation"])
     generations = int(args[args.index("--essa-generations") + 1])
