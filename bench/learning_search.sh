@@ -19,7 +19,7 @@
 #                  together ran out of it
 #   essa_linear_3x that all_linear space at 3x the quick start's evaluations (population 16 x 24
 #                  prompts x 12 generations; held-out every 4), seeds SEEDS (default 0 1 2 3). On a 2-core
-#                  CPU a generation of this space takes ~110 s on chain_sum: ~24 minutes a run
+#                  CPU a generation of this space takes 80-120 s (17-25 minutes a run)
 #
 # fp32 compute as in the earlier H200 tables. At DEADLINE_S (default 470) the runs still going are
 # stopped; their held-out points so far stay in OUT/logs (events.jsonl). Writes OUT/<group>/...
