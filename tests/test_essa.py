@@ -47,14 +47,18 @@ def run_essa(cfg, path, stop_after=0, resume=False):
     return run_inline(essa.train, cfg, path, stop_after=stop_after, resume=resume)
 
 
-def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):
+def evaluator_parts(tiny, tmp_path):
+    """(settings, model, tokenizer, space, reward, rows) for scoring candidates directly."""
     from edgetune.engine.rewards import build_reward
 
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    space = essa.SVDSpace(model)
-    reward = build_reward("file", str(tiny / "reward.py"))
     rows = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
+    return cfg, model, tok, essa.SVDSpace(model), build_reward("file", str(tiny / "reward.py")), rows
+
+
+def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):
+    cfg, model, tok, space, reward, rows = evaluator_parts(tiny, tmp_path)
     xs = np.random.default_rng(0).normal(scale=1.0, size=(5, space.dim))
     seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
     cfg.essa.evaluation = "batched"
@@ -69,13 +73,7 @@ def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):
 def test_a_batch_that_runs_out_of_gpu_memory_is_scored_again_in_halves(tiny, tmp_path):
     """Another process taking GPU memory after K was sized: the run goes on with fewer
     candidates a batch, the same fitness, and one warning each time K is halved."""
-    from edgetune.engine.rewards import build_reward
-
-    cfg = config(tiny, tmp_path)
-    model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    space = essa.SVDSpace(model)
-    reward = build_reward("file", str(tiny / "reward.py"))
-    rows = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
+    cfg, model, tok, space, reward, rows = evaluator_parts(tiny, tmp_path)
     xs = np.random.default_rng(1).normal(scale=1.0, size=(5, space.dim))
     seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
     cfg.essa.evaluation = "batched"
