@@ -171,7 +171,7 @@ class Evaluator:
             except torch.OutOfMemoryError:
                 if kk == 1:
                     raise
-                chunk_fits = None
+                chunk_fits = None  # handled below, outside the except: its traceback holds the chunk's tensors
             if chunk_fits is None:
                 # K was sized from the memory free when the run started (engine/effective.py);
                 # another process may hold some of it since. Each candidate's rows are its own,
