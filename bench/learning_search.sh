@@ -5,6 +5,10 @@
 #   fgrpo_gamma2   F-GRPO with gamma 2 (the preset: 1) at the preset's 32 steps, seeds SEEDS
 #                  (default 0 1 2 3): the same splits as every other learning run, so pool it with
 #                  learning_seeds.py beside the gamma 1 and gamma 0 runs of those seeds
+#   fgrpo_norm     F-GRPO with its focal weights normalised to mean 1 over each step's groups with an
+#                  advantage (fgrpo.focal_normalize), gamma 1, the preset's 32 steps, seeds SEEDS
+#                  (default 0 1 2 3): pool beside the gamma 1 and gamma 0 runs of those seeds
+#   fgrpo_norm_gamma2  the same at gamma 2
 #   essa_space     ESSA's search space widened, seed 0, with a GPU's budget (population 32 scored on
 #                  32 prompts a generation for 16 generations; held-out every 4 generations):
 #                    all_values   every singular value of the preset's warm start (alpha 1.0: 1,920
@@ -25,25 +29,28 @@
 # stopped; their held-out points so far stay in OUT/logs (events.jsonl). Writes OUT/<group>/...
 #
 #   bash bench/learning_search.sh OUT fgrpo_gamma2     # GPU: 20 runs side by side, about 6 minutes
+#   bash bench/learning_search.sh OUT fgrpo_norm       # GPU: 20 runs side by side, about 6 minutes
 #   bash bench/learning_search.sh OUT essa_space       # GPU: 10 runs side by side, about 4 minutes
 #   bash bench/learning_search.sh OUT essa_linear      # GPU: 20 runs side by side (4.7 min a run beside 15 more)
 #   bash bench/learning_search.sh OUT essa_linear_big  # GPU: 10 runs side by side, about 4 minutes
 #   SEEDS="0 1" bash bench/learning_search.sh OUT essa_linear_3x  # GPU: 10 runs side by side
 #   bash bench/learning_search.sh OUT essa_space --tiny   # CPU check: one task, tiny budgets
 set -uo pipefail
-out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
-part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
+out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
+part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x [--tiny]}
 tiny=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/learning_groups.sh"
 py=${PYTHON:-python3}
 case "$part" in
   fgrpo_gamma2) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("seed$s"); done ;;
+  fgrpo_norm) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("norm_seed$s"); done ;;
+  fgrpo_norm_gamma2) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("norm2_seed$s"); done ;;
   essa_space) groups=(all_values all_linear) ;;
   essa_linear) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("preset_seed$s"); done ;;
   essa_linear_big) groups=(); for s in ${SEEDS:-1 2}; do groups+=("big_seed$s"); done ;;
   essa_linear_3x) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("x3_seed$s"); done ;;
-  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, essa_space, essa_linear, essa_linear_big or essa_linear_3x)" >&2
+  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, fgrpo_norm, fgrpo_norm_gamma2, essa_space, essa_linear, essa_linear_big or essa_linear_3x)" >&2
      exit 2 ;;
 esac
 for g in "${groups[@]}" logs; do
@@ -74,6 +81,9 @@ echo "learning_search: work folder $work, reports in $out"
 for g in "${groups[@]}"; do
   case "$g" in
     seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.gamma=2 --seed "${g#seed}") ;;
+    norm_seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.focal_normalize=true --seed "${g#norm_seed}") ;;
+    norm2_seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.focal_normalize=true --set fgrpo.gamma=2
+                       --seed "${g#norm2_seed}") ;;
     all_values) args=(--methods essa "${essa[@]}" --set essa.alpha=1.0 --seed 0) ;;
     all_linear) args=(--methods essa "${essa[@]}" "${linear[@]}" --seed 0) ;;
     preset_seed*) args=(--methods essa "${essa_preset[@]}" "${linear[@]}" --seed "${g#preset_seed}") ;;

@@ -5,6 +5,7 @@
         roll   = rollouts.generate(rows, G each)           adapter on, eval mode, no grad
         r, ok  = reward.score(roll.texts, rows, roll.truncated)
         A      = group_advantages(r) * (1 - p̂) ** gamma    p̂ = share of the group that succeeds
+        (focal_normalize: g / its mean over the groups whose rewards differ)
         (mask_truncated: completions cut at max_new_tokens get A = 0 and leave the loss)
         num_iterations times:                             one optimizer step each
             for each micro-batch of the rows with A != 0:
@@ -372,7 +373,7 @@ def train(ctx: RunContext) -> dict:
                                             f"{bad[0]}{more}")
             r = torch.tensor(all_rewards, dtype=torch.float32, device=roll.logprobs.device)
             ok = torch.tensor(all_success, device=r.device)
-            g = focal_weights(r, G, s.gamma, success=ok)
+            g = focal_weights(r, G, s.gamma, success=ok, normalize=s.focal_normalize)
             adv = group_advantages(r, G, s.scale_rewards) * g
             upd = policy_update(model, roll, adv[first:first + len(sc.rewards)], s, optimizer, scheduler, sebp)
             step += 1

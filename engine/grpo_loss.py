@@ -58,16 +58,27 @@ def success_share(success: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def focal_weights(rewards: torch.Tensor, G: int, gamma: float, threshold: float | None = None,
-                  success: torch.Tensor | None = None) -> torch.Tensor:
+                  success: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
     """g = (1 - p̂) ** gamma for every completion of a group; shape [B*G], no gradient.
 
     Success is `success` when given (engine/rewards.py decides it for weighted sums),
     else reward >= threshold, and threshold None = 1.0: the maximum of a 0/1 reward.
+    normalize: g divided by its mean over the groups whose rewards differ (the only ones with an
+    advantage), so the weights move the step from prompts the model solves to those it does not
+    without making the whole step smaller; a step with no such group, or where all their g are 0,
+    is left as it is.
     """
     if success is None:
         success = rewards >= (1.0 if threshold is None else threshold)
     p = success_share(success.to(rewards.device), G)
     g = torch.pow(1.0 - p, gamma)  # torch.pow(0, 0) == 1: gamma = 0 is plain GRPO
+    if normalize:
+        r = rewards.view(-1, G)
+        informative = (r != r[:, :1]).any(dim=1)
+        if informative.any():
+            mean = g[informative].mean()
+            if mean > 0:
+                g = g / mean
     return g.repeat_interleave(G).detach()
 
 

@@ -237,6 +237,12 @@ class FGRPOSettings:
         section="reward")
     loss_type: str = setting("dapo", "grpo | dapo | dr_grpo | cispo", section="loss")
     gamma: float = setting(1.0, "focal exponent; 0 = plain GRPO", section="loss")
+    focal_normalize: bool = setting(
+        False,
+        "Divide the focal weights by their mean over the step's groups whose rewards differ: gamma then "
+        "moves the step towards prompts the model does not yet solve without shrinking it (the "
+        "weights alone, as in the F-GRPO paper, also scale the step down as the model gets better).",
+        section="loss")
     scale_rewards: str = setting("group", "group | batch | none", section="loss")
     epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss")
     epsilon_high: float = setting(

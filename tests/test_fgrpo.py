@@ -252,6 +252,21 @@ def test_zero_advantage_rows_are_dropped(tiny_model_dir, rl_files, tmp_path):
     assert step["focal_weight"] == 0.0  # gamma = 1, p̂ = 1
 
 
+def test_normalized_focal_weights_scale_the_first_gradient_by_one_over_their_mean(tiny_model_dir, rl_files, tmp_path):
+    """Same seed, same rollouts: the first step's gradient (linear in the advantages) and the
+    mean focal weight both change by the factor the normalisation divides by."""
+    def first_step(normalize, name):
+        cfg = config(tiny_model_dir, rl_files, tmp_path, steps=1, eval_prompts=0, focal_normalize=normalize)
+        _, _, events = run_fgrpo(cfg, tmp_path / name)
+        return next(e for e in events if e["type"] == "step")
+
+    plain, norm = first_step(False, "plain"), first_step(True, "norm")
+    assert plain["reward_mean"] == norm["reward_mean"]  # the same completions were scored
+    factor = norm["focal_weight"] / plain["focal_weight"]
+    assert abs(factor - 1) > 0.05  # the groups' p̂ differ here, so the normalisation did something
+    assert norm["grad_norm"] / plain["grad_norm"] == pytest.approx(factor, rel=1e-4)
+
+
 def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files, tmp_path):
     cfg = config(tiny_model_dir, rl_files, tmp_path, beta=0.1, eval_prompts=0)
     _, _, events = run_fgrpo(cfg, tmp_path / "kl")

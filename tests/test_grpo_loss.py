@@ -161,6 +161,24 @@ def test_focal_weight_values():
     assert focal_weights(rewards, 4, 1.0, success=ok).tolist() == [0.0] * 4 + [1.0] * 8
 
 
+def test_normalized_focal_weights_average_one_over_the_groups_with_an_advantage():
+    # p̂ = 0.75, 0.25, 0 (all wrong: no advantage), 1 (all right: no advantage)
+    rewards = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1.0])
+    g = focal_weights(rewards, 4, 1.0, normalize=True)
+    # the mean of 0.25 and 0.75 over the two groups whose rewards differ is 0.5
+    assert g.tolist() == pytest.approx([0.5] * 4 + [1.5] * 4 + [2.0] * 4 + [0.0] * 4)
+    adv = group_advantages(rewards, 4, "group")
+    plain = adv * focal_weights(rewards, 4, 1.0)
+    assert (adv * g).abs().sum() == pytest.approx(2 * plain.abs().sum())  # the step is not shrunk
+    assert torch.equal(focal_weights(rewards, 4, 0.0, normalize=True), torch.ones(16))  # gamma 0: GRPO
+    # Nothing to normalise by: no group whose rewards differ, or all of them solved (graded reward).
+    uniform = torch.tensor([1.0] * 4 + [0.0] * 4)
+    assert focal_weights(uniform, 4, 1.0, normalize=True).tolist() == [0.0] * 4 + [1.0] * 4
+    solved = torch.tensor([1.0, 2, 2, 2, 1, 1, 1, 1])
+    ok = torch.tensor([True] * 4 + [False] * 4)
+    assert focal_weights(solved, 4, 1.0, success=ok, normalize=True).tolist() == [0.0] * 4 + [1.0] * 4
+
+
 def test_micro_batches_sum_to_the_full_loss_and_zero_advantage_rows_can_be_dropped():
     logp, old, ref, mask, rewards, G = random_batch(seed=7)
     adv = group_advantages(rewards, G, "group") * focal_weights(rewards, G, 1.0)

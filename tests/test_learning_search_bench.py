@@ -77,3 +77,19 @@ def test_the_3x_part_runs_each_seed_at_three_times_the_quick_starts_evaluations(
     assert population * prompts * generations == 3 * 12 * 16 * 8  # the quick start: 12 x 16 prompts x 8
     assert setting["lora.target_modules"] == "all-linear" and setting["lora.r"] == "16"
     assert args[args.index("--seed") + 1] == "3" and args[args.index("--methods") + 1] == "essa"
+
+
+def test_the_normalised_focal_parts_run_f_grpo_with_normalize_on_and_their_gamma(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(ARGS_STUB)
+    stub.chmod(0o755)
+    for part, group, gamma in (("fgrpo_norm", "norm_seed2", None), ("fgrpo_norm_gamma2", "norm2_seed2", "2")):
+        out = tmp_path / part
+        r = subprocess.run(["bash", str(SCRIPT), str(out), part], capture_output=True, text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work" / part),
+                                "PYTHON": str(stub), "SEEDS": "2"})
+        assert r.returncode == 0, r.stderr
+        args = (out / part / group / "learning.md").read_text().split()
+        setting = {args[i + 1].split("=")[0]: args[i + 1].split("=")[1] for i, a in enumerate(args) if a == "--set"}
+        assert setting["fgrpo.focal_normalize"] == "true" and setting.get("fgrpo.gamma") == gamma
+        assert args[args.index("--methods") + 1] == "fgrpo" and args[args.index("--seed") + 1] == "2"
