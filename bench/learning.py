@@ -305,7 +305,8 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
 # --------------------------------------------------------------------------- report
 
 COLUMNS = ["base", "sft", "fgrpo", "grpo", "essa_warm_start", "essa"]
-LABELS = {"base": "base", "sft": "SFT", "fgrpo": "F-GRPO γ=1", "grpo": "GRPO γ=0",
+# F-GRPO without its γ: the preset's by default, and a --set may change it (the command says which)
+LABELS = {"base": "base", "sft": "SFT", "fgrpo": "F-GRPO", "grpo": "GRPO γ=0",
           "essa_warm_start": "ESSA warm start", "essa": "ESSA"}
 
 

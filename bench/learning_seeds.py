@@ -11,6 +11,10 @@ essa_warm_start figures), which its target is about; its "base" cell is that war
     python bench/learning_seeds.py default=results/.../default/*.json \\
         mask_truncated=results/.../mask-truncated/*.json --base results/.../learning.json
     (a LABEL=FILE argument per file; the base figures come from every file that has them)
+
+LABEL:METHOD=FILE takes only that method's figures from the file (and its base), so runs of one
+method from several runs can be pooled under one label, e.g. GRPO from an earlier run's seeds
+beside F-GRPO's at new settings: grpo6:grpo=old/seed0.json ... grpo6:grpo=new/seed4.json.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from pathlib import Path
 NAMES = {"sft": "SFT", "fgrpo": "F-GRPO", "grpo": "GRPO γ=0", "essa": "ESSA"}
 
 
-def load(files: list[tuple[str, Path]], methods: set[str]):
-    """(label, method, task, seed) -> (greedy, pass@k) and (task, seed) -> base's."""
+def load(files: list[tuple[str, str, Path]], methods: set[str]):
+    """(label, method, task, seed) -> (greedy, pass@k) and (task, seed) -> base's.
+    files: (label, the one method to take or "" for all, path)."""
     runs, base, k = {}, {}, None
-    for label, path in files:
+    for label, only, path in files:
         try:
             d = json.loads(path.read_text())
             seed, k = d["args"]["seed"], d["args"]["eval_k"]
@@ -39,7 +44,8 @@ def load(files: list[tuple[str, Path]], methods: set[str]):
                     fig = (v["success_rate"], v.get(f"pass@{k}"))
                     if m == "base":
                         base[(t["task"], seed)] = fig
-                    elif (m in methods or (m == "essa_warm_start" and "essa" in methods)) and label:
+                    elif (m in methods or (m == "essa_warm_start" and "essa" in methods)) and label \
+                            and only in ("", m, "essa" if m == "essa_warm_start" else m):
                         runs[(label, m, t["task"], seed)] = fig
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a learning.json of bench/learning.py ({type(e).__name__}: {e})") from None
@@ -70,7 +76,7 @@ def report(runs, base, k, target: float) -> str:
             f"| {task} | {label} | {NAMES[m]} | {len(seeds)} | {pct(statistics.mean(start))}% "
             f"| {pct(statistics.mean(greedy))}% | {100 * statistics.mean(gains):+.0f} "
             f"({', '.join(f'{100 * g:+.0f}' for g in gains)}) | {sum(g >= target - 1e-9 for g in gains)} of {len(seeds)} "
-            f"| {pct(statistics.mean(passk)) + '%' if passk else '-'} |")
+            f"| {f'{100 * statistics.mean(passk):.1f}%' if passk else '-'} |")
     return "\n".join(lines)
 
 
@@ -84,12 +90,15 @@ def main(argv=None) -> None:
     methods = set(a.methods.split(","))
     if methods - set(NAMES):
         p.error(f"unknown method: {', '.join(sorted(methods - set(NAMES)))}")
-    files = [("", Path(f)) for f in a.base]
+    files = [("", "", Path(f)) for f in a.base]
     for spec in a.runs:
         label, sep, path = spec.partition("=")
         if not sep:
             p.error(f"{spec}: expected LABEL=FILE")
-        files.append((label, Path(path)))
+        label, _, only = label.partition(":")
+        if only and only not in NAMES:
+            p.error(f"{spec}: unknown method '{only}' (from {', '.join(NAMES)})")
+        files.append((label, only, Path(path)))
     try:
         runs = load(files, methods)
     except ValueError as e:

@@ -72,7 +72,7 @@ def test_table_and_plot_from_a_toy_result(tmp_path):
     assert "| products (kept aside) | 49 / 50 | 0% (4%) | not run |" in md
     assert "2026-12-01" in md and "x86_64 CPU, 2 cores" in md and "`python bench/learning.py`" in md
     # capped share of rollouts: mean of the first 4 steps (0.75), of the last 4 (0.25)
-    assert "- chain_sum: F-GRPO γ=1 75% -> 25%" in md and "products:" not in md.split("cap")[-1]
+    assert "- chain_sum: F-GRPO 75% -> 25%" in md and "products:" not in md.split("cap")[-1]
     assert json.loads((tmp_path / "learning.json").read_text()) == result
     from PIL import Image
 
@@ -261,7 +261,7 @@ def test_held_out_points_while_training_are_read_reported_and_plotted(tmp_path):
     methods["essa"] = {"success_rate": 0.6, "curve": [{"step": 0, "held_out": 0.55}, {"step": 4, "held_out": 0.6}]}
     bench.write_report(result, tmp_path / "with")
     md = (tmp_path / "with" / "learning.md").read_text()
-    assert "- chain_sum F-GRPO γ=1: 0: 12% (30%), 8: 50% (70%)" in md and "- chain_sum ESSA: 0: 55%, 4: 60%" in md
+    assert "- chain_sum F-GRPO: 0: 12% (30%), 8: 50% (70%)" in md and "- chain_sum ESSA: 0: 55%, 4: 60%" in md
     bench.write_report(toy_result(), tmp_path / "without")
     assert "while training" not in (tmp_path / "without" / "learning.md").read_text()
     from PIL import Image

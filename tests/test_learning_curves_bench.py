@@ -23,7 +23,7 @@ def test_curves_table_and_plot_from_event_files(tmp_path):
              _events(tmp_path / "products-essa.jsonl", [{"step": 4, "reward": 0.6, "candidate": "mean"}])]
     assert bench.main([*map(str, files), "--out", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "curves.md").read_text()
-    assert "- gcd F-GRPO γ=1: 0: 34% (44%), 8: 40% (60%)" in md
+    assert "- gcd F-GRPO: 0: 34% (44%), 8: 40% (60%)" in md
     assert "- gcd GRPO γ=0: 0: 34% (44%)" in md and "- products ESSA: 4: 60%" in md
     from PIL import Image
 
