@@ -66,6 +66,22 @@ from .settings import Config, FGRPOSettings
 # the rollouts of each rank (rank 0's seed is that of a one-process run).
 _TRAIN_STREAM, _EVAL_STREAM, _RANK_STREAM = 1_000_003, 7_919, 1_000_000_007
 
+# Completions cut at max_new_tokens rarely hold their answer, earn no reward and, once a whole
+# group is cut, teach nothing: a run whose rollouts stay cut has stopped learning. On the learning
+# benchmark such runs lost their held-out success (gcd) or gained little (count_bits): warn once
+# when CUT_SHARE or more of every one of the last CUT_STEPS steps' completions were cut.
+CUT_STEPS, CUT_SHARE = 4, 0.9
+
+
+def cut_warning(cut_shares: list[float], cap: int) -> str | None:
+    """The warning for a run whose recent rollouts hit the cap; cut_shares: one per step so far."""
+    last = cut_shares[-CUT_STEPS:]
+    if len(last) < CUT_STEPS or min(last) < CUT_SHARE:
+        return None
+    return (f"{100 * sum(last) / len(last):.0f}% of the completions of the last {CUT_STEPS} steps hit "
+            f"fgrpo.max_new_tokens={cap} and earn no reward, so these steps teach little: raise "
+            f"fgrpo.max_new_tokens, or ask for a shorter answer in the prompt or data.system_prompt")
+
 
 # --------------------------------------------------------------------------- log-probs
 
@@ -344,6 +360,8 @@ def train(ctx: RunContext) -> dict:
         phases.emit(ctx.emit, "training")
         progress = Progress(s.steps, start_step)
         step, stopped, warned = start_step, False, 0
+        cut_shares: list[float] = []  # per step, for cut_warning (once a run)
+        cut_warned = False
         while step < s.steps:
             if ctx.should_stop():
                 stopped = True
@@ -379,6 +397,10 @@ def train(ctx: RunContext) -> dict:
             step += 1
 
             p_hat = success_share(ok, G)
+            cut_shares.append(sum(all_truncated) / max(len(all_truncated), 1))
+            if not cut_warned and (msg := cut_warning(cut_shares, s.max_new_tokens)):
+                ctx.emit("warning", message=msg)
+                cut_warned = True
             gen_tokens = int(dist.all_reduce_sum(int(roll.completion_mask.sum())))
             metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
             if every(cfg.run.log_every, step) or step == s.steps:

@@ -267,6 +267,25 @@ def test_normalized_focal_weights_scale_the_first_gradient_by_one_over_their_mea
     assert norm["grad_norm"] / plain["grad_norm"] == pytest.approx(factor, rel=1e-4)
 
 
+def test_a_run_whose_rollouts_stay_cut_at_the_cap_is_warned_once():
+    assert fgrpo.cut_warning([1.0, 1.0, 1.0], 32) is None  # fewer steps than the window
+    assert fgrpo.cut_warning([1.0, 0.5, 0.95, 0.9, 1.0], 32) is None  # one step of the last four below
+    msg = fgrpo.cut_warning([0.5, 0.95, 0.9, 1.0, 0.93], 32)
+    assert msg.startswith("94% of the completions of the last 4 steps") and "fgrpo.max_new_tokens=32" in msg
+
+
+def test_the_cut_warning_reaches_the_events(tiny_model_dir, rl_files, tmp_path):
+    # The tiny random model never stops before 6 tokens: every completion is cut.
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=5, eval_prompts=0)
+    _, _, events = run_fgrpo(cfg, tmp_path / "cut")
+    assert all(e["truncated"] == 1.0 for e in events if e["type"] == "step")
+    warnings = [(i, e["message"]) for i, e in enumerate(events) if e["type"] == "warning"]
+    assert len(warnings) == 1 and "100% of the completions" in warnings[0][1]
+    assert "fgrpo.max_new_tokens=6" in warnings[0][1]
+    steps_before = [e["step"] for e in events[:warnings[0][0]] if e["type"] == "step"]
+    assert steps_before == [1, 2, 3]  # found with the fourth step's rollouts
+
+
 def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files, tmp_path):
     cfg = config(tiny_model_dir, rl_files, tmp_path, beta=0.1, eval_prompts=0)
     _, _, events = run_fgrpo(cfg, tmp_path / "kl")
@@ -293,8 +312,8 @@ def test_quickstart_raises_held_out_success(tmp_path):
     """The fgrpo-quickstart preset, as shipped (seed 0, embedded SmolLM2-135M in NF4, fp32
     compute on the CPU, 32 steps of 4 prompts x 8 completions), raises greedy success and
     sampled pass@1 on the 30 held-out pairs above their start, both measured in fp32.
-    About 12.5 minutes on 2 idle CPU cores; a recorded run (10% -> 100% greedy) is in
-    bench/results/2026-12-02-cpu/fgrpo-quickstart-32/."""
+    About 11 minutes on 2 idle CPU cores; a recorded run (10% -> 97% greedy) is in
+    bench/results/2026-12-03-cpu/fgrpo-quickstart/."""
     cfg = resolve(preset="fgrpo-quickstart", overrides=[f"run.runs_dir={tmp_path}"])
     assert cfg.model.dtype == "auto" and not torch.cuda.is_available()  # fp32 before and after
     run, metrics, events = run_fgrpo(cfg, tmp_path / "quickstart")
