@@ -2,7 +2,8 @@
 # How far F-GRPO, GRPO and ESSA get on the learning benchmark's tasks with far more budget than
 # the quick-start presets give them: the measured ceilings behind the targets a preset misses.
 #
-#   rl_long   F-GRPO (gamma 1) and GRPO (gamma 0) for RL_STEPS steps (default 64, the preset: 12),
+#   rl_long   F-GRPO (the preset's settings; gamma 1 unnormalised when measured) and GRPO (gamma 0) for
+#             RL_STEPS steps (default 64, the preset: 32),
 #             the held-out split evaluated every RL_EVERY steps (default 8) while they train
 #   essa_big  ESSA with a population of 24 scored on 64 prompts a generation for ESSA_GENS
 #             generations (default 16): 16x the preset's 12 x 16 x 8 completions, the held-out split

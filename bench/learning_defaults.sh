@@ -2,7 +2,7 @@
 # The measurements that decide the learning presets' defaults, as four bench/learning.py runs
 # side by side (each 135M run is host-bound: one process per core keeps one GPU busy enough).
 #
-#   cap64    base, F-GRPO (gamma 1), GRPO (gamma 0) with a 64-token completion cap, trained and
+#   cap64    base, F-GRPO (the preset's settings), GRPO (gamma 0) with a 64-token completion cap, trained and
 #            evaluated at 64 (the quick start's 32 cut 94-100% of count_bits / gcd rollouts)
 #   hint64   base and F-GRPO at 64 tokens with a format hint as the system prompt (HINT below),
 #            in training and evaluation

@@ -2,13 +2,14 @@
 # Settings beyond the presets, measured on the learning benchmark's tasks (one GPU, many runs side
 # by side), to see whether a target a preset misses moves with them:
 #
-#   fgrpo_gamma2   F-GRPO with gamma 2 (the preset: 1) at the preset's 32 steps, seeds SEEDS
-#                  (default 0 1 2 3): the same splits as every other learning run, so pool it with
-#                  learning_seeds.py beside the gamma 1 and gamma 0 runs of those seeds
+#   fgrpo_gamma2   F-GRPO with the paper's unnormalised focal weights at gamma 2 (fgrpo.focal_normalize
+#                  off) at the preset's 32 steps, seeds SEEDS (default 0 1 2 3): the same splits as
+#                  every other learning run, so pool it with learning_seeds.py beside the gamma 1 and
+#                  gamma 0 runs of those seeds
 #   fgrpo_norm     F-GRPO with its focal weights normalised to mean 1 over each step's groups with an
 #                  advantage (fgrpo.focal_normalize), gamma 1, the preset's 32 steps, seeds SEEDS
 #                  (default 0 1 2 3): pool beside the gamma 1 and gamma 0 runs of those seeds
-#   fgrpo_norm_gamma2  the same at gamma 2
+#   fgrpo_norm_gamma2  the same at gamma 2 (what the settings' defaults became)
 #   essa_space     ESSA's search space widened, seed 0, with a GPU's budget (population 32 scored on
 #                  32 prompts a generation for 16 generations; held-out every 4 generations):
 #                    all_values   every singular value of the preset's warm start (alpha 1.0: 1,920
@@ -80,8 +81,10 @@ echo "learning_search: work folder $work, reports in $out"
 
 for g in "${groups[@]}"; do
   case "$g" in
-    seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.gamma=2 --seed "${g#seed}") ;;
-    norm_seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.focal_normalize=true --seed "${g#norm_seed}") ;;
+    seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.gamma=2 --set fgrpo.focal_normalize=false
+                 --seed "${g#seed}") ;;
+    norm_seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.focal_normalize=true --set fgrpo.gamma=1
+                      --seed "${g#norm_seed}") ;;
     norm2_seed*) args=(--methods fgrpo "${rl[@]}" --set fgrpo.focal_normalize=true --set fgrpo.gamma=2
                        --seed "${g#norm2_seed}") ;;
     all_values) args=(--methods essa "${essa[@]}" --set essa.alpha=1.0 --seed 0) ;;

@@ -83,7 +83,7 @@ def test_the_normalised_focal_parts_run_f_grpo_with_normalize_on_and_their_gamma
     stub = tmp_path / "python"
     stub.write_text(ARGS_STUB)
     stub.chmod(0o755)
-    for part, group, gamma in (("fgrpo_norm", "norm_seed2", None), ("fgrpo_norm_gamma2", "norm2_seed2", "2")):
+    for part, group, gamma in (("fgrpo_norm", "norm_seed2", "1"), ("fgrpo_norm_gamma2", "norm2_seed2", "2")):
         out = tmp_path / part
         r = subprocess.run(["bash", str(SCRIPT), str(out), part], capture_output=True, text=True, timeout=60,
                            env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work" / part),
@@ -91,5 +91,5 @@ def test_the_normalised_focal_parts_run_f_grpo_with_normalize_on_and_their_gamma
         assert r.returncode == 0, r.stderr
         args = (out / part / group / "learning.md").read_text().split()
         setting = {args[i + 1].split("=")[0]: args[i + 1].split("=")[1] for i, a in enumerate(args) if a == "--set"}
-        assert setting["fgrpo.focal_normalize"] == "true" and setting.get("fgrpo.gamma") == gamma
+        assert setting["fgrpo.focal_normalize"] == "true" and setting["fgrpo.gamma"] == gamma
         assert args[args.index("--methods") + 1] == "fgrpo" and args[args.index("--seed") + 1] == "2"
