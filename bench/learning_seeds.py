@@ -44,8 +44,8 @@ def load(files: list[tuple[str, str, Path]], methods: set[str]):
                     fig = (v["success_rate"], v.get(f"pass@{k}"))
                     if m == "base":
                         base[(t["task"], seed)] = fig
-                    elif (m in methods or (m == "essa_warm_start" and "essa" in methods)) and label \
-                            and only in ("", m, "essa" if m == "essa_warm_start" else m):
+                    elif label and only in ("", m.removesuffix("_warm_start")) and \
+                            (m in methods or (m == "essa_warm_start" and "essa" in methods)):
                         runs[(label, m, t["task"], seed)] = fig
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a learning.json of bench/learning.py ({type(e).__name__}: {e})") from None

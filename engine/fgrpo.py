@@ -397,7 +397,7 @@ def train(ctx: RunContext) -> dict:
             step += 1
 
             p_hat = success_share(ok, G)
-            cut_shares.append(sum(all_truncated) / max(len(all_truncated), 1))
+            cut_shares.append(sum(all_truncated) / max(len(all_truncated), 1))  # the step event's truncated
             if not cut_warned and (msg := cut_warning(cut_shares, s.max_new_tokens)):
                 ctx.emit("warning", message=msg)
                 cut_warned = True
@@ -411,7 +411,7 @@ def train(ctx: RunContext) -> dict:
                          loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
                          grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
                          completion_len=gen_tokens / max(len(all_rewards), 1),
-                         truncated=sum(all_truncated) / max(len(all_truncated), 1),
+                         truncated=cut_shares[-1],
                          gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
                          train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
                          tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),
