@@ -212,7 +212,7 @@ def essa_generation(base):
     rows = [{"prompt": p, "answer": ""} for p in prompts]
     s = ESSASettings(population=ES["population"], sigma0=0.05, max_new_tokens=ES["new_tokens"], greedy=True,
                      prompts_per_generation=ES["prompts"], evaluation="batched")
-    es = make_es(space.dim, s, seed=0)
+    es = make_es(space.dim, s, seed=0, values=space.values())
     xs = es.ask()
     while True:
         ev = info_evaluator()(model, IdTokenizer(), space, id_reward, s, candidates_per_batch=k)

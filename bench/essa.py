@@ -210,7 +210,7 @@ def main(argv=None) -> dict:
     k = a.k or a.population
     s = ESSASettings(population=a.population, sigma0=0.05, max_new_tokens=a.new_tokens, greedy=True,
                      prompts_per_generation=a.prompts)
-    xs = make_es(space.dim, s, seed=0).ask()
+    xs = make_es(space.dim, s, seed=0, values=space.values()).ask()
     n_seq = min(a.sequential_candidates, a.population)
 
     def gen_tokens(n_rows):

@@ -213,7 +213,7 @@ def build(a, work: Path, log):
     eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=rl.report.token_lengths.get("max") or None)
     evaluator = essa.Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
                                memory_budget=copy_budget(cfg))
-    xs = essa.make_es(space.dim, s, cfg.run.seed).ask()
+    xs = essa.make_es(space.dim, s, cfg.run.seed, space.values()).ask()
     info = {"warm_start_s": round(warm_s, 1), "warm_start_steps": None if s.warm_start else s.warm_start_steps,
             "search_dim": space.dim, "candidates_per_batch": eff.candidates_per_batch, "device": device,
             "train_rows": len(rl.train)}

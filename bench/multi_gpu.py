@@ -163,7 +163,7 @@ def rank_job(a) -> None:
                              evaluation=mode)
             share = len(dist.shard(pop))
             ev = Evaluator(model, tok, space, id_reward, s, candidates_per_batch=share)
-            xs = make_es(space.dim, s, seed=0).ask()
+            xs = make_es(space.dim, s, seed=0, values=space.values()).ask()
             # warm-up, this rank alone: kernels; the fast loop's graph for the full prompt batch
             ev.population(xs[:1], data) if mode == "sequential" else ev.population(xs[:2], data[:2])
             if cuda:

@@ -68,7 +68,9 @@ from .settings import ESSASettings, warm_start_config
 # --------------------------------------------------------------------------- CMA-ES
 
 
-def make_es(dim: int, s: ESSASettings, seed: int):
+def make_es(dim: int, s: ESSASettings, seed: int, values: np.ndarray | None = None):
+    """CMA-ES over `dim` offsets; `values` (SVDSpace.values(), needed for essa.step
+    relative) sets each offset's initial step to sigma0 times its singular value."""
     import cma
 
     opts = {
@@ -77,6 +79,14 @@ def make_es(dim: int, s: ESSASettings, seed: int):
         "seed": seed + 1,
         "verbose": -9, "verb_log": 0, "verb_disp": 0,  # no outcmaes/ files, no prints
     }
+    if s.step == "relative":
+        if values is None or len(values) != dim:
+            raise ValueError("essa.step relative needs the searched singular values")
+        if not np.max(values) > 0:
+            raise ConfigError("essa.step relative: the warm start's searched singular values are all 0, so "
+                              "no step can move them (use essa.step absolute, or a warm start that trained)")
+        # cma's per-coordinate multipliers of sigma0; a value of exactly 0 would freeze its offset
+        opts["CMA_stds"] = np.maximum(values, 1e-6 * np.max(values))
     return cma.CMAEvolutionStrategy(np.zeros(dim), s.sigma0, opts)
 
 
@@ -323,7 +333,7 @@ def train(ctx: RunContext) -> dict:
                           memory_budget=copy_budget(cfg), warn=lambda m: ctx.emit("warning", message=m))
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
-    es, log = make_es(space.dim, s, seed), SearchLog()
+    es, log = make_es(space.dim, s, seed, space.values()), SearchLog()
     gen, best_x, best_f = 0, np.zeros(space.dim), -math.inf
     metrics: dict = {"search_dim": space.dim}
     if ctx.resume is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -136,6 +137,10 @@ class SVDSpace:
             # W0 + U diag(d_k) Vh for every k, as one batched matmul
             per_factor.append(f.w0 + torch.matmul(f.u * d[:, None, :], f.vh))
         return [(per_factor[2 * j], per_factor[2 * j + 1]) for j in range(len(self.modules))]
+
+    def values(self) -> np.ndarray:
+        """The warm start's searched singular values, in the order of x."""
+        return np.concatenate([f.s.double().cpu().numpy() for f in self.factors])
 
     def describe(self) -> dict:
         return {"modules": len(self.modules), "factors": len(self.factors), "dim": self.dim}

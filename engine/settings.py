@@ -341,6 +341,13 @@ class ESSASettings:
         0.05,
         "CMA-ES's initial step size, in units of the singular values' offsets.",
         section="CMA-ES")
+    step: str = setting(
+        "absolute",
+        "absolute = sigma0 in the singular values' own units, alike for every value; relative = each "
+        "value's step is sigma0 times the value itself (sigma0 0.2: moves of about 20%). After a short "
+        "warm start a LoRA B holds values ~0.005-0.2 and its A ~0.5-0.7, so one absolute step "
+        "doubles or flips B's values while it barely moves A's.",
+        section="CMA-ES")
     generations: int = setting(10, "CMA-ES generations.", section="CMA-ES")
     reward: Any = setting(
         "last_number",
@@ -650,6 +657,7 @@ CHOICES = {
     "essa.evaluation": ("sequential", "batched"),
     "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"),
     "essa.export": ("mean", "best"),
+    "essa.step": ("absolute", "relative"),
 }
 
 

@@ -153,3 +153,35 @@ def test_cma_es_finds_a_target_adapter():
     found = es.result.xfavorite
     assert fitness(found) > 1e-4 * start  # start is negative: 10,000x closer
     assert np.abs(found - target_x).max() < 0.02
+
+
+def test_relative_steps_move_each_singular_value_by_a_share_of_itself():
+    """essa.step relative: the first population's offsets spread in proportion to the value
+    they move (sigma0 0.2: about 20% of it); absolute: alike for every value."""
+    from edgetune.engine.essa import make_es
+    from edgetune.engine.settings import ESSASettings
+
+    model = tiny_lora_model(r=4)
+    space = SVDSpace(model, alpha=1.0)
+    values = space.values()
+    assert values.shape == (space.dim,) and np.allclose(values, np.concatenate([f.s.numpy() for f in space.factors]))
+    with torch.no_grad():  # make the B factors ten times smaller than the A factors, as after a short warm start
+        for f in space.factors:
+            if f.which == "B":
+                f.weight.mul_(0.1)
+    space = SVDSpace(model, alpha=1.0)
+    values = space.values()
+    is_b = np.concatenate([[f.which == "B"] * f.k for f in space.factors])
+    assert values[is_b].mean() < 0.2 * values[~is_b].mean()
+
+    def spread(step):
+        es = make_es(space.dim, ESSASettings(population=400, sigma0=0.2, step=step), seed=0, values=values)
+        return np.std(np.asarray(es.ask()), axis=0)
+
+    rel, ab = spread("relative"), spread("absolute")
+    assert np.allclose(rel / values, 0.2, rtol=0.15)  # 400 draws: the sd is known to ~4%
+    assert np.allclose(ab, 0.2, rtol=0.15)
+    with pytest.raises(ValueError, match="singular values"):
+        make_es(space.dim, ESSASettings(step="relative"), seed=0)
+    with pytest.raises(ConfigError, match="all 0"):
+        make_es(space.dim, ESSASettings(step="relative"), seed=0, values=np.zeros(space.dim))
