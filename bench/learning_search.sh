@@ -28,6 +28,8 @@
 #   essa_relative  the quick start's space and budget with relative steps (essa.step relative: each
 #                  singular value moves by a share of itself) at sigma0 0.2 and 0.4, seeds SEEDS
 #                  (default 0 1 2 3)
+#   essa_relative_linear  the all_linear space at the quick start's budget with relative steps at sigma0
+#                  0.4, and the quick start as shipped beside it, seeds SEEDS (default 0 1 2 3)
 #
 # fp32 compute as in the earlier H200 tables. At DEADLINE_S (default 470) the runs still going are
 # stopped; their held-out points so far stay in OUT/logs (events.jsonl). Writes OUT/<group>/...
@@ -38,11 +40,12 @@
 #   bash bench/learning_search.sh OUT essa_linear      # GPU: 20 runs side by side (4.7 min a run beside 15 more)
 #   bash bench/learning_search.sh OUT essa_linear_big  # GPU: 10 runs side by side, about 4 minutes
 #   SEEDS="0 1" bash bench/learning_search.sh OUT essa_linear_3x  # GPU: 10 runs side by side
-#   bash bench/learning_search.sh OUT essa_relative    # GPU: 40 runs side by side
+#   bash bench/learning_search.sh OUT essa_relative    # GPU: 40 runs side by side (8 generations in 7 min)
+#   bash bench/learning_search.sh OUT essa_relative_linear  # GPU: 40 runs side by side
 #   bash bench/learning_search.sh OUT essa_space --tiny   # CPU check: one task, tiny budgets
 set -uo pipefail
-out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x|essa_relative [--tiny]}
-part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x|essa_relative [--tiny]}
+out=${1:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x|essa_relative|essa_relative_linear [--tiny]}
+part=${2:?usage: learning_search.sh OUT fgrpo_gamma2|fgrpo_norm|fgrpo_norm_gamma2|essa_space|essa_linear|essa_linear_big|essa_linear_3x|essa_relative|essa_relative_linear [--tiny]}
 tiny=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/learning_groups.sh"
@@ -56,7 +59,8 @@ case "$part" in
   essa_linear_big) groups=(); for s in ${SEEDS:-1 2}; do groups+=("big_seed$s"); done ;;
   essa_linear_3x) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("x3_seed$s"); done ;;
   essa_relative) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("rel02_seed$s" "rel04_seed$s"); done ;;
-  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, fgrpo_norm, fgrpo_norm_gamma2, essa_space, essa_linear, essa_linear_big, essa_linear_3x or essa_relative)" >&2
+  essa_relative_linear) groups=(); for s in ${SEEDS:-0 1 2 3}; do groups+=("rel04_linear_seed$s" "shipped_seed$s"); done ;;
+  *) echo "learning_search: unknown part '$part' (fgrpo_gamma2, fgrpo_norm, fgrpo_norm_gamma2, essa_space, essa_linear, essa_linear_big, essa_linear_3x, essa_relative or essa_relative_linear)" >&2
      exit 2 ;;
 esac
 for g in "${groups[@]}" logs; do
@@ -99,6 +103,9 @@ for g in "${groups[@]}"; do
     x3_seed*) args=(--methods essa "${essa_3x[@]}" "${linear[@]}" --seed "${g#x3_seed}") ;;
     rel02_seed*) args=(--methods essa "${essa_preset[@]}" --set essa.step=relative --set essa.sigma0=0.2
                        --seed "${g#rel02_seed}") ;;
+    rel04_linear_seed*) args=(--methods essa "${essa_preset[@]}" "${linear[@]}" --set essa.step=relative
+                              --set essa.sigma0=0.4 --seed "${g#rel04_linear_seed}") ;;
+    shipped_seed*) args=(--methods essa "${essa_preset[@]}" --seed "${g#shipped_seed}") ;;
     rel04_seed*) args=(--methods essa "${essa_preset[@]}" --set essa.step=relative --set essa.sigma0=0.4
                        --seed "${g#rel04_seed}") ;;
   esac
