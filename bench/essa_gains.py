@@ -59,6 +59,9 @@ def table(g: dict, target: float) -> str:
                 for t in tasks if (s, t) in g and t != learning.KEPT_ASIDE) for s in settings}
     lines.append(f"| benchmark tasks with a mean gain ≥ +{100 * target:.0f} | "
                  + " | ".join(str(n[s]) for s in settings) + " |")
+    reached = sorted({n for per in g.values() for *_, n in per.values()})
+    lines.append("\nLast generation reached: " + (f"{reached[0]} in every run" if len(reached) == 1
+                                                   else f"{reached[0]} to {reached[-1]} (marked where a cell mixes them)"))
     return "\n".join(lines)
 
 

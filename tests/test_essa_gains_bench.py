@@ -30,6 +30,7 @@ def test_mean_gain_over_seeds_per_setting_and_task(tmp_path, capsys):
     assert "| gcd | +9.0 (+8, +10) | -4.0 (-4) |" in out
     assert "| products | +20.0 (+20) | not run |" in out
     assert "| benchmark tasks with a mean gain ≥ +8 | 1 | 0 |" in out
+    assert "Last generation reached: 2 to 6" in out
 
 
 def test_a_folder_without_essa_runs_is_refused(tmp_path):
