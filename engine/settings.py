@@ -346,7 +346,8 @@ class ESSASettings:
         "absolute = sigma0 in the singular values' own units, alike for every value; relative = each "
         "value's step is sigma0 times the value itself (sigma0 0.2: moves of about 20%). After a short "
         "warm start a LoRA B holds values ~0.005-0.2 and its A ~0.5-0.7, so one absolute step "
-        "doubles or flips B's values while it barely moves A's.",
+        "doubles or flips B's values while it barely moves A's. Measured on the learning benchmark: "
+        "no better than absolute (bench/RESULTS.md, \"ESSA with relative steps\").",
         section="CMA-ES")
     generations: int = setting(10, "CMA-ES generations.", section="CMA-ES")
     reward: Any = setting(
