@@ -42,21 +42,21 @@ def gains(logs: Path) -> dict:
 def table(g: dict, target: float) -> str:
     settings = sorted({s for s, _ in g})
     tasks = [t for t in learning.TASKS if any((s, t) in g for s in settings)]
+    # (setting, task) -> each seed's gain in points, in seed order
+    gain = {key: [100 * (b - a) for a, b, _ in (per[k] for k in sorted(per))] for key, per in g.items()}
     lines = ["| task | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for t in tasks:
         cells = []
         for s in settings:
-            per = g.get((s, t), {})
-            if not per:
+            if (s, t) not in gain:
                 cells.append("not run")
                 continue
-            d = [100 * (b - a) for a, b, _ in (per[k] for k in sorted(per))]
-            gens = sorted({n for *_, n in per.values()})
+            d, gens = gain[(s, t)], sorted({n for *_, n in g[(s, t)].values()})
             cells.append(f"{statistics.mean(d):+.1f} ({', '.join(f'{x:+.0f}' for x in d)})"
                          + ("" if len(gens) == 1 else f" gen. {gens[0]}-{gens[-1]}"))
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    n = {s: sum(statistics.mean(100 * (b - a) for a, b, _ in g[(s, t)].values()) >= 100 * target
-                for t in tasks if (s, t) in g and t != learning.KEPT_ASIDE) for s in settings}
+    n = {s: sum(statistics.mean(gain[(s, t)]) >= 100 * target
+                for t in tasks if (s, t) in gain and t != learning.KEPT_ASIDE) for s in settings}
     lines.append(f"| benchmark tasks with a mean gain ≥ +{100 * target:.0f} | "
                  + " | ".join(str(n[s]) for s in settings) + " |")
     reached = sorted({n for per in g.values() for *_, n in per.values()})
