@@ -9,7 +9,7 @@
                          at 72B inside 80 GB, ~150 s), quant_cache_gpu.py (first vs cached load)
     essentials (~10 min): the quick start on CUDA, ESSA's population, the SFT step, when
                          only one command fits
-    report:              tables for bench/RESULTS.md from the groups' JSON, on any machine
+    report:              tables (see bench/README.md) from the groups' JSON, on any machine
 
 Each bench runs in its own process (Unsloth patches transformers on import; a crash or a
 CUDA OOM in one must not take the others down) with a wall-clock cap taken from what is
