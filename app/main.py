@@ -1,5 +1,7 @@
 """`edgetune ui`: serve the app (binds 127.0.0.1 unless told otherwise; another --host
-needs --auth user:password or an explicit --insecure-no-auth).
+needs --auth user:password or an explicit --insecure-no-auth). Every request passes
+app/guard.py first: foreign Host or Origin, uploads that are no data file and repeated
+failed logins are refused.
 
     python -m edgetune.app.main --port 7860 --runs-dir runs
 """
@@ -13,6 +15,8 @@ from pathlib import Path
 
 from edgetune.engine.errors import ConfigError
 
+from .guard import Guard, LoginThrottle
+from .tab_data import DATA_TYPES
 from .ui import CSS, build_app
 
 
@@ -37,16 +41,31 @@ def check_access(host: str, auth: str | None, insecure_no_auth: bool) -> tuple[s
     return None
 
 
+def check_allow_hosts(names: list[str] | None) -> tuple[str, ...]:
+    """--allow-host values: bare host names (no scheme, port or path)."""
+    out = []
+    for name in names or ():
+        if not name or any(c in name for c in "/:@ ") or name.startswith("."):
+            raise ConfigError(f"--allow-host {name!r}: expected a host name such as myhost.lan")
+        out.append(name.lower())
+    return tuple(out)
+
+
 def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", block: bool = True,
-           auth: str | None = None, insecure_no_auth: bool = False):
+           auth: str | None = None, insecure_no_auth: bool = False, allow_hosts: list[str] | None = None):
     import gradio as gr
+    from starlette.middleware import Middleware
 
     credentials = check_access(host, auth, insecure_no_auth)
+    guard = Middleware(Guard, bound=host, allow=check_allow_hosts(allow_hosts), upload_types=DATA_TYPES,
+                       throttle=LoginThrottle() if credentials else None)
     demo = build_app(runs_dir)
     try:
         demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(), auth=credentials,
                     # Adapter zips are written into the run folder and downloaded from there.
                     allowed_paths=[str(Path(runs_dir).resolve())], prevent_thread_lock=not block,
+                    # Every request passes the guard; no Node server answers in front of it.
+                    app_kwargs={"middleware": [guard]}, ssr_mode=False,
                     footer_links=[], quiet=True)
     finally:
         if block:
@@ -62,7 +81,8 @@ def main(argv=None) -> int:
     add_access_args(p)
     a = p.parse_args(argv)
     try:
-        launch(a.host, a.port, a.runs_dir, auth=a.auth, insecure_no_auth=a.insecure_no_auth)
+        launch(a.host, a.port, a.runs_dir, auth=a.auth, insecure_no_auth=a.insecure_no_auth,
+               allow_hosts=a.allow_host)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -75,6 +95,10 @@ def add_access_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-local --host without a login: anyone who reaches the port can start runs "
                         "and run reward_file Python as you")
+    p.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="also answer requests addressed to this host name (a reverse proxy's or a LAN name); "
+                        "localhost, the --host and IP addresses always work, any other name is refused "
+                        "(a web page could point its own domain at this port). Repeatable")
 
 
 if __name__ == "__main__":

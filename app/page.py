@@ -43,7 +43,7 @@ class Page:
 
     def __init__(self, runs_dir: Path):
         self.runs_dir = runs_dir
-        self.uploads = runs_dir / ".uploads"
+        self.uploads = runs_dir / api.UPLOADS
         self.specs = form.field_specs()
         self.spec_of = {s.key: s for s in self.specs}
         self.chat = api.chat_session(log_path=runs_dir / ".chat-worker.log")

@@ -12,6 +12,9 @@ from edgetune.engine.errors import EdgetuneError
 
 from . import panels
 
+# The file types the upload offers; app/guard.py refuses any other upload on the server.
+DATA_TYPES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz")
+
 
 class DataTab:
     def __init__(self, page):
@@ -21,7 +24,7 @@ class DataTab:
                 page.group_fields("data")
             with gr.Column(scale=1):
                 self.upload = gr.File(label="Upload a data file (.jsonl, .json, .csv, .parquet)",
-                                      file_types=[".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz"],
+                                      file_types=list(DATA_TYPES),
                                       type="filepath", elem_id="data-upload")
                 self.check_btn = gr.Button("Check data", variant="primary", elem_id="check-data-btn")
         self.report = gr.Markdown("_Press “Check data” to validate the file with the model's tokenizer._",

@@ -16,18 +16,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
-from .errors import RunError
+from .errors import ConfigError, RunError
 from .events import TERMINAL, follow, read_events, scan_events
 from .runfolder import RunDir, atomic_write_text, check_run_name, lock_runs_folder, pid_alive
 from .settings import Config, resolve  # noqa: F401  (re-exported for callers)
 
 ACTIVE = ("starting", "running")
+UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
 
 
 class Run:
@@ -165,7 +167,8 @@ def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess
 
 def preflight(cfg: Config) -> None:
     """Checks that need no model or data loading, so that a typo fails before a run
-    folder exists: the model path and the data files must be there."""
+    folder exists: the model path and the data files must be there, and no reward file
+    may come from an upload."""
     from .errors import DataError
     from .model import looks_like_path
     from .errors import ModelError
@@ -177,6 +180,32 @@ def preflight(cfg: Config) -> None:
         value = getattr(cfg.data, key)
         if value and not value.startswith("embedded:") and not Path(value).expanduser().exists():
             raise DataError(f"data.{key}: file not found", file=value)
+    check_reward_files(cfg)
+
+
+def upload_folders(runs_dir: str | os.PathLike) -> list[Path]:
+    """Where files sent through the app's page are kept: the app's copies in
+    <runs_dir>/.uploads and Gradio's upload cache ($GRADIO_TEMP_DIR, else <tmp>/gradio, as
+    gradio.utils.get_upload_folder has it; the engine does not import Gradio)."""
+    gradio_cache = os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio"
+    return [Path(runs_dir) / UPLOADS, Path(gradio_cache)]
+
+
+def check_reward_files(cfg: Config) -> None:
+    """A reward file is Python that the worker runs with the user's rights, so it is taken
+    only from a path the user typed, never from a file someone sent through the app's
+    upload: none may lie in an upload folder (as typed, or once links are followed)."""
+    for section in ("fgrpo", "essa"):
+        value = getattr(cfg, section).reward_file
+        if not value:
+            continue
+        p = Path(value).expanduser()
+        for folder in upload_folders(cfg.run.runs_dir):
+            if Path(os.path.abspath(p)).is_relative_to(os.path.abspath(folder)) or \
+                    p.resolve().is_relative_to(folder.resolve()):
+                raise ConfigError(f"{section}.reward_file {value}: lies in {folder}, where the app keeps uploaded "
+                                  "files; a reward file runs as Python, so it is never taken from an upload: "
+                                  "save it elsewhere and give that path")
 
 
 def _locked(runs_dir: Path) -> int:

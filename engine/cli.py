@@ -442,7 +442,7 @@ def cmd_ui(a) -> int:
 
     print(f"edgetune: starting the app on {a.host}:{a.port} (runs in {a.runs_dir}) ...", flush=True)
     demo = launch(host=a.host, port=a.port, runs_dir=a.runs_dir, block=False, auth=a.auth,
-                  insecure_no_auth=a.insecure_no_auth)
+                  insecure_no_auth=a.insecure_no_auth, allow_hosts=a.allow_host)
     try:
         local = a.host in ("localhost",) or ipaddress.ip_address(a.host).is_loopback
     except ValueError:
@@ -541,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-local --host without a login: anyone who reaches the port can start runs "
                         "and run reward_file Python as you")
+    u.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="also answer requests addressed to this host name (a reverse proxy's or a LAN name); "
+                        "localhost, the --host and IP addresses always work, any other name is refused "
+                        "(a web page could point its own domain at this port). Repeatable")
     u.set_defaults(fn=cmd_ui)
     return p
 

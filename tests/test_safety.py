@@ -238,6 +238,170 @@ def test_app_with_auth_refuses_requests_without_the_login(tmp_path):
         demo.edgetune_chat.close()
 
 
+# --------------------------------------------------------------------------- what a web page may send the app
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The app on 127.0.0.1 without a login, as `edgetune ui --allow-host edgetune.lan`
+    serves it; Gradio's upload cache in a folder of the test's own."""
+    import os
+
+    from edgetune.app.main import launch
+
+    root = tmp_path_factory.mktemp("served")
+    old = os.environ.get("GRADIO_TEMP_DIR")
+    os.environ["GRADIO_TEMP_DIR"] = str(root / "gradio")
+    port = _free_port()
+    demo = launch("127.0.0.1", port, str(root / "runs"), block=False, allow_hosts=["edgetune.lan"])
+    try:
+        yield demo, f"http://127.0.0.1:{port}", port, root
+    finally:
+        demo.close()
+        demo.edgetune_chat.close()
+        if old is None:
+            os.environ.pop("GRADIO_TEMP_DIR")
+        else:
+            os.environ["GRADIO_TEMP_DIR"] = old
+
+
+def test_app_answers_only_its_own_host_names(served):
+    """A DNS-rebinding page reaches 127.0.0.1 under its own domain: that Host is refused."""
+    import httpx
+
+    _, base, port, _ = served
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"edgetune.lan:{port}"):
+        assert httpx.get(f"{base}/config", headers={"Host": host}, timeout=30).status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", f"localhost.evil.example:{port}", ""):
+        r = httpx.get(f"{base}/config", headers={"Host": host}, timeout=30)
+        assert r.status_code == 403 and f"Host '{host}' is not an address of this app" in r.text, host
+        assert "components" not in r.text
+
+
+def test_app_refuses_a_post_from_another_sites_page(served):
+    import httpx
+
+    _, base, port, _ = served
+    row = {"files": ("d.jsonl", b'{"prompt": "1+1", "answer": "2"}\n')}
+    for origin in ("http://evil.example", f"http://evil.example:{port}", f"http://localhost:{port + 1}", "null"):
+        for path in ("/gradio_api/upload", "/gradio_api/queue/join"):
+            r = httpx.post(f"{base}{path}", headers={"Origin": origin}, files=row, timeout=30)
+            assert r.status_code == 403 and f"another site ({origin})" in r.text, (origin, path)
+    # the page's own origin, a name given with --allow-host, and a client that sends none
+    for origin in (base, "http://edgetune.lan", None):
+        r = httpx.post(f"{base}/gradio_api/upload", headers={"Origin": origin} if origin else {}, files=row,
+                       timeout=30)
+        assert r.status_code == 200, origin
+
+
+def test_app_takes_uploads_of_data_files_only(served):
+    """The Data tab's file types hold on the server: a .py sent by hand is refused before
+    Gradio writes any of it; a data file is taken."""
+    import httpx
+
+    _, base, _, root = served
+    cache = root / "gradio"
+    for files in ([("files", ("reward.py", b"import os\n"))],
+                  [("files", ("ok.csv", b"a,b\n1,2\n")), ("files", ("reward.py", b"import os\n"))],
+                  [("files", ("reward.py.", b"import os\n"))], [("files", ("x.jsonl/../reward.py", b"import os\n"))]):
+        r = httpx.post(f"{base}/gradio_api/upload", files=files, timeout=30)
+        assert r.status_code == 415 and r.text.startswith("upload refused: '") and "not a data file" in r.text
+        assert not [p for p in cache.rglob("*") if p.is_file() and b"import os" in p.read_bytes()]
+    r = httpx.post(f"{base}/gradio_api/upload", files={"files": ("Train.JSONL", b'{"a": 1}\n')}, timeout=30)
+    assert r.status_code == 200
+    [path] = r.json()
+    assert path.endswith("Train.JSONL") and open(path, "rb").read() == b'{"a": 1}\n'
+
+
+def test_a_reward_file_in_an_upload_folder_is_never_run(served, capsys):
+    """However a start arrives (the app's Start, the API, the CLI), a reward_file that lies
+    in the app's upload folders is refused in one line and no run folder is made."""
+    from edgetune.app import form
+    from edgetune.engine import api, cli
+
+    demo, _, _, root = served
+    page, runs = demo.edgetune_page, root / "runs"
+    planted = [runs / ".uploads" / "reward.py", root / "gradio" / "0abc" / "reward.py"]
+    for p in planted:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("import pathlib\npathlib.Path('RAN').touch()\ndef reward(completion, answer, row):\n"
+                     "    return 1.0\n")
+    for p, section in zip(planted, ("fgrpo", "essa")):
+        folder = p.parent if section == "fgrpo" else root / "gradio"
+        cfg = form.preset_config(f"{section}-quickstart", str(runs))
+        getattr(cfg, section).reward_file = str(p)
+        values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+        msg = page.train_tab.do_start({**values, page.attached: "", page.train_tab.gpus: 1})[page.train_tab.msg]
+        assert msg == (f"✗ {section}.reward_file {p}: lies in {folder}, where the app keeps uploaded files; "
+                       "a reward file runs as Python, so it is never taken from an upload: save it elsewhere "
+                       "and give that path")
+        with pytest.raises(EdgetuneError, match=f"{section}.reward_file .* lies in"):
+            api.start(cfg)
+        # a link from elsewhere into the upload folder is followed
+        link = root / f"link-{section}.py"
+        link.symlink_to(p)
+        getattr(cfg, section).reward_file = str(link)
+        with pytest.raises(EdgetuneError, match="lies in"):
+            api.start(cfg)
+    capsys.readouterr()
+    assert cli.main(["train", "--preset", "fgrpo-quickstart", "--runs-dir", str(runs),
+                     "--set", f"fgrpo.reward_file={planted[0]}"]) == 2
+    assert "lies in" in _one_error_line(subprocess.CompletedProcess([], 2, "", capsys.readouterr().err))
+    assert sorted(p.name for p in runs.iterdir()) == [".uploads"] and not (root / "RAN").exists()
+
+
+def test_repeated_bad_logins_are_throttled(tmp_path):
+    import httpx
+
+    from edgetune.app.guard import LoginThrottle
+    from edgetune.app.main import launch
+
+    port = _free_port()
+    demo = launch("127.0.0.1", port, str(tmp_path / "runs"), block=False, auth="ann:s3cret")
+    try:
+        login = f"http://127.0.0.1:{port}/login"
+        for i in range(LoginThrottle.free_failures):
+            assert httpx.post(login, data={"username": "ann", "password": f"guess{i}"}, timeout=30).status_code == 400
+        # paused: not even the right password is checked now
+        r = httpx.post(login, data={"username": "ann", "password": "s3cret"}, timeout=30)
+        assert r.status_code == 429 and "too many failed logins from 127.0.0.1: try again in 30 s" in r.text
+        assert int(r.headers["Retry-After"]) >= 30
+    finally:
+        demo.close()
+        demo.edgetune_chat.close()
+    # the pause doubles with each failure after it, up to the longest; a login clears it
+    now = [0.0]
+    t = LoginThrottle(free_failures=2, first_pause=10, longest_pause=35, clock=lambda: now[0])
+    t.failed("a")
+    assert t.wait("a") == 0
+    pauses = []
+    for _ in range(4):
+        t.failed("a")
+        pauses.append(t.wait("a"))
+        now[0] += pauses[-1]
+    assert pauses == [10, 20, 35, 35] and t.wait("b") == 0
+    t.succeeded("a")
+    t.failed("a")
+    assert t.wait("a") == 0
+
+
+def test_allow_host_takes_bare_host_names_only():
+    from edgetune.app.main import check_allow_hosts
+
+    assert check_allow_hosts(["Box.LAN", "proxy.example.com"]) == ("box.lan", "proxy.example.com")
+    for bad in ("http://box.lan", "box.lan:7860", "", ".lan"):
+        with pytest.raises(EdgetuneError, match="--allow-host"):
+            check_allow_hosts([bad])
+
+
 def test_reward_file_says_it_runs_python_in_help_and_in_the_app():
     from edgetune.app import form
 
