@@ -23,7 +23,7 @@ class DataTab:
             with gr.Column(scale=3):
                 page.group_fields("data")
             with gr.Column(scale=1):
-                self.upload = gr.File(label=f"Upload a data file ({", ".join(DATA_TYPES)})",
+                self.upload = gr.File(label=f"Upload a data file ({', '.join(DATA_TYPES)})",
                                       file_types=list(DATA_TYPES),
                                       type="filepath", elem_id="data-upload")
                 self.check_btn = gr.Button("Check data", variant="primary", elem_id="check-data-btn")
