@@ -16,7 +16,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -285,9 +285,3 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
 
 def every(n: int, step: int) -> bool:
     return n > 0 and step % n == 0
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t = time.time()
-    out = fn()
-    return out, time.time() - t
