@@ -421,6 +421,14 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int, masked:
             "host_pinned": host}
 
 
+def decode_ctx(arch: Arch, quant: str, act_bytes: int) -> Ctx:
+    """A loaded model as the decode formulas below read it (the shape, the quantisation,
+    the residual stream's bytes per value): engine/fast_decode.reserve_bytes sizes a
+    rollout's memory with the same kv_cache_bytes and prefill_bytes this plan adds up."""
+    return Ctx(arch, quant, "", act_bytes, act_bytes, act_bytes, targets=(), r=0, checkpointing=False,
+               optimizer="adamw")
+
+
 def kv_cache_bytes(ctx: Ctx, rows: int, seq: int) -> int:
     # DynamicCache grows by concatenation: one layer's cache is briefly held twice.
     per = 2 * ctx.arch.kv_dim * ctx.act_bytes * rows * seq
