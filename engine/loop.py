@@ -100,8 +100,8 @@ class Progress:
 def make_optimizer(params, name: str, lr: float, weight_decay: float, device: str):
     """auto = adamw: torch's AdamW, fused into one kernel on CUDA. LoRA parameters are few
     (40 M for a 7B model at r=16 on every projection), so its 8 bytes of fp32 state per
-    parameter cost 0.3 GB there; the 8-bit optimizers keep 2 bytes but take 30-50 ms a
-    step in per-tensor kernels (measured, bench/RESULTS.md), a tenth of a whole 7B step.
+    parameter cost 0.3 GB there; the 8-bit optimizers keep 2 bytes but add a noticeable
+    share to every step in their per-tensor kernels (bench/README.md).
     `paged_adamw_8bit` is the choice when the adapter is large and memory is short."""
     params = [p for p in params if p.requires_grad]
     name = optimizer_name(name)
