@@ -1,6 +1,6 @@
 """The settings form: one widget spec per dataclass field of engine/settings.py, read from
-the dataclasses themselves (type, default, and the help text and section each field
-declares in its metadata), so a new setting appears in the app without touching it.
+the dataclasses themselves (type, default, and the help text, section and choices each
+field declares in its metadata), so a new setting appears in the app without touching it.
 
 Values travel as a flat dict {"sft.lr": 0.001, ...}; `config_from_values` hands them to
 the engine's `resolve()`, the same validator the CLI's `--set` goes through.
@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from edgetune.engine import config_files
 from edgetune.engine import settings as S
 
 # Settings groups of a Config, in the order the page shows them.
@@ -39,10 +40,6 @@ BASIC = {
 # The app owns where runs live.
 HIDDEN = {"run.runs_dir"}
 
-# Closed sets of values: engine/settings.py's own table, the one `validate` checks.
-CHOICES = S.CHOICES
-
-
 @dataclass
 class FieldSpec:
     group: str
@@ -50,7 +47,7 @@ class FieldSpec:
     kind: str  # int | float | bool | str | any (YAML text: lists, dicts, null)
     default: Any
     help: str
-    section: str  # "-- optimisation" headings of the dataclass, "" before the first
+    section: str  # the section of its group the field declares ("" = none)
     basic: bool
     choices: tuple | None = None
 
@@ -76,9 +73,8 @@ def field_specs() -> list[FieldSpec]:
             if key in HIDDEN:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            help_text, section = f.metadata.get("help", ""), f.metadata.get("section", "")
-            specs.append(FieldSpec(group, f.name, _kind(hints[f.name]), default, help_text, section,
-                                   f.name in BASIC.get(group, ()), CHOICES.get(key)))
+            specs.append(FieldSpec(group, f.name, _kind(hints[f.name]), default, f.metadata["help"],
+                                   f.metadata["section"], f.name in BASIC.get(group, ()), f.metadata["choices"]))
     return specs
 
 
@@ -143,7 +139,7 @@ def user_preset_dir() -> Path:
 def all_presets() -> dict[str, Path]:
     """Built-in presets (presets/*.yaml), then the user's (a saved name shadows nothing:
     user presets are listed as 'name (saved)' when the name is taken)."""
-    found = dict(S.list_presets())
+    found = dict(config_files.list_presets())
     d = user_preset_dir()
     if d.is_dir():
         for p in sorted(d.glob("*.yaml")):
@@ -160,7 +156,7 @@ def preset_config(name: str, runs_dir: str) -> S.Config:
 
 def preset_title(path: Path) -> str:
     """A preset's description: the first sentence of its leading comment."""
-    return S.preset_description(path)
+    return config_files.preset_description(path)
 
 
 def save_preset(name: str, cfg: S.Config, folder: Path | None = None) -> Path:

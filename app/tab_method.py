@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from edgetune.engine.config_files import preset_dir
 from edgetune.engine.errors import EdgetuneError
 
 from . import form
@@ -13,7 +14,7 @@ from .tab_model import estimate_text
 
 
 def _saved_presets() -> list[str]:
-    return [n for n, p in form.all_presets().items() if p.parent != form.S.preset_dir()]
+    return [n for n, p in form.all_presets().items() if p.parent != preset_dir()]
 
 
 class MethodTab:
@@ -23,7 +24,7 @@ class MethodTab:
         gr.Markdown("**Presets** fill every field below (and on the Model and Data tabs).")
         with gr.Row():
             self.preset_btns = {name: gr.Button(name, size="sm", elem_id=f"preset-{name}")
-                                for name, path in presets.items() if path.parent == form.S.preset_dir()}
+                                for name, path in presets.items() if path.parent == preset_dir()}
         with gr.Row():
             self.saved = gr.Dropdown(choices=_saved_presets(), label="Saved presets", elem_id="saved-presets",
                                      scale=2)

@@ -1,8 +1,8 @@
 """Rollout throughput: model.generate (default, and HF's static cache + compile) against
 edgetune's rollouts.generate (static loop + CUDA graph; NF4 base through bitsandbytes'
-layers, through the fused NF4 kernel, and with the bf16 copy), all in one process on one
-model, so the ratios hold on a shared machine. The table's last line is the fused NF4
-path's tokens/s over the bf16-copy path's, from the same run.
+layers, a bf16 copy of some layers, the whole bf16 copy, and that copy with the decode
+step under torch.compile, which this script applies itself), all in one process on one
+model, so the ratios hold on a shared machine.
 
 Model: random-init Qwen2.5-7B architecture, NF4 (built layer by layer on the GPU by
 shared/bench-reference/baseline.py, copied into the git-ignored .ref/), then edgetune's
@@ -21,8 +21,8 @@ reported, for the NF4 and the bf16-copy paths.
 
 --72b: random-init Qwen2.5-72B architecture built layer by layer on the GPU in NF4
 (baseline.build_72b_layers, capped by --max-build-s, layers truncated and noted when
-slower), LoRA r16; no bf16 copy (it would need 145 GB): the fused NF4 kernel against
-bitsandbytes' layers, with --new tokens (default 64) so that both fit the budget.
+slower), LoRA r16; no whole bf16 copy (it would need 145 GB): bitsandbytes' layers against
+a copy of as many layers as fit, with --new tokens (default 64) so that both fit the budget.
 Writes $OUT/rollouts.json; prints a markdown table last.
 """
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 ap = argparse.ArgumentParser()
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--budget", type=float, default=380.0)
-ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_nf4_fused,ours_bf16,"
+ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_mixed,ours_bf16,"
                                             "ours_bf16_compiled,check7b")
 ap.add_argument("--72b", dest="big", action="store_true", help="Qwen2.5-72B architecture (GPU)")
 ap.add_argument("--max-build-s", type=float, default=150.0, help="72B: stop building layers after this (noted)")
@@ -52,14 +52,12 @@ ap.add_argument("--mixed-layers", type=int, default=-1,
                 help="layers the ours_mixed row copies to bf16 (default: half the layers at 7B, as many as fit "
                      "with --72b; 0 = none: every layer NF4 through bitsandbytes, but packed)")
 args = ap.parse_known_args()[0]
-if args.tiny:  # the fused NF4 kernel runs in Triton's interpreter on the CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 import baseline as B  # noqa: E402  (reads --tiny itself)
 
-from edgetune.engine import rollouts  # noqa: E402
+from edgetune.engine import fast_decode, rollouts  # noqa: E402
 from edgetune.engine.model import add_lora  # noqa: E402
 from edgetune.engine.settings import LoraSettings  # noqa: E402
 
@@ -240,10 +238,16 @@ def mixed_layers(cfg) -> int | None:
     return None if args.big else cfg["num_hidden_layers"] // 2
 
 
-def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, nf4_kernel=False, dense_layers=None):
+def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, dense_layers=None):
+    if compile_step:  # the packed decode step under torch.compile (the engine never compiles it)
+        step = fast_decode.packed_step
+        fast_decode.packed_step = torch.compile(step, dynamic=False)
+        try:
+            return time_ours(model, tok, ids, bf16, reps=reps, dense_layers=dense_layers)
+        finally:
+            fast_decode.packed_step = step
     prompts = ids.tolist()
-    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, compile_step=compile_step,
-              nf4_kernel=nf4_kernel, dense_layers=dense_layers)
+    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, dense_layers=dense_layers)
     B.sync()
     t = time.perf_counter()
     rollouts.generate(model, tok, prompts, **kw)  # warm-up (graph capture, allocator, compile)
@@ -305,8 +309,7 @@ def main():
     pm.eval()
 
     def check7b():
-        R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False, nf4_kernel=False)
-        R["check"]["7b_nf4_fused"] = greedy_agreement(pm, tok, bf16_weights=False, nf4_kernel=True)
+        R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False)
         if not args.big:
             R["check"]["7b_bf16_packed"] = greedy_agreement(pm, tok, bf16_weights=True)
         log("greedy agreement", {k: v for k, v in R["check"].items() if k.startswith("7b")})
@@ -314,7 +317,6 @@ def main():
     guarded("check7b", check7b, 40)
     rows = [
         ("ours_bf16", lambda: time_ours(pm, tok, ids, True), 30),
-        ("ours_nf4_fused", lambda: time_ours(pm, tok, ids, False, nf4_kernel=True), 30),
         ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
         # the copy of as many layers as the free memory holds (72B), or of half of them (7B,
         # where the whole copy fits): between the two rows above
@@ -324,7 +326,7 @@ def main():
         ("ours_bf16_compiled", lambda: time_ours(pm, tok, ids, True, compile_step=True), 60),
     ]
     if args.big:  # no room for a bf16 copy; model.generate at 72B would take the whole budget
-        rows = [r for r in rows if r[0] in ("ours_nf4_fused", "ours_nf4", "ours_mixed")]
+        rows = [r for r in rows if r[0] in ("ours_nf4", "ours_mixed")]
     for key, fn, need in rows:
         r = guarded(key, fn, need)
         if r is not None:
@@ -338,7 +340,6 @@ def table():
     stat = S.get("static", {}).get("tok_per_s")
     names = {"default": "model.generate (default)", "static": 'model.generate (cache_implementation="static")',
              "ours_nf4": "rollouts.generate, NF4 base through bitsandbytes (CUDA graph)",
-             "ours_nf4_fused": "rollouts.generate, NF4 base through the fused kernel, packed (CUDA graph)",
              "ours_bf16": "rollouts.generate, packed bf16 copy (CUDA graph)",
              "ours_mixed": "rollouts.generate, bf16 copy of some layers, the rest NF4 through bitsandbytes (CUDA graph)",
              "ours_bf16_compiled": "rollouts.generate, packed bf16 copy, torch.compile + CUDA graph"}
@@ -348,7 +349,7 @@ def table():
              f"{NEW} new tokens, sampling", "",
              "| method | tokens/s | ms/step | x default | x static | peak GiB | first call s |",
              "|---|---|---|---|---|---|---|"]
-    for k in ("default", "static", "ours_nf4", "ours_nf4_fused", "ours_mixed", "ours_bf16", "ours_bf16_compiled"):
+    for k in ("default", "static", "ours_nf4", "ours_mixed", "ours_bf16", "ours_bf16_compiled"):
         if k not in S:
             lines.append(f"| {names[k]} | {R['errors'].get(k, 'not run')[:80]} | | | | | |")
             continue
@@ -357,18 +358,12 @@ def table():
         xs = f"{s['tok_per_s'] / stat:.1f}" if stat else "-"
         lines.append(f"| {names[k]} | {s['tok_per_s']:,} | {s['ms_per_step']} | {xd} | {xs} | {s['peak_GiB']} | "
                      f"{s['first_call_s']} |")
-    fused, nf4, bf16 = (S.get(k, {}).get("tok_per_s") for k in ("ours_nf4_fused", "ours_nf4", "ours_bf16"))
-    if fused and bf16:
-        R["fused_over_bf16_copy"] = round(fused / bf16, 3)
-        lines += ["", f"NF4 fused kernel / packed bf16 copy (same run): {fused / bf16:.2f}x tokens/s"]
+    nf4 = S.get("ours_nf4", {}).get("tok_per_s")
     mixed = S.get("ours_mixed", {})
     if mixed and nf4:
         R["mixed_over_bnb_nf4"] = round(mixed["tok_per_s"] / nf4, 3)
-        lines += [f"bf16 copy of {mixed['info'].get('dense_layers')} layers, the rest NF4 / NF4 through bitsandbytes "
+        lines += ["", f"bf16 copy of {mixed['info'].get('dense_layers')} layers, the rest NF4 / NF4 through bitsandbytes "
                   f"(same run): {mixed['tok_per_s'] / nf4:.2f}x tokens/s"]
-    if fused and nf4:
-        R["fused_over_bnb_nf4"] = round(fused / nf4, 3)
-        lines += [f"NF4 fused kernel / NF4 through bitsandbytes (same run): {fused / nf4:.2f}x tokens/s"]
     lines += ["", f"checks: {json.dumps(R['check'], default=str)[:1500]}", f"errors: {json.dumps(R['errors'])[:1500]}"]
     print("\n".join(lines))
 

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
@@ -324,19 +323,6 @@ def estimate(cfg: Config, gpus: int = 1) -> dict:
     from .planner import estimate as _estimate
 
     return _estimate(cfg, gpus=gpus)
-
-
-@dataclass
-class Preview:
-    rows: list[dict]
-    format: str
-
-
-def preview_data(path: str, fmt: str = "auto", n: int = 20) -> Preview:
-    from .data import preview
-
-    rows, detected = preview(path, fmt, n)
-    return Preview(rows, detected)
 
 
 def check_data(cfg: Config) -> dict:

@@ -315,7 +315,7 @@ def cmd_presets(a) -> int:
     import shutil
     import textwrap
 
-    from .settings import list_presets, preset_description
+    from .config_files import list_presets, preset_description
 
     width = max(60, min(shutil.get_terminal_size((100, 20)).columns, 120))
     for name, path in list_presets().items():

@@ -17,9 +17,8 @@ tokens are a prefix of the whole conversation's tokens. This costs 2 extra rende
 tokenizations per assistant turn, but it works for any template without knowing its
 markup, and a template that breaks the prefix property is reported instead of silently
 training on the wrong tokens. All rows are rendered first and their texts tokenized in
-a few large batches (per-row calls were 6x slower). Measured here (2-core CPU shared
-with other jobs, SmolLM2 tokenizer): 3,500 one-turn rows in 0.8 s; 1,000 rows of 4
-user/assistant exchanges in 2.8 s (rendering grows with turns squared).
+a few large batches (per-row calls are several times slower). Rendering grows with the
+square of a row's turns.
 
 Memory: all rows are held as Python lists of ints (about 30 bytes per token), which is
 fine for the datasets a one-GPU fine-tune uses (up to a few million tokens); `collate`

@@ -75,7 +75,7 @@ def decode_plain(model, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens:
     core = inner_model(model)
     B, P = prompt_ids.shape
     dev = prompt_ids.device
-    cache = DynamicCache(config=core.config) if cache_takes_config() else DynamicCache()
+    cache = DynamicCache(config=core.config)
     attn = prompt_mask.clone()
     pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -103,11 +103,3 @@ def cache_kw(core) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(core.forward).parameters else "past_key_values"
-
-
-def cache_takes_config() -> bool:
-    import inspect
-
-    from transformers import DynamicCache
-
-    return "config" in inspect.signature(DynamicCache.__init__).parameters

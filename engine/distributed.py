@@ -139,10 +139,6 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
-def all_reduce_mean(value: float) -> float:
-    return all_reduce_sum(value) / world()
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on one (a stop asked for on rank 0's machine)."""
     if not _STATE["on"]:
@@ -245,13 +241,3 @@ def share_folder(path: str | os.PathLike | None) -> Path | None:
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(data)
     return out
-
-
-def check_same(what: str, value: Any) -> None:
-    """Raise on every rank when `value` differs between ranks (a bug: the ranks would
-    silently train different things)."""
-    if not _STATE["on"]:
-        return
-    values = all_gather_object(value)
-    if any(v != values[0] for v in values[1:]):
-        raise RuntimeError(f"ranks disagree on {what}: {values}")

@@ -40,7 +40,8 @@ GiB = 2**30
 
 # gradient_checkpointing: auto with no model.memory_budget_gib plans to the card's free
 # memory minus this share of it (at least BUDGET_MARGIN_MIN): room for the planner's error
-# (within 15%, mostly over) and for other processes that start on the card during the run.
+# (bench/planner_check.py measures it) and for other processes that start on the card
+# during the run.
 BUDGET_MARGIN_SHARE = 0.10
 BUDGET_MARGIN_MIN = 1 * GiB
 
@@ -78,14 +79,14 @@ def compute_dtype(asked: str, device: str) -> str:
 
 def optimizer_name(asked: str) -> str:
     """auto = AdamW: LoRA's few parameters make its 8 bytes of state cheap, and the 8-bit
-    optimizers' per-tensor kernels cost 30-50 ms a 7B step (bench/RESULTS.md)."""
+    optimizers' per-tensor kernels slow every step (bench/README.md)."""
     return "adamw" if asked == "auto" else asked
 
 
 def attention(asked: str, packing: bool, device: str) -> str:
     """auto = flex_attention for packed SFT rows on CUDA (its block mask skips the
-    cross-row blocks that sdpa's dense boolean mask computes: 1.13x the step,
-    bench/RESULTS.md), sdpa otherwise."""
+    cross-row blocks that sdpa's dense boolean mask computes; bench/README.md), sdpa
+    otherwise."""
     if asked != "auto":
         return asked
     return "flex_attention" if packing and device.startswith("cuda") else "sdpa"

@@ -3,7 +3,7 @@
 With `essa.fitness: reward` a candidate's fitness is the mean reward of its greedy
 completions on a generation's prompts. On a small model and a 0/1 reward that is a
 coarse number (1/P steps for P prompts): most candidates of a generation score the same,
-and CMA-ES gets no ranking from them (bench/RESULTS.md, "Learning on unseen tasks").
+and CMA-ES gets no ranking from them (bench/README.md).
 
 `gold_logprob` scores instead the row's answer written as `essa.gold_template` (e.g.
 "Answer: {answer}", the way the warm start's demonstrations state it) and ended with the
@@ -25,14 +25,14 @@ the right answer); the fitness is the mean over rows of sigmoid(margin), a soft 
 the rows greedy answers right. The template's words are left out because a warm start
 that does not yet use them ("The GCD of 4 and 6 is 2" instead of "Answer: 2") would make
 its first word the smallest margin of every row, and the search would then chase the
-wording instead of the answers (measured on gcd: bench/RESULTS.md). Where gold_logprob
+wording instead of the answers (as it did on gcd: bench/README.md). Where gold_logprob
 rewards raising the gold text's probability anywhere (also on rows greedy still gets
 wrong, and on rows already right), the margin moves most with rows near the point where
 greedy flips. Like gold_logprob it is one forward pass: far cheaper a prompt than
 decoding, so a generation can score more prompts (the fitness of few prompts ranks
 candidates by noise: bench/essa_noise.py). What it cannot see: how the free-running
 answer begins. On count_bits a search raised the soft count while the adapter came to open
-34 of 40 held-out answers with its system prompt's words (bench/RESULTS.md), so it is a
+most held-out answers with its system prompt's words (bench/README.md), so it is a
 setting, not the default. `reward+gold_margin` keeps the free-running reward first and lets
 the soft count only break its ties (below one prompt's worth, as reward+gold_logprob).
 The margin kinds find the answer's tokens by the tokenizer's character offsets, which only

@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import RunError
-from .runfolder import RunDir, atomic_dir, atomic_write_text
+from .runfolder import atomic_dir, atomic_write_text
 from .settings import Config
 
 
@@ -248,10 +248,6 @@ def _merge_into(adapter: Path, out: Path) -> None:
                       "quantised base; this merge uses the unquantised base, so outputs differ slightly from "
                       "the training-time model. Merging into the 4-bit base would be lossier still and is "
                       "never done.\n")
-
-
-def run_adapter_dir(run: str | Path) -> Path:
-    return RunDir(run).adapter
 
 
 if __name__ == "__main__":

@@ -1,57 +1,33 @@
 """The fast rollout loop: a static KV cache and one decode step replayed as a CUDA graph.
 
 Selection (rollouts.generate): fast=None uses this loop whenever the model is on CUDA and
-of a known layout (below); bf16_weights=None adds the packed bf16 copy when the base is
-NF4 and the GPU's free memory holds it, else a copy of as many layers as it holds;
-compile_step (default `COMPILE`, off) adds
-torch.compile. Measured on one H200, random-init Qwen2.5-7B NF4 + LoRA r16, batch 64,
-128-token prompts, 256 new tokens (bench/results/2026-11-30-h200/rollouts/rollouts.md):
-default generate 675 tokens/s, static-cache generate 1,255; this loop on the NF4 layers
-2,338, with the packed bf16 copy 4,047, compiled 4,953.
+of a known layout (below); bf16_weights=None adds a packed bf16 copy of the base when it is
+NF4 and the GPU's free memory holds it, else a copy of as many layers as it holds. How
+much faster than `model.generate` it decodes: bench/README.md.
 
 Why it is faster than `model.generate` for rollouts:
-- Launch overhead: one decode step of a 7B model with unmerged LoRA is ~2,500 small
-  kernels; launched from Python that is tens of ms per step, far above the ~1.3 ms (NF4)
-  to ~3.5 ms (bf16) the GPU needs to read the weights once. The step is captured once per
-  (batch, cache length) and generate call as a CUDA graph and replayed: the CPU cost per
-  step becomes one graph launch plus a handful of sampling kernels, queued ahead of the GPU.
-  What remains is GPU time of those many small kernels (norms, casts, rotary, thin LoRA
-  GEMMs): the reason for packing and compiling below, and why we are at ~11 ms per step,
-  not 4.
-- No growing cache: K/V live in buffers of the final length allocated once (memory:
-  layers x 2 x B x kv_heads x L x head_dim x itemsize, see `kv_bytes`; 3.3 GB for the 7B
-  above, whose K/V are fp32 because prepare_model_for_kbit_training keeps the residual
-  stream in fp32), written in place at one index per step. Attention reads the whole
-  buffer with a validity mask: the wasted reads of unwritten slots are small next to the
-  weights.
-- Optional bf16 copy of NF4 base weights (`bf16_weights`): an NF4 matmul at batch 64
-  dequantises every weight every step (read 4-bit, write and read bf16): measured 27 ms
-  per step against 16 ms with the copy. For one generate call only, each Linear4bit's
-  weight is dequantised once (exactly the bf16 values bitsandbytes computes with) and
-  packed (see "packed weights"); LoRA stays unmerged, in its own dtype. Costs 2 bytes per
-  base weight (15 GB for 7B) during the call; `None` = on when the GPU's free memory holds
-  the copy, the static cache and a margin (see `bf16_copy_fits`).
-- A copy of some layers (`base_path` "mixed"): when the whole bf16 copy does not fit
-  (72B: 145 GB), the first layers that do get it and the rest stay NF4, packed the same
-  way, their packs calling bitsandbytes. The card's spare memory becomes decode speed
-  in proportion: one H200, 72B NF4 + LoRA, 64 x 64 new tokens, same run: 53 of 80 layers
-  copied, 462 tokens/s against 330 with none (1.40x), peak 133.9 GiB; 7B with half the
-  layers forced: 3,476 against 2,571 (1.35x) and 4,743 with all. The copy is taken from
-  the memory free at the call, after the chunk's static cache and prefill (under the
-  process's allocator cap and model.memory_budget_gib, see `free_for_copies`), and given
-  back when the call ends; the planner does not count it.
-- Fused NF4 kernel (`nf4_kernel`, kernels/nf4_matmul.py) when the bf16 copy is not made:
-  each base matmul reads the 4-bit codes and an fp32 absmax (dequantised once per
-  generate call: 4 bytes per 64 weights) and dequantises in registers, 0.56 bytes per
-  weight per step, against 4.5 for bitsandbytes' dequantise-then-matmul and 2 for the
-  bf16 copy. The packs below hold the NF4 weights as they are (no copy of the codes;
-  q|k|v write column slices of one output). Opt-in only: on an H200 it decodes at
-  0.97x bitsandbytes' speed at 7B and 0.88x at 72B (see `base_path`): the per-weight
-  unpacking costs about what the bytes it saves would. Which base path a call takes is
-  decided in one place, `base_path`.
-- torch.compile of the packed step (`compile_step`): fuses the elementwise work; 13 ms
-  instead of 16 ms per step, but the first call per (batch, cache length) compiles for
-  ~35 s, so it is opt-in (worth it for long runs with fixed shapes).
+- Launch overhead: one decode step of a 7B model with unmerged LoRA is thousands of small
+  kernels; launched from Python that costs far more time per step than the GPU needs to
+  read the weights once. The step is captured once per (batch, cache length) and generate
+  call as a CUDA graph and replayed: the CPU cost per step becomes one graph launch plus a
+  handful of sampling kernels, queued ahead of the GPU. What remains is GPU time of those
+  many small kernels (norms, casts, rotary, thin LoRA GEMMs): the reason for packing below.
+- No growing cache: K/V live in buffers of the final length allocated once (sized with the
+  planner's formula, engine/planner.py, see `reserve_bytes`), written in place at one index
+  per step. Attention reads the whole buffer with a validity mask: the wasted reads of
+  unwritten slots are small next to the weights.
+- Optional bf16 copy of NF4 base weights (`bf16_weights`): an NF4 matmul at decode batch
+  sizes dequantises every weight every step (read 4-bit, write and read bf16). For one
+  generate call only, each Linear4bit's weight is dequantised once (exactly the bf16 values
+  bitsandbytes computes with) and packed (see "packed weights"); LoRA stays unmerged, in
+  its own dtype. Costs 2 bytes per base weight during the call; `None` = on when the GPU's
+  free memory holds the copy, the static cache and a margin (see `bf16_copy_fits`).
+- A copy of some layers (`base_path` "mixed"): when the whole bf16 copy does not fit (a 72B
+  base), the first layers that do get it and the rest stay NF4, packed the same way, their
+  packs calling bitsandbytes: the card's spare memory becomes decode speed in proportion.
+  The copy is taken from the memory free at the call, after the chunk's static cache and
+  prefill (under the process's allocator cap and model.memory_budget_gib, see
+  `free_for_copies`), and given back when the call ends; the planner does not count it.
 
 Rows keep their order for the whole decode (finished rows are fed pad and masked), so
 per-row adapters stay aligned; graphs live for one generate call, so adapter weights
@@ -63,17 +39,16 @@ with candidate-major row blocks, each pack holds the K candidates' factors stack
 the rows viewed as [K, B/K, in]: as many kernels as one adapter, and the base GEMM (bf16
 copy or NF4) runs once for all K*P rows, so K candidates decode at close to the speed of
 plain inference of K*P rows. Costs: the packed stacks are a copy of the K adapters for
-the call (B block-diagonal: 3x its size for q|k|v, 2x for gate|up; ~29 MB per candidate
-at 7B, r 8 on q,k,v,o, fp32, i.e. 0.46 GB at K = 16) next to the stacks themselves; and
-a graph is captured per generate call for its (K*P rows, cache length), so an ESSA chunk
-of another K (the last, smaller one) takes its own capture. The stacks are copied when
-the call starts, so every chunk reads its own candidates. Without packing (no dense copy,
-or rows not in candidate-major blocks) the step calls the patched LoRA forwards
-(multilora's bmm, or its per-row gather), which the graph captures as well. Prefill uses the model's own forward (a
-DynamicCache whose K/V are copied into the static buffers). Supported: decoder layouts of
-the Llama family (llama, mistral, qwen2, qwen3: embed/layers/norm/rotary_emb, q/k/v/o
-projections, optional q/k norms); other models fall back to the plain loop. On the CPU the
-same step runs eagerly (no graph), which is how the tests check it against
+the call (B block-diagonal: 3x its size for q|k|v, 2x for gate|up); and a graph is
+captured per generate call for its (K*P rows, cache length), so an ESSA chunk of another K
+(the last, smaller one) takes its own capture. The stacks are copied when the call
+starts, so every chunk reads its own candidates. Without packing (no dense copy, or rows
+not in candidate-major blocks) the step calls the patched LoRA forwards (multilora's bmm,
+or its per-row gather), which the graph captures as well. Prefill uses the model's own
+forward (a DynamicCache whose K/V are copied into the static buffers). Supported: decoder
+layouts of the Llama family (llama, mistral, qwen2, qwen3: embed/layers/norm/rotary_emb,
+q/k/v/o projections, optional q/k norms); other models fall back to the plain loop. On the
+CPU the same step runs eagerly (no graph), which is how the tests check it against
 `model.generate`.
 """
 
@@ -88,12 +63,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .decoding import Sampler, cache_kw, cache_takes_config, decode_plain, inner_model
+from .decoding import Sampler, cache_kw, decode_plain, inner_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# torch.compile the packed step (fuses norms, rotary, casts and residual adds; the first
-# call compiles for a minute, later calls with the same batch and cache length reuse it).
-COMPILE = False
 SYNC_EVERY = 8  # steps between host checks of "all rows done" (each check drains the queue)
 
 
@@ -132,19 +104,15 @@ def bf16_copy_bytes(model) -> int:
     return sum(m.in_features * m.out_features * 2 for m in linear4bit_modules(model))
 
 
-def kv_bytes(model, batch: int, length: int, dtype=torch.bfloat16) -> int:
-    cfg = inner_model(model).config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * hd * dtype.itemsize
+def reserve_bytes(model, rows: int, prompt_len: int, cache_len: int) -> int:
+    """What a decode of `rows` rows needs beside any copy of the base: its KV cache of
+    `cache_len` positions and the prefill's transient over `prompt_len` tokens, by the
+    planner's formulas (engine/planner.py), so that the plan and the loop agree."""
+    from .planner import arch_of, decode_ctx, kv_cache_bytes, prefill_bytes
 
-
-def prefill_bytes(model, batch: int, prompt_len: int) -> int:
-    """Upper bound of the prefill's transient memory (one forward of batch x prompt_len
-    tokens): the gate|up intermediate and a few hidden-sized tensors per token in fp32,
-    plus the prompt's K/V held twice while they move into the static cache."""
-    cfg = inner_model(model).config
-    per_token = (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4
-    return batch * prompt_len * per_token + kv_bytes(model, batch, prompt_len, torch.float32)
+    act = inner_model(model).get_input_embeddings().weight.dtype.itemsize  # the residual stream's dtype
+    ctx = decode_ctx(arch_of(model), "nf4" if linear4bit_modules(model) else "none", act)
+    return kv_cache_bytes(ctx, rows, cache_len) + prefill_bytes(ctx, rows, prompt_len)
 
 
 def free_for_copies(memory_budget: int | None = None) -> tuple[int, int]:
@@ -196,21 +164,15 @@ def dense_layers_that_fit(model, reserve_bytes: int, memory_budget: int | None =
     return n
 
 
-def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None, reserve_bytes: int,
+def base_path(model, device, bf16_weights: bool | None, reserve_bytes: int,
               dense_layers: int | None = None, memory_budget: int | None = None) -> str:
     """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
     for NF4 layers, the weights themselves otherwise), "mixed" (a packed bf16 copy of the
-    first decoder layers, the others on their NF4 codes), "nf4_kernel" (the fused NF4
-    kernel over the 4-bit codes) or "module" (the layers' own forward: bitsandbytes for
-    NF4). None picks: the bf16 copy when it fits (fastest measured: cuBLAS on bf16); else
-    as many layers' copies as fit ("mixed", when at least one does: the card's spare
-    memory turned into decode speed, e.g. 72B on a 141 GB card); else bitsandbytes.
-    dense_layers forces the mixed split (tests, benches). NF4 layers outside the copy go
-    through bitsandbytes; the fused kernel is opt-in (nf4_kernel=True): measured on one
-    H200 (bench/RESULTS.md, "NF4 decode"), 7B, batch 64 x 256 new tokens, same run: 2,507
-    tokens/s against bitsandbytes' 2,595 and the bf16 copy's 4,787; 72B x 64 new tokens:
-    287 against bitsandbytes' 328. Its in-register lookup and scale per weight (~25
-    instructions) cost about what the bytes it saves would."""
+    first decoder layers, the others on their NF4 codes through bitsandbytes) or "module"
+    (the layers' own forward: bitsandbytes for NF4). None picks: the bf16 copy when it
+    fits (cuBLAS on bf16 decodes fastest); else as many layers' copies as fit ("mixed",
+    when at least one does, e.g. 72B on a 141 GB card); else bitsandbytes. dense_layers
+    forces the mixed split (tests, benches)."""
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
     if not nf4:
@@ -224,34 +186,7 @@ def base_path(model, device, bf16_weights: bool | None, nf4_kernel: bool | None,
             return "dense"
         if dense_layers_that_fit(model, reserve_bytes, memory_budget) > 0:
             return "mixed"
-    if nf4_kernel:
-        from ..kernels import nf4_matmul
-
-        if nf4_matmul.available(device):
-            return "nf4_kernel"
     return "module"
-
-
-class NF4Pack:
-    """The base of one pack kept in NF4: its layers' NF4Weights side by side (no copy of
-    the codes); `linear` writes each into its column slice of one [M, sum N] output."""
-
-    def __init__(self, weights):
-        self.weights = weights
-        self.shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
-        self.dtype = weights[0].dtype
-
-    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        from ..kernels import nf4_matmul
-
-        x = x.to(self.dtype)  # one cast for the pack (Linear4bit's compute dtype)
-        y = torch.empty(x.shape[0], self.shape[0], dtype=self.dtype, device=x.device)
-        off = 0
-        for w in self.weights:
-            n = w.shape[0]
-            nf4_matmul.linear(x, w, None if bias is None else bias[off:off + n], out=y[:, off:off + n])
-            off += n
-        return y
 
 
 class ModulePack:
@@ -266,41 +201,6 @@ class ModulePack:
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         ys = [m(x) for m in self.mods]
         return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
-
-
-# Rows above which the swapped Linear4bit forward goes back to bitsandbytes (prefill:
-# thousands of rows are compute-bound, where dequantise-once-then-GEMM is the better plan).
-NF4_KERNEL_MAX_ROWS = 128
-
-
-@contextlib.contextmanager
-def nf4_kernel_weights(model):
-    """Swap every Linear4bit's forward to the fused NF4 kernel for decode-sized inputs
-    (the unpacked fallback of the "nf4_kernel" path); undone on exit."""
-    from ..kernels import nf4_matmul
-
-    mods = linear4bit_modules(model)
-    try:
-        for m in mods:
-            w = nf4_matmul.prepare(m.weight.data, m.weight.quant_state)
-            m.forward = types.MethodType(_nf4_forward(w, type(m).forward), m)
-        yield len(mods)
-    finally:
-        for m in mods:
-            m.__dict__.pop("forward", None)
-
-
-def _nf4_forward(w, original):
-    from ..kernels import nf4_matmul
-
-    def forward(self, x):
-        rows = x.numel() // x.shape[-1]
-        if rows > NF4_KERNEL_MAX_ROWS:
-            return original(self, x)
-        y = nf4_matmul.linear(x.reshape(rows, x.shape[-1]), w, self.bias)
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-
-    return forward
 
 
 @contextlib.contextmanager
@@ -344,9 +244,8 @@ def _dense_forward(w: Tensor):
 
 def _base_and_lora(mod, base_kind: str = "dense"):
     """(base weight, bias, [(A, scaling * B)]) of a plain or PEFT-LoRA linear, or a reason.
-    The base weight is dense (NF4 layers dequantised to bf16; base_kind "dense"), an
-    NF4Weight for the fused kernel ("nf4_kernel"), or the Linear4bit module itself
-    ("module").
+    The base weight is dense (NF4 layers dequantised to bf16; base_kind "dense") or the
+    Linear4bit module itself ("module").
     Inside multilora.batched_lora the factors are the candidates' stacks (A [K, r, in],
     scaling * B [K, out, r]) instead of the layer's own adapters."""
     import bitsandbytes.functional as bnbF
@@ -377,19 +276,8 @@ def _base_and_lora(mod, base_kind: str = "dense"):
         base = mod.base_layer
     if type(base).__name__ == "Linear4bit" and base_kind == "module":
         w = base
-    elif type(base).__name__ == "Linear4bit" and base_kind == "nf4_kernel":
-        from ..kernels import nf4_matmul
-
-        try:
-            w = nf4_matmul.prepare(base.weight.data, base.weight.quant_state)
-        except ValueError as e:
-            return None, None, None, str(e)
     elif type(base).__name__ == "Linear4bit" and getattr(base.weight.quant_state, "packing_format_for_cpu", False):
-        # bitsandbytes' CPU layout (repacked on the first CPU forward), which its
-        # dequantize_4bit does not read back: the kernel module's reader does
-        from ..kernels import nf4_matmul
-
-        w = nf4_matmul.dequantize_ref(nf4_matmul.prepare(base.weight.data, base.weight.quant_state))
+        w = _dequantize_cpu_layout(base.weight.data, base.weight.quant_state)
     elif type(base).__name__ == "Linear4bit":
         w = bnbF.dequantize_4bit(base.weight.data, base.weight.quant_state).to(torch.bfloat16)
     elif isinstance(base, torch.nn.Linear):
@@ -399,11 +287,28 @@ def _base_and_lora(mod, base_kind: str = "dense"):
     return w, base.bias, loras, ""
 
 
+def _dequantize_cpu_layout(weight: Tensor, qs) -> Tensor:
+    """bf16 [N, K] of an NF4 weight that bitsandbytes repacked for its CPU kernel (on the
+    layer's first CPU forward), which its dequantize_4bit does not read back: the codes
+    put back in row order, times the bf16 absmax [K / blocksize, N] it keeps beside them,
+    which is what its CPU matmul computes with."""
+    import bitsandbytes.functional as bnbF
+
+    N, K = qs.shape
+    data = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    packed = data.reshape(-1, 32)
+    codes = torch.cat([packed & 0xF, (packed >> 4) & 0xF], dim=-1)
+    codes = codes.reshape(N // 32, K // 2, 32, 2).transpose(-3, -2).reshape(N, K).long()
+    table = bnbF.get_4bit_type("nf4", device=data.device).float()
+    absmax = qs.absmax.t().float()  # [N, K / blocksize]
+    values = table[codes].reshape(N, K // qs.blocksize, qs.blocksize) * absmax[..., None]
+    return values.reshape(N, K).to(torch.bfloat16)
+
+
 def pack_linears(mods, base_kind: str = "dense") -> tuple:
     """One pack (w [N, K], bias or None, A [R, K] or None, B [N, R] or None) of linears that
-    read the same input; w is a dense tensor ("dense"), an NF4Pack ("nf4_kernel") or a
-    ModulePack ("module": NF4 layers through bitsandbytes); raises ValueError when one
-    cannot be packed."""
+    read the same input; w is a dense tensor ("dense") or a ModulePack ("module": NF4
+    layers through bitsandbytes); raises ValueError when one cannot be packed."""
     parts = [_base_and_lora(m, base_kind) for m in mods]
     for _, _, _, why in parts:
         if why:
@@ -415,12 +320,6 @@ def pack_linears(mods, base_kind: str = "dense") -> tuple:
         w = ModulePack(ws)
     elif len({w.dtype for w in ws}) != 1:
         raise ValueError("base weights of one pack differ in dtype")
-    elif base_kind == "nf4_kernel":
-        from ..kernels.nf4_matmul import NF4Weight
-
-        if not all(isinstance(x, NF4Weight) for x in ws):
-            raise ValueError("a pack mixes NF4 and dense base layers")
-        w = NF4Pack(ws)
     else:
         w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
     bias = None
@@ -461,9 +360,9 @@ def _same_candidates(loras: list) -> list:
 
 
 def pack_model(core, base_kind: str = "dense", dense_layers: int | None = None) -> list:
-    """Packs of every decoder layer, the base as `base_kind` ("dense", "nf4_kernel",
-    "module"); with dense_layers, the first that many layers dense and the rest as
-    base_kind (the "mixed" path)."""
+    """Packs of every decoder layer, the base as `base_kind` ("dense", "module"); with
+    dense_layers, the first that many layers dense and the rest as base_kind (the "mixed"
+    path)."""
     if getattr(core.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {core.config.hidden_act} (packed step knows silu)")
     out = []
@@ -479,7 +378,7 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
     """What the module path computes (base in the copy's dtype, back to x's dtype, plus
     LoRA in its own dtype), over one pack."""
     w, b, a, bd = p
-    if isinstance(w, (NF4Pack, ModulePack)):
+    if isinstance(w, ModulePack):
         y = w.linear(x, b).to(x.dtype)
     else:
         y = F.linear(x.to(w.dtype), w, b).to(x.dtype)
@@ -504,8 +403,8 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
 
 def packed_step(core, rotary, n_heads: int, n_kv: int, head_dim: int, tok, pos, t, valid, ks, vs, parts,
                 logits_out) -> None:
-    """One decode step over packed weights (a plain function of tensors, so that
-    torch.compile caches it across generate calls)."""
+    """One decode step over packed weights (a plain function of tensors: what the CUDA
+    graph captures)."""
     body = core.model
     B = tok.shape[0]
     valid.index_fill_(1, t, True)
@@ -538,16 +437,6 @@ def packed_step(core, rotary, n_heads: int, n_kv: int, head_dim: int, tok, pos, 
     logits_out.copy_(core.lm_head(body.norm(h)).float())
 
 
-_compiled_step = None
-
-
-def compiled_packed_step():
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(packed_step, dynamic=False)
-    return _compiled_step
-
-
 # --------------------------------------------------------------------------- decoder
 
 
@@ -570,57 +459,37 @@ class Decoder:
         self.use_graph = self.device.type == "cuda"
         self.graphs: dict = {}
         self.parts: list | None = None  # packed weights (see pack_model), when used
-        self.compile = False
-        self.info = {"graph": self.use_graph, "bf16_weights": False, "nf4_kernel": False, "packed": False, "dense_layers": None,
-                     "compiled": False,
-                     "capture_s": 0.0, "graph_error": "",
-                     "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
+        self.info = {"graph": self.use_graph, "bf16_weights": False, "packed": False, "dense_layers": None,
+                     "capture_s": 0.0, "graph_error": "", "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
 
     @classmethod
     @contextlib.contextmanager
-    def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0, compile_step: bool = False,
-                  nf4_kernel: bool | None = None, dense_layers: int | None = None,
-                  memory_budget: int | None = None):
+    def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0,
+                  dense_layers: int | None = None, memory_budget: int | None = None):
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
         None = on for NF4 models on CUDA when it fits, else a copy of as many layers as fit
-        (packed; the other layers' packs call bitsandbytes, or the fused kernel with
-        nf4_kernel). On the CPU only when asked (tests: a plain fp32 model then gets a
-        packed fp32 copy). dense_layers: the copy for the first that many layers only.
-        memory_budget: bytes the process may hold; the copy stays within it.
-        nf4_kernel: without the copy, NF4 layers go through the fused kernel (packed like
-        the copy when the layout allows, else swapped into the Linear4bit layers); opt-in,
-        None = bitsandbytes. The choice is `base_path`'s."""
-        from ..kernels import nf4_matmul
-
+        (packed; the other layers' packs call bitsandbytes). On the CPU only when asked
+        (tests: a plain fp32 model then gets a packed fp32 copy). dense_layers: the copy
+        for the first that many layers only. memory_budget: bytes the process may hold;
+        the copy stays within it. The choice is `base_path`'s."""
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))
-        path = base_path(model, dec.device, bf16_weights, nf4_kernel, reserve_bytes, dense_layers, memory_budget)
+        path = base_path(model, dec.device, bf16_weights, reserve_bytes, dense_layers, memory_budget)
         bf16_weights = path == "dense"
         with contextlib.ExitStack() as stack:
             if path == "mixed":
                 n = (dense_layers if dense_layers is not None
                      else dense_layers_that_fit(model, reserve_bytes, memory_budget))
-                rest = "nf4_kernel" if nf4_kernel and nf4_matmul.available(dec.device) else "module"
                 try:
-                    dec.parts = pack_model(dec.core, rest, dense_layers=n)
-                    dec.info.update(packed=True, bf16_weights=True, dense_layers=n, nf4_kernel=rest == "nf4_kernel")
+                    dec.parts = pack_model(dec.core, "module", dense_layers=n)
+                    dec.info.update(packed=True, bf16_weights=True, dense_layers=n)
                 except ValueError as e:  # not packable: every layer through its own forward
                     dec.info["packed"] = f"no: {e}"
-            if path == "nf4_kernel":
-                try:
-                    dec.parts = pack_model(dec.core, "nf4_kernel")
-                    dec.info["packed"] = True
-                except ValueError as e:
-                    dec.info["packed"] = f"no: {e}"
-                    stack.enter_context(nf4_kernel_weights(model))
-                dec.info["nf4_kernel"] = True
             if bf16_weights:
                 try:
                     dec.parts = pack_model(dec.core)
                     dec.info["packed"] = True
-                    dec.compile = compile_step
-                    dec.info["compiled"] = bool(compile_step)
                 except ValueError as e:
                     dec.info["packed"] = f"no: {e}"
                     if nf4:
@@ -636,9 +505,8 @@ class Decoder:
 
     def _step(self, st: dict) -> None:
         if self.parts is not None:
-            fn = compiled_packed_step() if self.compile else packed_step
-            fn(self.core, self.rotary, self.n_heads, self.n_kv, self.head_dim, st["tok"], st["pos"], st["t"],
-               st["valid"], st["k"], st["v"], self.parts, st["logits"])
+            packed_step(self.core, self.rotary, self.n_heads, self.n_kv, self.head_dim, st["tok"], st["pos"],
+                        st["t"], st["valid"], st["k"], st["v"], self.parts, st["logits"])
             return
         B = st["tok"].shape[0]
         t = st["t"]
@@ -713,7 +581,7 @@ class Decoder:
             return decode_plain(self.model, prompt_ids, prompt_mask, max_new_tokens, sampler, eos_id, pad_id)
 
         # Prefill with the model's own forward, then move its K/V into the static buffers.
-        cache = DynamicCache(config=self.core.config) if cache_takes_config() else DynamicCache()
+        cache = DynamicCache(config=self.core.config)
         pos0 = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
         out = self.core(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos0, use_cache=True,
                         logits_to_keep=1, **{cache_kw(self.core): cache})
@@ -785,6 +653,4 @@ class Decoder:
 
 
 def _cache_tensors(cache) -> list[tuple[Tensor, Tensor]]:
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
+    return [(layer.keys, layer.values) for layer in cache.layers]

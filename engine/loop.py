@@ -16,7 +16,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -100,8 +100,8 @@ class Progress:
 def make_optimizer(params, name: str, lr: float, weight_decay: float, device: str):
     """auto = adamw: torch's AdamW, fused into one kernel on CUDA. LoRA parameters are few
     (40 M for a 7B model at r=16 on every projection), so its 8 bytes of fp32 state per
-    parameter cost 0.3 GB there; the 8-bit optimizers keep 2 bytes but take 30-50 ms a
-    step in per-tensor kernels (measured, bench/RESULTS.md), a tenth of a whole 7B step.
+    parameter cost 0.3 GB there; the 8-bit optimizers keep 2 bytes but add a noticeable
+    share to every step in their per-tensor kernels (bench/README.md).
     `paged_adamw_8bit` is the choice when the adapter is large and memory is short."""
     params = [p for p in params if p.requires_grad]
     name = optimizer_name(name)
@@ -285,9 +285,3 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
 
 def every(n: int, step: int) -> bool:
     return n > 0 and step % n == 0
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t = time.time()
-    out = fn()
-    return out, time.time() - t

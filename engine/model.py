@@ -147,8 +147,8 @@ def _gguf_to_folder(gguf: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Processes that meet the file for the first time together (the app's worker and its
     # chat worker, test processes side by side) dequantise it once: the others wait for
-    # the folder (some 10-30 CPU-seconds for the embedded model) instead of redoing it and
-    # replacing the folder under a process that is reading it.
+    # the folder (a conversion takes CPU-seconds even for the embedded model) instead of
+    # redoing it and replacing the folder under a process that is reading it.
     with FileLock(str(out) + ".lock"):
         if (out / "config.json").is_file():
             return out
@@ -465,8 +465,8 @@ def load(cfg, timings: dict | None = None):
 
     Start-up only, so made short (engine/startup.py): the garbage collector is off until
     the adapter is in place (back on when this returns or raises), and peft is imported on a
-    side thread while the base weights load (about 4 s of imports on an H200 host, next to
-    2 s of reading a cached 7B NF4 base). `timings`, when given, receives the seconds of
+    side thread while the base weights load (its imports take about as long as reading a
+    cached 7B NF4 base). `timings`, when given, receives the seconds of
     each part (load_base, peft_wait: what the import still took after the load, add_lora)."""
     import time
 

@@ -8,8 +8,8 @@ layer's checkpoint function for one that
 - copies the layer's input to pinned host memory on a side CUDA stream (overlapping the
   copy with the next layers' forward; the GPU copy is freed as soon as that copy is done),
 - runs the layer without building a graph,
-- in the backward, copies the input back (host -> device at PCIe/C2C speed: ~10 ms for
-  512 MB, against ~0.5 s of recompute + backward for such a layer), recomputes the layer
+- in the backward, copies the input back (host -> device: short next to the recompute
+  and backward of the same layer), recomputes the layer
   with gradients and back-propagates through it (the reentrant checkpoint scheme).
 
 Costs: host RAM = the sum of the layer inputs (pinned, reused by PyTorch's host caching

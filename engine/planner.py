@@ -11,8 +11,8 @@ What is counted, in bytes, following what the engine actually does:
   absmax with double quantisation, + an fp32 absmax per 256 blocks), int8 (1 byte/param
   + an fp32 scale per output row) or plain `dtype`. Embeddings, norms, biases and an
   untied lm_head stay unquantised in compute dtype (engine/model.add_lora does not run
-  PEFT's fp32 upcast; UPCAST_FROZEN models it), so the residual stream, activations and
-  KV cache are bf16 on CUDA. The training forward runs under bf16 autocast there, and SFT
+  PEFT's fp32 upcast), so the residual stream, activations and KV cache are bf16 on
+  CUDA. The training forward runs under bf16 autocast there, and SFT
   with Liger's RMSNorm / SwiGLU (engine/liger.py), which keep less for the backward.
 - LoRA: r·(in + out) parameters per targeted projection, fp32; their gradients (fp32);
   optimizer state: AdamW (the default) 8 bytes/param, paged 8-bit AdamW 2 (+ block statistics).
@@ -59,10 +59,6 @@ CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hoppe
 ALLOCATOR_FIXED = 256 * 1024**2
 NCCL_BUFFERS = 512 * 1024**2  # NCCL's communicator and channel buffers on a rank of a data-parallel run
 ALLOCATOR_SLACK = 0.08  # share of the step's transient memory lost to caching-allocator fragmentation
-# PEFT's prepare_model_for_kbit_training would cast every unquantised parameter
-# (embeddings, norms, biases, lm_head) to fp32 and make the residual stream fp32;
-# engine/model.add_lora does not call it, so frozen parameters stay in compute dtype.
-UPCAST_FROZEN = False
 
 # The shipped SmolLM2-135M-Instruct's architecture, so the embedded model is planned
 # without converting its GGUF file first (that conversion needs torch).
@@ -272,12 +268,10 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
     arch = arch_from_config(read_model_config(cfg.model.name))
     eff = decide(cfg, device, arch)  # the engine's own decisions (engine/effective.py)
     c = DTYPE_BYTES[eff.dtype]
-    quantised = cfg.model.quant in ("nf4", "int8")
-    p = 4 if quantised and UPCAST_FROZEN else c
     opt = optimizer_name(optimizer)
     if arch.experts:
         notes.append("mixture-of-experts: experts counted in weights; activations use the routed share (approximate)")
-    ctx = Ctx(arch, cfg.model.quant, device, c, p, p, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
+    ctx = Ctx(arch, cfg.model.quant, device, c, c, c, _targets(cfg.lora.target_modules, notes), cfg.lora.r,
               bool(cfg.model.gradient_checkpointing), opt,
               offload=bool(cfg.model.gradient_checkpointing) and getattr(cfg.model, "offload_activations", False),
               autocast=eff.autocast, liger=eff.liger)
@@ -425,6 +419,14 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int, masked:
     layer = recompute_bytes(ctx, tokens, masked)
     return {"activations": saved, "transient": max(head, layer), "logits_chunk": head, "layer_recompute": layer,
             "host_pinned": host}
+
+
+def decode_ctx(arch: Arch, quant: str, act_bytes: int) -> Ctx:
+    """A loaded model as the decode formulas below read it (the shape, the quantisation,
+    the residual stream's bytes per value): engine/fast_decode.reserve_bytes sizes a
+    rollout's memory with the same kv_cache_bytes and prefill_bytes this plan adds up."""
+    return Ctx(arch, quant, "", act_bytes, act_bytes, act_bytes, targets=(), r=0, checkpointing=False,
+               optimizer="adamw")
 
 
 def kv_cache_bytes(ctx: Ctx, rows: int, seq: int) -> int:

@@ -99,8 +99,8 @@ def finish(completion: Tensor, logprobs: Tensor, eos_id: int, pad_id: int):
 def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tokens: int = 48,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
              batch_size: int = 0, system_prompt: str = "", fast: bool | None = None,
-             bf16_weights: bool | None = None, compile_step: bool | None = None, nf4_kernel: bool | None = None,
-             dense_layers: int | None = None, memory_budget: int | None = None, on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
+             bf16_weights: bool | None = None, dense_layers: int | None = None, memory_budget: int | None = None,
+             on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
     """Sample `num_generations` completions per prompt (rows of one prompt adjacent).
 
     prompts: strings / chat-message lists (rendered with the chat template), or lists of
@@ -109,11 +109,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     CUDA and of a known layout, else the plain loop; True insists (error if impossible);
     False forces the plain loop. bf16_weights (fast loop only): None = dequantise NF4 base
     weights to a temporary packed bf16 copy when the GPU has room for it (see
-    fast_decode.py). compile_step: torch.compile the packed decode step (None =
-    fast_decode.COMPILE). nf4_kernel (fast loop, NF4 base, no bf16 copy): the fused
-    dequantise-and-matmul kernel (kernels/nf4_matmul.py) instead of bitsandbytes' layers;
-    None/False = bitsandbytes (the kernel measured slower; fast_decode.base_path decides).
-    dense_layers (fast loop, NF4 base): the bf16 copy for the first that many decoder
+    fast_decode.py). dense_layers (fast loop, NF4 base): the bf16 copy for the first that many decoder
     layers only (None: all when they fit, else as many as fit). memory_budget: bytes the
     process may hold (model.memory_budget_gib); the copy stays within it as well as within
     the free memory.
@@ -148,13 +144,10 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
             longest = max(len(r) for r in rows) + max_new_tokens
             # what a chunk needs beside a copy of the base: its static cache and its prefill
             rows_per_chunk = min(bs, n)
-            reserve = (fast_decode.kv_bytes(model, rows_per_chunk, longest + 64)
-                       + fast_decode.prefill_bytes(model, rows_per_chunk, max(len(r) for r in rows)))
+            reserve = fast_decode.reserve_bytes(model, rows_per_chunk, max(len(r) for r in rows), longest + 64)
             decoder = stack.enter_context(
                 fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights, reserve_bytes=reserve,
-                                              compile_step=fast_decode.COMPILE if compile_step is None else compile_step,
-                                              nf4_kernel=nf4_kernel, dense_layers=dense_layers,
-                                              memory_budget=memory_budget))
+                                              dense_layers=dense_layers, memory_budget=memory_budget))
             info.update(decoder.info)
         for s in range(0, n, bs):
             idx = list(range(s, min(n, s + bs)))

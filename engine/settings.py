@@ -1,15 +1,20 @@
 """Every setting of a run, as dataclasses: shared groups (model, lora, data, run) and one
 group per method (sft, fgrpo, essa).
 
-Presets are YAML files of these same fields; the CLI's `--set a.b=c` and the app's
-widgets write the same fields; `resolve()` is the one place that validates them all
-(an unknown key names the nearest known one).
+Each field is declared once, with `setting()`: its default, help text (what the app shows
+beside the widget), the section of its group, and its allowed values (a closed set of
+words, or a numeric range). Validation, the CLI's did-you-mean, the app's widgets and the
+tests all read that declaration. Presets are YAML files of these same fields
+(engine/config_files.py reads them); the CLI's `--set a.b=c` and the app's widgets write
+the same fields; `resolve()` is the one place that validates them all (an unknown key
+names the nearest known one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -19,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from .config_files import list_presets, load_yaml
 from .errors import ConfigError
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
@@ -32,10 +38,128 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EDGETUNE_CACHE", Path.home() / ".cache" / "edgetune"))
 
 
-def setting(default: Any, help: str, section: str = "") -> Any:
-    """A settings field with its help text (what the app shows beside the widget) and the
-    section of its group it belongs to."""
-    return field(default=default, metadata={"help": help, "section": section})
+# --------------------------------------------------------------------------- allowed values
+
+
+def _num(v: float) -> str:
+    """A number as the user would write it: 4294967294, 1, 0.5, 1.000e+300 (not 4.29497e+09,
+    nor three hundred digits)."""
+    if isinstance(v, int) and abs(v) >= 10**16:
+        d = str(abs(v))
+        return f"{'-' if v < 0 else ''}{d[0]}.{d[1:4]}e+{len(d) - 1}"
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric setting: low (excluded when low_open) up to high
+    (excluded when high_open); None = unbounded. `words` replaces the generated
+    description where a plainer one reads better."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    words: str = ""
+
+    def allows(self, v: float) -> bool:
+        if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
+            return False
+        return self.high is None or (v < self.high or (not self.high_open and v == self.high))
+
+    def describe(self) -> str:
+        if self.words:
+            return self.words
+        if self.high is None:
+            if self.low == 0 and self.low_open:
+                return "must be positive"
+            return f"must be >= {_num(self.low)}"
+        lo, hi = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"must be in {lo}{_num(self.low)}, {_num(self.high)}{hi}"
+
+    def nearest(self, v: float) -> float | None:
+        """The allowed value closest to v, when the bound it crossed is itself allowed."""
+        if self.low is not None and v < self.low:
+            return None if self.low_open else self.low
+        if self.high is not None and v > self.high:
+            return None if self.high_open else self.high
+        return None
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+SHARE = Range(0, 1, high_open=True)  # [0, 1)
+FRACTION = Range(0, 1, low_open=True)  # (0, 1]
+# AdamW moves every adapter weight by about lr per step: above 1 that is noise, and a huge
+# lr overflows the update to inf/NaN.
+LEARNING_RATE = Range(0, 1, low_open=True, words="must be positive and at most 1")
+# Every consumer of the seed takes it: numpy's legacy seeding (loop.seed_everything) up to
+# 2**32 - 1, and CMA-ES (engine/essa.py), which is handed seed + 1.
+SEED = Range(0, 2**32 - 2)
+
+OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "paged_adamw_8bit")
+AUTO_ON_OFF = ("auto", "on", "off")
+# Reward names (engine/rewards.py implements them); length_penalty also takes
+# length_penalty:<characters>, rg:<task> names a reasoning-gym task, file the reward_file.
+REWARD_NAMES = ("answer_format", "exact", "file", "last_number", "length_penalty", "math", "normalized",
+                "rg:<task>")
+
+
+def setting(default: Any, help: str, section: str = "", choices: tuple | None = None,
+            range: Range | None = None) -> Any:
+    """A settings field: its default, its help text, the section of its group it belongs
+    to, and its allowed values (`choices`: a closed set of words; `range`: a Range for a
+    number). `validate` checks them; the app shows choices as drop-downs."""
+    return field(default=default, metadata={"help": help, "section": section, "choices": choices, "range": range})
+
+
+# Fields the SFT and F-GRPO groups share, declared once here.
+
+
+def _lr(default: float) -> Any:
+    return setting(default, "Peak learning rate (linear warmup, then cosine decay).", section="optimisation",
+                   range=LEARNING_RATE)
+
+
+def _warmup_steps(default: int) -> Any:
+    return setting(default, "Steps of linear learning-rate warmup (then cosine decay).", section="optimisation",
+                   range=NON_NEGATIVE)
+
+
+def _max_grad_norm() -> Any:
+    return setting(1.0, "Clip the gradient norm to this (0 = no clipping).", section="optimisation",
+                   range=NON_NEGATIVE)
+
+
+def _optimizer() -> Any:
+    return setting(
+        "auto",
+        "auto = AdamW (fused on CUDA). paged_adamw_8bit / adamw_8bit (bitsandbytes, CUDA): 2 bytes "
+        "of state per LoRA parameter instead of 8, slower per step.",
+        section="optimisation", choices=OPTIMIZERS)
+
+
+def _sebp(where: str) -> Any:
+    return setting(
+        "auto",
+        f"Exact sparsity-exploiting backward (kernels/){where}: skips the padding rows in the backward of "
+        "every linear layer. auto = on with CUDA; on | off.",
+        section="speed", choices=AUTO_ON_OFF)
+
+
+def _sample_every(default: int) -> Any:
+    return setting(default, "Report one sample completion every N steps (0 = never).", section="evaluation",
+                   range=NON_NEGATIVE)
+
+
+REWARD_HELP = ("math | exact | normalized | last_number | answer_format | length_penalty[:chars] | "
+               "rg:<task> | file (the function in reward_file), or {name: weight, ...} summed")
+REWARD_FILE_HELP = ("A local .py file with `def reward(completion, answer, row) -> float`. It runs as ordinary "
+                    "Python with your rights (files, network): use only code you trust.")
+MAX_NEW_TOKENS_HELP = "The most tokens a completion may have."
+
+
+# --------------------------------------------------------------------------- the groups
 
 
 @dataclass
@@ -49,21 +173,25 @@ class ModelSettings:
     quant: str = setting(
         "nf4",
         "nf4: 4-bit NormalFloat with double quantisation (QLoRA). int8: LLM.int8(). none: plain "
-        "weights in `dtype`.")
+        "weights in `dtype`.",
+        choices=("nf4", "int8", "none"))
     dtype: str = setting(
         "auto",
         "Compute dtype. auto = bf16 on CUDA, fp32 on the CPU (bf16 on the CPU is slow and hides "
-        "small adapter changes below its resolution).")
+        "small adapter changes below its resolution).",
+        choices=("auto", "bf16", "fp16", "fp32"))
     gradient_checkpointing: Any = setting(
         True,
-        "Trades ~30% more compute for not storing activations of every layer. true | false | auto = "
+        "Recompute each layer's activations in the backward instead of storing them: more compute, "
+        "far less memory. true | false | auto = "
         "checkpoint only as many decoder layers as the memory budget needs (engine/effective.py "
         "picks the count before the run from the planner's prediction; `edgetune estimate` shows it; "
         "the rest keep their activations and skip the recompute).")
     memory_budget_gib: float = setting(
         0.0,
         "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it; rollouts' bf16 "
-        "copy of the base stays within it); 0 = the card's free memory minus a margin.")
+        "copy of the base stays within it); 0 = the card's free memory minus a margin.",
+        range=NON_NEGATIVE)
     offload_activations: bool = setting(
         False,
         "With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU memory "
@@ -72,24 +200,26 @@ class ModelSettings:
     attn_implementation: str = setting(
         "auto",
         "auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows' position "
-        "ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md), sdpa otherwise; "
+        "ids instead of sdpa with a dense [N, N] mask; bench/README.md), sdpa otherwise; "
         "or any name transformers accepts (sdpa, eager, flex_attention, ...).")
     liger: str = setting(
         "auto",
         "Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a CUDA "
-        "GPU for the model families Liger knows; on | off.")
+        "GPU for the model families Liger knows; on | off.",
+        choices=AUTO_ON_OFF)
     quant_cache: bool = setting(
         True,
         "Keep the 4-bit weights of an NF4 load of a local model folder in $EDGETUNE_CACHE/quantized "
         "(engine/quant_cache.py), so the next run of the same model and quantisation loads them "
-        "without quantising again; costs ~0.55 byte of disk per parameter (4.5 GB for a 7B model). "
+        "without quantising again; costs about half a byte of disk per parameter. "
         "false = quantise at every load, store nothing.")
     device: str = setting("auto", "auto = cuda when present, else cpu.")
     shard: str = setting(
         "none",
         "How a run on several GPUs (edgetune train --gpus N) holds the base: none = every GPU holds the "
         "whole 4-bit base and the batch is split (data-parallel). fsdp (the base sharded across the GPUs) "
-        "is not built yet and is refused.")
+        "is not built yet and is refused.",
+        choices=("none",))
     trust_remote_code: bool = setting(
         False,
         "Run Python code shipped in the model's repository (some architectures need it); only for "
@@ -100,9 +230,12 @@ class ModelSettings:
 class LoraSettings:
     """The adapter that is trained (PEFT LoRA)."""
 
-    r: int = setting(16, "LoRA rank: the adapter's inner dimension (more capacity and memory as it grows).")
-    alpha: int = setting(32, "LoRA scale numerator: the adapter's output is multiplied by alpha / r.")
-    dropout: float = setting(0.0, "Dropout on the adapter's input while training (0 = none).")
+    r: int = setting(16, "LoRA rank: the adapter's inner dimension (more capacity and memory as it grows).",
+                     range=POSITIVE)
+    # alpha / r scales every adapter output: a huge alpha overflows the adapter to inf/NaN.
+    alpha: int = setting(32, "LoRA scale numerator: the adapter's output is multiplied by alpha / r.",
+                         range=Range(0, 4096, low_open=True))
+    dropout: float = setting(0.0, "Dropout on the adapter's input while training (0 = none).", range=SHARE)
     target_modules: Any = setting(
         "all-linear",
         '"all-linear" = every linear projection of the blocks (not lm_head), or a list of module '
@@ -118,23 +251,27 @@ class DataSettings:
         EMBEDDED_SFT_DATA,
         'JSONL / JSON / CSV / Parquet file, a saved `datasets` folder, or an embedded set '
         '("embedded:arith-sft", "embedded:arith-rl").')
-    format: str = setting("auto", "auto | messages | alpaca | prompt_completion | text | rl")
+    format: str = setting("auto", "auto | messages | alpaca | prompt_completion | text | rl",
+                          choices=("auto", "messages", "alpaca", "prompt_completion", "text", "rl"))
     eval_fraction: float = setting(
         0.1,
-        "Held-out share for eval (SFT loss, RL pass@k), taken with the run's seed.")
+        "Held-out share for eval (SFT loss, RL pass@k), taken with the run's seed.",
+        range=SHARE)
     eval_path: str = setting("", "Or a separate file for eval; overrides eval_fraction.")
     max_seq_len: int = setting(
         512,
         "SFT: the most tokens of a whole row, prompt and answer (longer rows: data.overlong). "
         "F-GRPO / ESSA: the most tokens of a prompt (longer prompts are dropped); completions add "
-        "max_new_tokens.")
+        "max_new_tokens.",
+        range=POSITIVE)
     overlong: str = setting(
         "truncate",
-        "What to do with rows longer than max_seq_len: truncate | drop (both are counted).")
+        "What to do with rows longer than max_seq_len: truncate | drop (both are counted).",
+        choices=("truncate", "drop"))
     system_prompt: str = setting(
         "",
         "Prepended as a system turn when a row has none; \"\" keeps the template's default.")
-    max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.")
+    max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.", range=NON_NEGATIVE)
 
 
 @dataclass
@@ -146,55 +283,38 @@ class RunSettings:
     seed: int = setting(
         0,
         "Seeds the data order and split, sampling and the adapter's initialisation: the same seed "
-        "gives the same run.")
-    log_every: int = setting(1, "Report a step every N steps (0 = only the last).")
-    checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end")
-    keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).")
+        "gives the same run.",
+        range=SEED)
+    log_every: int = setting(1, "Report a step every N steps (0 = only the last).", range=NON_NEGATIVE)
+    checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end", range=NON_NEGATIVE)
+    keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).",
+                                    range=NON_NEGATIVE)
 
 
 @dataclass
 class SFTSettings:
     """Supervised fine-tuning. See engine/sft.py for the loop."""
 
-    lr: float = setting(
-        2e-4,
-        "Peak learning rate (linear warmup, then cosine decay).",
-        section="optimisation")
-    steps: int = setting(60, "Optimizer steps.", section="optimisation")
-    batch_size: int = setting(4, "Rows per micro-batch.", section="optimisation")
+    lr: float = _lr(2e-4)
+    steps: int = setting(60, "Optimizer steps.", section="optimisation", range=POSITIVE)
+    batch_size: int = setting(4, "Rows per micro-batch.", section="optimisation", range=POSITIVE)
     grad_accum: int = setting(
         1,
         "Micro-batches per optimizer step: a step trains on batch_size x grad_accum rows, each "
         "label token weighing the same.",
-        section="optimisation")
-    warmup_steps: int = setting(
-        5,
-        "Steps of linear learning-rate warmup (then cosine decay).",
-        section="optimisation")
-    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation")
-    max_grad_norm: float = setting(
-        1.0,
-        "Clip the gradient norm to this (0 = no clipping).",
-        section="optimisation")
-    optimizer: str = setting(
-        "auto",
-        "auto = AdamW (fused on CUDA). paged_adamw_8bit / adamw_8bit (bitsandbytes, CUDA): 2 bytes "
-        "of state per LoRA parameter instead of 8, slower per step.",
-        section="optimisation")
+        section="optimisation", range=POSITIVE)
+    warmup_steps: int = _warmup_steps(5)
+    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation",
+                                  range=NON_NEGATIVE)
+    max_grad_norm: float = _max_grad_norm()
+    optimizer: str = _optimizer()
     eval_every: int = setting(
         20,
         "Held-out loss every N steps and at the end (0 = never).",
-        section="evaluation")
-    eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation")
-    sample_every: int = setting(
-        0,
-        "generate one sample completion every N steps (0 = never)",
-        section="evaluation")
-    sebp: str = setting(
-        "auto",
-        "Exact sparsity-exploiting backward (kernels/): skips the padding rows in the backward of "
-        "every linear layer. auto = on with CUDA; on | off.",
-        section="speed")
+        section="evaluation", range=NON_NEGATIVE)
+    eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=NON_NEGATIVE)
+    sample_every: int = _sample_every(0)
+    sebp: str = _sebp("")
     packing: bool = setting(
         False,
         "Padding-free batches (engine/packing.py): a micro-batch's rows laid end to end in one row, "
@@ -207,41 +327,33 @@ class SFTSettings:
 class FGRPOSettings:
     """F-GRPO: group-relative RL with verifiable rewards and focal group weights."""
 
-    num_generations: int = setting(8, "G, completions per prompt", section="rollouts")
+    num_generations: int = setting(8, "G, completions per prompt", section="rollouts", range=Range(2))
     prompts_per_step: int = setting(
         4,
         "Prompts per step; each gets num_generations completions.",
-        section="rollouts")
-    max_new_tokens: int = setting(48, "The most tokens a completion may have.", section="rollouts")
-    temperature: float = setting(0.9, "Sampling temperature of the completions.", section="rollouts")
+        section="rollouts", range=POSITIVE)
+    max_new_tokens: int = setting(48, MAX_NEW_TOKENS_HELP, section="rollouts", range=POSITIVE)
+    temperature: float = setting(0.9, "Sampling temperature of the completions.", section="rollouts",
+                                 range=POSITIVE)
     top_p: float = setting(
         1.0,
         "Nucleus sampling: sample from the smallest set of tokens whose probabilities reach top_p "
         "(1 = all).",
-        section="rollouts")
-    reward: Any = setting(
-        "last_number",
-        "math | exact | normalized | last_number | answer_format | length_penalty[:chars] | "
-        "rg:<task> | file (the function in reward_file), or {name: weight, ...} summed",
-        section="reward")
-    reward_file: str = setting(
-        "",
-        "local .py file with `def reward(completion, answer, row) -> float`. It runs as ordinary Python "
-        "with your rights (files, network): use only code you trust",
-        section="reward")
+        section="rollouts", range=FRACTION)
+    reward: Any = setting("last_number", REWARD_HELP, section="reward")
+    reward_file: str = setting("", REWARD_FILE_HELP, section="reward")
     success_threshold: Any = setting(
         None,
         "What counts as success (p̂ of the focal weight, pass@k): None = every correctness part of "
         "the reward at its best (1 for a 0/1 reward; length_penalty ignored); a number = the "
         "weighted reward reaches it. See engine/rewards.py.",
         section="reward")
-    loss_type: str = setting("dapo", "grpo | dapo | dr_grpo | cispo", section="loss")
-    # gamma 2 with normalised weights: on the learning benchmark's unseen tasks (H200, 32 steps,
-    # six seeds against GRPO) pass@4 74.8 / 72.7 / 37.9 / 60.2 % on basic_arithmetic / chain_sum /
-    # count_bits / gcd against GRPO's 71.6 / 72.6 / 32.2 / 53.6, kept-aside products 91.4 / 91.2;
-    # the paper's weights alone (gamma 1) stayed below GRPO on two tasks. Its cost: gcd's greedy
-    # success fell in 2 of 6 seeds (-30, -32) as completions grew to the cap (bench/RESULTS.md).
-    gamma: float = setting(2.0, "focal exponent; 0 = plain GRPO", section="loss")
+    loss_type: str = setting("dapo", "grpo | dapo | dr_grpo | cispo", section="loss",
+                             choices=("grpo", "dapo", "dr_grpo", "cispo"))
+    # gamma 2 with normalised weights is the default because it gained most over GRPO on the
+    # learning benchmark's held-out tasks (bench/README.md); its cost there: completions of
+    # some tasks grew towards max_new_tokens.
+    gamma: float = setting(2.0, "focal exponent; 0 = plain GRPO", section="loss", range=NON_NEGATIVE)
     focal_normalize: bool = setting(
         True,
         "Divide the focal weights by their mean over the step's groups whose rewards differ: gamma then "
@@ -249,71 +361,57 @@ class FGRPOSettings:
         "weights alone, as in the F-GRPO paper, also scale the step down as the model gets better; "
         "false gives the paper's form).",
         section="loss")
-    scale_rewards: str = setting("group", "group | batch | none", section="loss")
-    epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss")
+    scale_rewards: str = setting("group", "group | batch | none", section="loss",
+                                 choices=("group", "batch", "none"))
+    epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss", range=NON_NEGATIVE)
     epsilon_high: float = setting(
         0.28,
         "The ratio is clipped above at 1 + epsilon_high; cispo: an absolute cap on the ratio "
         "instead (e.g. 5.0).",
-        section="loss")
-    beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss")
+        section="loss", range=NON_NEGATIVE)
+    beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss", range=NON_NEGATIVE)
     mask_truncated: bool = setting(
         False,
         "Leave completions that hit max_new_tokens out of the loss and its token count (DAPO's "
         "overlong filtering): a cut completion's low reward then says nothing about its tokens. "
         "They still count in their group's advantages and success share. Off by default: on the "
-        "learning benchmark (4 seeds) it let completions grow to the cap (gcd: 100% cut) and lowered "
-        "held-out success on 3 of 4 tasks (bench/RESULTS.md).",
+        "learning benchmark it let completions grow to the cap and lowered held-out success "
+        "(bench/README.md).",
         section="loss")
     num_iterations: int = setting(
         1,
         "Optimizer steps per rollout batch (more than 1 reuses the rollouts, with the clipped "
         "ratio).",
-        section="loss")
-    lr: float = setting(
-        1e-4,
-        "Peak learning rate (linear warmup, then cosine decay).",
-        section="optimisation")
-    steps: int = setting(30, "Optimizer steps (each on a fresh rollout batch).", section="optimisation")
+        section="loss", range=POSITIVE)
+    lr: float = _lr(1e-4)
+    steps: int = setting(30, "Optimizer steps (each on a fresh rollout batch).", section="optimisation",
+                         range=POSITIVE)
     micro_batch_size: int = setting(
         16,
         "Completions per forward and backward of the update (bounds memory; the update itself does "
         "not depend on it); 0 = all at once.",
-        section="optimisation")
-    warmup_steps: int = setting(
-        0,
-        "Steps of linear learning-rate warmup (then cosine decay).",
-        section="optimisation")
-    max_grad_norm: float = setting(
-        1.0,
-        "Clip the gradient norm to this (0 = no clipping).",
-        section="optimisation")
-    optimizer: str = setting(
-        "auto",
-        "auto = AdamW (fused on CUDA); adamw_8bit / paged_adamw_8bit (bitsandbytes, CUDA) keep 2 "
-        "bytes of state per LoRA parameter instead of 8.",
-        section="optimisation")
+        section="optimisation", range=NON_NEGATIVE)
+    warmup_steps: int = _warmup_steps(0)
+    max_grad_norm: float = _max_grad_norm()
+    optimizer: str = _optimizer()
     eval_every: int = setting(
         0,
         "Held-out success and pass@k every N steps; always before the first and after the last "
         "step.",
-        section="evaluation")
+        section="evaluation", range=NON_NEGATIVE)
     eval_prompts: int = setting(
         50,
         "Held-out prompts per evaluation (0 = the whole held-out split). No held-out rows "
         "(data.eval_fraction 0 and no data.eval_path) = no evaluation during training; "
         "`edgetune eval` measures the adapter afterwards.",
-        section="evaluation")
-    eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation")
-    sample_every: int = setting(
-        5,
-        "Report one sample completion every N steps (0 = never).",
-        section="evaluation")
-    sebp: str = setting(
-        "auto",
-        "The exact sparsity-exploiting backward in the policy update (as sft.sebp): auto = on with "
-        "CUDA; on | off.",
-        section="evaluation")
+        section="evaluation", range=NON_NEGATIVE)
+    eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation",
+                          range=NON_NEGATIVE)
+    sample_every: int = _sample_every(5)
+    sebp: str = _sebp(" in the policy update")
+
+
+FITNESS = "fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation"
 
 
 @dataclass
@@ -327,47 +425,39 @@ class ESSASettings:
     warm_start_steps: int = setting(
         40,
         "Steps of the warm-start SFT run when essa.warm_start is unset.",
-        section="warm start")
+        section="warm start", range=NON_NEGATIVE)
     warm_start_data: str = setting(
         "",
         'SFT data for the warm start ("" = the embedded set)',
         section='warm start')
-    alpha: float = setting(1.0, "share of each factor's singular values searched", section="search space")
+    alpha: float = setting(1.0, "share of each factor's singular values searched", section="search space",
+                           range=FRACTION)
+    # cma's CMA-ES stops with an internal error when the 2 candidates of a generation tie
+    # (flat fitness: it injects a direction a population of 2 has no room for).
     population: int = setting(
         16,
         "Candidates per generation (the paper finds 24 or more works best).",
-        section="CMA-ES")
+        section="CMA-ES", range=Range(3))
     sigma0: float = setting(
         0.05,
         "CMA-ES's initial step size, in units of the singular values' offsets.",
-        section="CMA-ES")
+        section="CMA-ES", range=POSITIVE)
     step: str = setting(
         "absolute",
         "absolute = sigma0 in the singular values' own units, alike for every value; relative = each "
         "value's step is sigma0 times the value itself (sigma0 0.2: moves of about 20%). After a short "
-        "warm start a LoRA B holds values ~0.005-0.2 and its A ~0.5-0.7, so one absolute step "
-        "doubles or flips B's values while it barely moves A's. Measured on the learning benchmark: "
-        "no better than absolute (bench/RESULTS.md, \"ESSA with relative steps\").",
-        section="CMA-ES")
-    generations: int = setting(10, "CMA-ES generations.", section="CMA-ES")
-    reward: Any = setting(
-        "last_number",
-        "As fgrpo.reward: a reward name or {name: weight, ...}.",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
-    reward_file: str = setting(
-        "",
-        "As fgrpo.reward_file: a local .py file that runs as ordinary Python with your rights; use only "
-        "code you trust.",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        "warm start a LoRA B holds much smaller singular values than its A, so one absolute step "
+        "can flip B's values while it barely moves A's. Results of both: bench/README.md.",
+        section="CMA-ES", choices=("absolute", "relative"))
+    generations: int = setting(10, "CMA-ES generations.", section="CMA-ES", range=POSITIVE)
+    reward: Any = setting("last_number", REWARD_HELP, section=FITNESS)
+    reward_file: str = setting("", REWARD_FILE_HELP, section=FITNESS)
     prompts_per_generation: int = setting(
         32,
         "Prompts every candidate of a generation is scored on (the mean reward of its completions "
         "is its fitness).",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
-    max_new_tokens: int = setting(
-        32,
-        "The most tokens a completion may have.",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        section=FITNESS, range=POSITIVE)
+    max_new_tokens: int = setting(32, MAX_NEW_TOKENS_HELP, section=FITNESS, range=POSITIVE)
     fitness: str = setting(
         "reward",
         "reward = mean reward of the candidate's completions; gold_logprob = mean log-probability "
@@ -376,42 +466,44 @@ class ESSASettings:
         "gold answer's probability; gold_margin = a soft count of the prompts whose greedy answer, "
         "teacher-forced after the template's lead-in, is the gold one (one forward, no decoding); "
         "reward+gold_margin = the reward, ties broken by that soft count (engine/essa_fitness.py).",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        section=FITNESS,
+        choices=("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"))
     gold_template: str = setting(
         "Answer: {answer}",
         "How the gold answer is written for the gold_logprob and gold_margin fitnesses "
         "({answer} = the row's answer): "
         "the way the warm start's demonstrations state it.",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        section=FITNESS)
     greedy: bool = setting(
         True,
         "Greedy decoding of the candidates' completions (false: sampling at temperature).",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        section=FITNESS)
+    # positive when sampling (greedy: false): `validate` checks it then
     temperature: float = setting(
         1.0,
         "sampling only (greedy: false); candidates share the random numbers",
-        section="fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation")
+        section=FITNESS)
     evaluation: str = setting(
         "sequential",
         "sequential = one candidate after another (inference memory only); batched = K candidates "
         "share a forward pass with a per-row adapter index.",
-        section="evaluation mode")
+        section="evaluation mode", choices=("sequential", "batched"))
     candidates_per_batch: int = setting(
         0,
         "K for batched; 0 = the population on CPU, as many as memory allows on CUDA",
-        section="evaluation mode")
+        section="evaluation mode", range=NON_NEGATIVE)
     eval_every: int = setting(
         5,
         "generations between held-out evaluations (0 = only before and after)",
-        section="evaluation mode")
+        section="evaluation mode", range=NON_NEGATIVE)
     eval_prompts: int = setting(
         50,
         "held-out prompts per evaluation (0 = no held-out evaluation)",
-        section="evaluation mode")
+        section="evaluation mode", range=NON_NEGATIVE)
     export: str = setting(
         "mean",
         "mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.",
-        section="result")
+        section="result", choices=("mean", "best"))
 
 
 @dataclass
@@ -430,6 +522,23 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def declared() -> dict[str, dataclasses.Field]:
+    """Every setting's declaration by key ("sft.lr"), in the order of the dataclasses: its
+    default, and in `.metadata` its help, section, choices and range."""
+    out = {}
+    for group in dataclasses.fields(Config):
+        if group.name != "method":
+            for f in dataclasses.fields(group.default_factory):
+                out[f"{group.name}.{f.name}"] = f
+    return out
+
+
+def field_types(cls) -> dict[str, Any]:
+    """A settings dataclass's field types by name (int, float, str, bool, Any, ...)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 # --------------------------------------------------------------------------- resolve
@@ -454,11 +563,6 @@ def warm_start_config(cfg: Config) -> Config:
     # measured with it: the short warm start runs without Liger.
     warm.model = dataclasses.replace(cfg.model, liger="off")
     return warm
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 # Names other tools use for our fields: suggested when they are typed here.
@@ -489,11 +593,13 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
         try:
             f = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
-        if f != int(f):
+        if not math.isfinite(f) or f != int(f):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return int(f)
     if typ is float:
@@ -501,6 +607,8 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+        except OverflowError:  # an integer beyond any float
+            raise ConfigError(f"{path} must be a finite number, got {_num(value)}") from None
     if typ is str:
         if isinstance(value, bool):  # YAML 1.1 reads a bare on/off as a boolean
             return "on" if value else "off"
@@ -511,7 +619,7 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
 def _apply(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {data!r}")
-    types = _field_types(type(obj))
+    types = field_types(type(obj))
     for key, value in data.items():
         path = f"{prefix}{key}"
         if not prefix and key == "effective":
@@ -545,62 +653,6 @@ def _nest(key: str, value: Any) -> dict:
     return out
 
 
-def preset_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "presets"
-
-
-def list_presets() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(preset_dir().glob("*.yaml"))}
-
-
-def preset_description(path: str | os.PathLike) -> str:
-    """A preset's first sentence, from the comment it starts with (which may wrap over
-    several lines): what `edgetune presets` and the page show."""
-    import re
-
-    words = []
-    for line in Path(path).read_text().splitlines():
-        if not line.startswith("#") or line.startswith("#   ") or not line.strip("# "):
-            break  # the end of the leading comment, or its command lines
-        words.append(line.lstrip("#").strip())
-    text = " ".join(words)
-    end = re.search(r"(?<!e\.g)(?<!i\.e)[.!?](?=\s+[A-Z]|$)", text)
-    return text[: end.end()] if end else text
-
-
-def yaml_problem(path, e: yaml.YAMLError) -> str:
-    """One line: file, line and column, and what the parser found there."""
-    mark = getattr(e, "problem_mark", None)
-    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
-    what = getattr(e, "problem", None) or str(e)
-    context = getattr(e, "context", None)
-    text = f"{where}: not valid YAML: {what}" + (f" ({context})" if context else "")
-    return " ".join(text.split())
-
-
-def load_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        presets = list_presets()
-        if str(path) in presets:
-            p = presets[str(path)]
-        else:
-            raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(yaml_problem(p, e)) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of settings at the top level")
-    return data
-
-
 def resolve(
     preset: str | None = None,
     config: str | os.PathLike | None = None,
@@ -632,98 +684,7 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "paged_adamw_8bit")
-AUTO_ON_OFF = ("auto", "on", "off")
-# Reward names (engine/rewards.py implements them); length_penalty also takes
-# length_penalty:<characters>, rg:<task> names a reasoning-gym task, file the reward_file.
-REWARD_NAMES = ("answer_format", "exact", "file", "last_number", "length_penalty", "math", "normalized",
-                "rg:<task>")
-
-# Every setting that takes one of a few words: checked by `validate`, drop-downs in the app.
-# (model.device: auto | cpu | cuda | cuda:<index>; model.gradient_checkpointing: true |
-# false | auto; fgrpo.reward / essa.reward: REWARD_NAMES, or a mapping of them to weights.)
-CHOICES = {
-    "model.quant": ("nf4", "int8", "none"),
-    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "model.liger": AUTO_ON_OFF,
-    "model.shard": ("none",),
-    "data.format": ("auto", "messages", "alpaca", "prompt_completion", "text", "rl"),
-    "data.overlong": ("truncate", "drop"),
-    "sft.optimizer": OPTIMIZERS,
-    "sft.sebp": AUTO_ON_OFF,
-    "fgrpo.optimizer": OPTIMIZERS,
-    "fgrpo.sebp": AUTO_ON_OFF,
-    "fgrpo.loss_type": ("grpo", "dapo", "dr_grpo", "cispo"),
-    "fgrpo.scale_rewards": ("group", "batch", "none"),
-    "essa.evaluation": ("sequential", "batched"),
-    "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"),
-    "essa.export": ("mean", "best"),
-    "essa.step": ("absolute", "relative"),
-}
-
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric setting: low (excluded when low_open) up to high
-    (excluded when high_open); None = unbounded."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def allows(self, v: float) -> bool:
-        if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
-            return False
-        return self.high is None or (v < self.high or (not self.high_open and v == self.high))
-
-    def describe(self) -> str:
-        if self.high is None:
-            if self.low == 0 and self.low_open:
-                return "must be positive"
-            return f"must be >= {self.low:g}"
-        lo, hi = "(" if self.low_open else "[", ")" if self.high_open else "]"
-        return f"must be in {lo}{self.low:g}, {self.high:g}{hi}"
-
-    def nearest(self, v: float) -> float | None:
-        """The allowed value closest to v, when the bound it crossed is itself allowed."""
-        if self.low is not None and v < self.low:
-            return None if self.low_open else self.low
-        if self.high is not None and v > self.high:
-            return None if self.high_open else self.high
-        return None
-
-
-POSITIVE = Range(0, low_open=True)
-NON_NEGATIVE = Range(0)
-SHARE = Range(0, 1, high_open=True)  # [0, 1)
-FRACTION = Range(0, 1, low_open=True)  # (0, 1]
-
-# Every numeric setting's allowed values (essa.temperature: positive when sampling).
-RANGES = {
-    "model.memory_budget_gib": NON_NEGATIVE,
-    "lora.r": POSITIVE, "lora.alpha": POSITIVE, "lora.dropout": SHARE,
-    "data.eval_fraction": SHARE, "data.max_seq_len": POSITIVE, "data.max_rows": NON_NEGATIVE,
-    "run.seed": NON_NEGATIVE, "run.log_every": NON_NEGATIVE, "run.checkpoint_every": NON_NEGATIVE,
-    "run.keep_checkpoints": NON_NEGATIVE,
-    "sft.lr": POSITIVE, "sft.steps": POSITIVE, "sft.batch_size": POSITIVE, "sft.grad_accum": POSITIVE,
-    "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE, "sft.max_grad_norm": NON_NEGATIVE,
-    "sft.eval_every": NON_NEGATIVE, "sft.eval_batches": NON_NEGATIVE, "sft.sample_every": NON_NEGATIVE,
-    "fgrpo.num_generations": Range(2), "fgrpo.prompts_per_step": POSITIVE, "fgrpo.max_new_tokens": POSITIVE,
-    "fgrpo.temperature": POSITIVE, "fgrpo.top_p": FRACTION, "fgrpo.gamma": NON_NEGATIVE,
-    "fgrpo.epsilon": NON_NEGATIVE, "fgrpo.epsilon_high": NON_NEGATIVE, "fgrpo.beta": NON_NEGATIVE,
-    "fgrpo.num_iterations": POSITIVE, "fgrpo.lr": POSITIVE, "fgrpo.steps": POSITIVE,
-    "fgrpo.micro_batch_size": NON_NEGATIVE, "fgrpo.warmup_steps": NON_NEGATIVE,
-    "fgrpo.max_grad_norm": NON_NEGATIVE, "fgrpo.eval_every": NON_NEGATIVE, "fgrpo.eval_prompts": NON_NEGATIVE,
-    "fgrpo.eval_k": NON_NEGATIVE, "fgrpo.sample_every": NON_NEGATIVE,
-    "essa.warm_start_steps": NON_NEGATIVE, "essa.alpha": FRACTION,
-    # cma's CMA-ES stops with an internal error when the 2 candidates of a generation tie
-    # (flat fitness: it injects a direction a population of 2 has no room for).
-    "essa.population": Range(3),
-    "essa.sigma0": POSITIVE, "essa.generations": POSITIVE, "essa.prompts_per_generation": POSITIVE,
-    "essa.max_new_tokens": POSITIVE, "essa.candidates_per_batch": NON_NEGATIVE,
-    "essa.eval_every": NON_NEGATIVE, "essa.eval_prompts": NON_NEGATIVE,
-}
+# --------------------------------------------------------------------------- validate
 
 
 def _choice_error(path: str, value: Any, allowed) -> ConfigError:
@@ -732,11 +693,20 @@ def _choice_error(path: str, value: Any, allowed) -> ConfigError:
     return ConfigError(f"{path}: '{value}' is not one of {', '.join(map(str, allowed))}{hint}")
 
 
+def _check_finite(path: str, value: Any) -> None:
+    """inf and nan pass every range check written as comparisons; the run would then end
+    "finished" with an adapter of NaNs."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value}")
+
+
 def _check_range(path: str, value: Any, rng: Range) -> None:
+    _check_finite(path, value)
     if value is None or not rng.allows(value):
         near = None if value is None else rng.nearest(value)
-        hint = f" (nearest allowed: {near:g})" if near is not None else ""
-        raise ConfigError(f"{path} {rng.describe()}, got {value}{hint}")
+        hint = f" (nearest allowed: {_num(near)})" if near is not None else ""
+        shown = _num(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        raise ConfigError(f"{path} {rng.describe()}, got {shown}{hint}")
 
 
 def _check_reward(path: str, spec: Any) -> None:
@@ -745,6 +715,8 @@ def _check_reward(path: str, spec: Any) -> None:
     if not isinstance(spec, (str, dict)) or not spec:
         raise ConfigError(f"{path}: expected a reward name or a mapping {{name: weight}}, got {spec!r}")
     for name in [spec] if isinstance(spec, str) else spec:
+        if isinstance(spec, dict):
+            _check_finite(f"{path}.{name}", spec[name])
         name = str(name).strip()
         if name in REWARD_NAMES or name.startswith("length_penalty:") or (name.startswith("rg:") and name[3:]):
             continue
@@ -759,8 +731,8 @@ def _setting(cfg: Config, path: str) -> Any:
 
 
 def validate(cfg: Config) -> None:
-    """Every setting against its table (CHOICES, RANGES) and the rules between settings;
-    the first problem is raised as one line that names the key."""
+    """Every setting against its declaration (choices, range, a finite number) and the
+    rules between settings; the first problem is raised as one line that names the key."""
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
@@ -774,11 +746,15 @@ def validate(cfg: Config) -> None:
     for group in (cfg.sft, cfg.fgrpo):  # null: how "auto" was written before it was a word
         if group.sebp is None:
             group.sebp = "auto"
-    for path, allowed in CHOICES.items():
-        if _setting(cfg, path) not in allowed:
-            raise _choice_error(path, _setting(cfg, path), allowed)
-    for path, rng in RANGES.items():
-        _check_range(path, _setting(cfg, path), rng)
+    for path, f in declared().items():
+        value = _setting(cfg, path)
+        choices, rng = f.metadata["choices"], f.metadata["range"]
+        if choices is not None and value not in choices:
+            raise _choice_error(path, value, choices)
+        if rng is not None:
+            _check_range(path, value, rng)
+        else:
+            _check_finite(path, value)
     for path in ("fgrpo.reward", "essa.reward"):
         _check_reward(path, _setting(cfg, path))
     if cfg.method == "essa":

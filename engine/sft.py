@@ -13,7 +13,7 @@ Memory/speed trade-offs, each a setting:
   factors are kept and updated in fp32, their products run in bf16.
 - `sft.optimizer: auto`: fused AdamW (8 bytes of fp32 state per trainable parameter; one
   kernel for all of them). `paged_adamw_8bit` keeps 2 bytes per parameter paged out
-  under memory pressure, and costs 30-50 ms per 7B step in its per-tensor kernels.
+  under memory pressure, and slows every step in its per-tensor kernels.
 - Loss: logits are computed only at positions with a label (engine/lm_loss.py), never
   the full [tokens x vocab] matrix.
 - `model.liger`: Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (less activation
@@ -135,7 +135,7 @@ def train(ctx: RunContext) -> dict:
     print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log
     base = model.get_base_model()
     if base.config._attn_implementation != eff.attn_implementation:
-        # packed rows on CUDA: flex_attention (its first step compiles the kernel, ~10-20 s)
+        # packed rows on CUDA: flex_attention (its first step compiles the kernel)
         base.set_attn_implementation(eff.attn_implementation)
     if cfg.model.offload_activations:
         from .offload import enable as offload_activations

@@ -5,7 +5,7 @@ Two things, both undone before the first training step:
 * The cyclic garbage collector is paused. Importing torch / transformers / peft and loading
   a model allocate millions of long-lived objects (modules, functions, tensors' Python
   wrappers); each full collection walks all of them and finds almost nothing to free
-  (about 1.2-1.5 s of pauses before a 7B model's first step on an H200 host). Reference
+  (seconds of pauses before a 7B model's first step; bench/README.md). Reference
   counting still frees everything that is not in a cycle, so memory grows only by the few
   cycles start-up makes, collected once the collector is back. The objects of the imports
   are frozen (gc.freeze) after them: they stay for the whole process, and no collection

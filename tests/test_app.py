@@ -14,6 +14,7 @@ import pytest
 from edgetune.app import form, live, panels
 from edgetune.app.methods import BY_KEY, METHODS
 from edgetune.engine import settings as S
+from edgetune.engine.config_files import list_presets
 from edgetune.engine.errors import ConfigError
 
 
@@ -52,19 +53,21 @@ def test_every_setting_has_a_widget_with_help():
     assert by_key["lora.target_modules"].kind == "any"
     assert "NormalFloat" in by_key["model.quant"].help
     assert by_key["sft.lr"].section == "optimisation" and by_key["sft.sebp"].section == "speed"
+    assert by_key["fgrpo.sebp"].section == "speed"
+    assert by_key["model.quant"].choices == ("nf4", "int8", "none") and by_key["sft.steps"].choices is None
     assert by_key["sft.steps"].basic and not by_key["sft.weight_decay"].basic
 
 
-@pytest.mark.parametrize("key", sorted(form.CHOICES))
-def test_choices_are_what_the_engine_accepts(key):
-    group, name = key.split(".")
-    for value in form.CHOICES[key]:
+@pytest.mark.parametrize("spec", [s for s in form.field_specs() if s.choices], ids=lambda s: s.key)
+def test_choices_are_what_the_engine_accepts(spec):
+    group, name = spec.group, spec.name
+    for value in spec.choices:
         assert getattr(getattr(S.resolve(overrides={group: {name: value}}), group), name) == value
     with pytest.raises(ConfigError):
         S.resolve(overrides={group: {name: "not-a-choice"}})
 
 
-@pytest.mark.parametrize("name", sorted(S.list_presets()))
+@pytest.mark.parametrize("name", sorted(list_presets()))
 def test_a_preset_fills_every_field_and_round_trips(name, tmp_path):
     specs = form.field_specs()
     cfg = form.preset_config(name, str(tmp_path))

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from edgetune.engine import config_files
 from edgetune.engine import data as data_lib
 from edgetune.engine import settings as S
 from edgetune.engine.errors import EdgetuneError
@@ -62,7 +63,7 @@ def test_random_json_rows_into_the_data_loader(rows, as_lines):
 @given(st.text(max_size=200))
 def test_random_yaml_text_into_the_settings_loader(text):
     p = _write(".yaml", text.encode("utf-8", "surrogatepass"))
-    _only_our_errors(S.load_yaml, p)
+    _only_our_errors(config_files.load_yaml, p)
     _only_our_errors(lambda: S.resolve(config=p))
 
 

@@ -3,11 +3,16 @@
 import pytest
 
 from edgetune.engine import settings
+from edgetune.engine.config_files import list_presets
 from edgetune.engine.errors import ConfigError
+
+DECLARED = settings.declared()
+CHOICES = {k: f.metadata["choices"] for k, f in DECLARED.items() if f.metadata["choices"]}
+RANGES = {k: f.metadata["range"] for k, f in DECLARED.items() if f.metadata["range"]}
 
 
 def test_every_preset_resolves_and_says_how_to_run_it():
-    presets = settings.list_presets()
+    presets = list_presets()
     assert "sft-quickstart" in presets and "sft-qlora-7b" in presets
     for name, path in presets.items():
         cfg = settings.resolve(preset=name)
@@ -41,7 +46,7 @@ def test_round_trip_through_yaml(tmp_path):
 @pytest.mark.parametrize("override, needle", [
     ("lora.rank=8", "unknown setting 'lora.rank' (did you mean 'r'?)"),
     ("sft.learning_rate=1e-4", "unknown setting 'sft.learning_rate'"),
-    ("sft.lr=-1e-4", "sft.lr must be positive"),
+    ("sft.lr=-1e-4", "sft.lr must be positive and at most 1, got -0.0001"),
     ("sft.lr=0", "sft.lr must be positive"),
     ("sft.steps=0", "sft.steps must be positive"),
     ("sft.steps=2.5", "sft.steps: expected an integer"),
@@ -63,7 +68,7 @@ def test_unknown_preset_and_missing_file():
         settings.resolve(config="nope.yaml")
 
 
-# --------------------------------------------------------------------------- the tables
+# --------------------------------------------------------------------------- the declarations
 
 
 def _bad_number(rng: settings.Range) -> float:
@@ -73,22 +78,22 @@ def _bad_number(rng: settings.Range) -> float:
     return rng.high + 1
 
 
-@pytest.mark.parametrize("key", sorted(settings.CHOICES))
+@pytest.mark.parametrize("key", sorted(CHOICES))
 def test_each_enumerated_setting_rejects_a_bad_word_in_one_line(key):
     group, name = key.split(".")
     with pytest.raises(ConfigError) as e:
         settings.resolve(overrides={group: {name: "not-a-choice"}})
     msg = str(e.value)
     assert msg.startswith(f"{key}: 'not-a-choice' is not one of ") and "\n" not in msg
-    assert all(word in msg for word in settings.CHOICES[key])
+    assert all(word in msg for word in CHOICES[key])
 
 
-@pytest.mark.parametrize("key", sorted(settings.RANGES))
+@pytest.mark.parametrize("key", sorted(RANGES))
 def test_each_numeric_setting_rejects_a_value_outside_its_range(key):
     group, name = key.split(".")
-    rng = settings.RANGES[key]
+    rng = RANGES[key]
     bad = _bad_number(rng)
-    typ = settings._field_types(type(getattr(settings.Config(), group)))[name]
+    typ = settings.field_types(type(getattr(settings.Config(), group)))[name]
     with pytest.raises(ConfigError) as e:
         settings.resolve(overrides={group: {name: typ(bad)}})
     msg = str(e.value)
@@ -121,12 +126,13 @@ def test_every_setting_is_declared_with_help_and_checked():
         for f in settings.dataclasses.fields(cls):
             key = f"{group}.{f.name}"
             assert f.metadata.get("help"), f"{key} has no help text"
-            typ = settings._field_types(cls)[f.name]
+            typ = settings.field_types(cls)[f.name]
             if typ in (int, float) and key != "essa.temperature":  # positive only when sampling
-                assert key in settings.RANGES, f"{key} has no range"
-    for key in [*settings.CHOICES, *settings.RANGES]:
-        group, name = key.split(".")
-        assert hasattr(getattr(settings.Config(), group), name), key
+                assert key in RANGES, f"{key} has no range"
+            if key in CHOICES:
+                assert f.default in CHOICES[key], key
+            if key in RANGES:
+                assert RANGES[key].allows(f.default), key
 
 
 def test_sebp_reads_old_spellings_as_words():
@@ -141,3 +147,54 @@ def test_reward_names_are_the_ones_rewards_implements():
     assert sorted(rewards.KNOWN) == sorted(settings.REWARD_NAMES)
     for name in ("math", "length_penalty:200", "rg:basic_arithmetic", "file"):
         settings.resolve(overrides={"fgrpo": {"reward": name}})
+
+
+# --------------------------------------------------------------------------- numbers that break a run
+
+FLOATS = sorted(k for k, f in DECLARED.items()
+                if settings.field_types(type(getattr(settings.Config(), k.split(".")[0])))[f.name] is float)
+
+
+@pytest.mark.parametrize("key", FLOATS)
+def test_every_float_setting_refuses_inf_and_nan(key):
+    assert len(FLOATS) > 15
+    for text, shown in (("inf", "inf"), (".inf", "inf"), ("-inf", "-inf"), ("nan", "nan"), ("1e999", "inf")):
+        with pytest.raises(ConfigError) as e:
+            settings.resolve(overrides=[f"{key}={text}"])
+        assert str(e.value) == f"{key} must be a finite number, got {shown}"
+    group, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"^{key} must be a finite number, got nan$"):
+        settings.resolve(overrides={group: {name: float("nan")}})  # the app's widgets hand floats over
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sft.lr=1e308", "sft.lr must be positive and at most 1, got 1e+308 (nearest allowed: 1)"),
+    ("fgrpo.lr=2", "fgrpo.lr must be positive and at most 1, got 2.0 (nearest allowed: 1)"),
+    ("lora.alpha=1e300", "lora.alpha must be in (0, 4096], got 1.000e+300 (nearest allowed: 4096)"),
+    ("lora.alpha=nan", "lora.alpha: expected an integer, got 'nan'"),
+    ("lora.alpha=inf", "lora.alpha: expected an integer, got 'inf'"),
+    ("lora.alpha=.inf", "lora.alpha: expected an integer, got inf"),
+    ("run.seed=1180591620717411303424", "run.seed must be in [0, 4294967294], got 1.180e+21 "
+                                        "(nearest allowed: 4294967294)"),
+    ("fgrpo.success_threshold=.nan", "fgrpo.success_threshold must be a finite number, got nan"),
+    ("fgrpo.reward={math: .inf}", "fgrpo.reward.math must be a finite number, got inf"),
+    ("sft.weight_decay=1" + "0" * 400, "sft.weight_decay must be a finite number, got 1.000e+400"),
+])
+def test_numbers_that_would_break_a_run_are_refused_in_one_line(override, message):
+    with pytest.raises(ConfigError) as e:
+        settings.resolve(overrides=[override])
+    assert str(e.value) == message
+
+
+def test_the_largest_seed_is_one_every_consumer_takes():
+    import numpy as np
+
+    from edgetune.engine.essa import make_es
+    from edgetune.engine.loop import seed_everything
+
+    top = settings.resolve(overrides=["run.seed=4294967294"]).run.seed
+    seed_everything(top)
+    np.random.seed(top + 1)  # CMA-ES is handed seed + 1 (engine/essa.py)
+    make_es(4, settings.ESSASettings(population=4), top)
+    with pytest.raises(ConfigError, match="run.seed must be in"):
+        settings.resolve(overrides=[f"run.seed={top + 1}"])

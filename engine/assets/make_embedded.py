@@ -3,7 +3,7 @@
     python engine/assets/make_embedded.py
 
 One-digit addition, "What is A plus B?" with A, B in 0-9: 100 distinct questions, which
-SmolLM2-135M-Instruct answers about 40% of the time greedily, so
+SmolLM2-135M-Instruct answers right greedily only part of the time, so
 RL has signal and SFT has something to teach. The 100 (A, B) pairs are split once,
 with a fixed seed, into 70 train pairs and 30 held-out pairs; every train file is built
 only from the 70, so no evaluation question (in any phrasing) is ever trained on.
