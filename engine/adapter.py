@@ -5,6 +5,7 @@ Used where an adapter is loaded (engine/model.py's init_from, engine/chat.py).""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .errors import ModelError
@@ -38,9 +39,13 @@ def check_adapter_weights(adapter: str | Path) -> None:
             warnings.simplefilter("ignore")
             torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        raise ModelError(f"{f}: not read ({first}); only adapter_model.safetensors or a weights-only "
-                         "adapter_model.bin is loaded, never a pickle that runs code") from None
+        text = str(e).strip()
+        # torch's message is a page of advice; its one specific line names what the pickle wanted
+        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        why = why.group(1).split(" was not an allowed")[0] if why else (text.splitlines() or [type(e).__name__])[0]
+        raise ModelError(f"{f}: not a safetensors file nor a weights-only pickle ({why[:120].rstrip('. ')}); only "
+                         "adapter_model.safetensors or a weights-only adapter_model.bin is read, never a pickle "
+                         "that runs code") from None
 
 
 def check_adapter_fits(model, adapter: str | Path) -> None:

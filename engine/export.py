@@ -459,13 +459,14 @@ def _place(built: Path, out: Path, tmp: Path, force: bool, as_zip: bool) -> None
         os.rename(out, aside)
         if as_zip and not _is_previous_export(aside, True):
             where = _keep(aside, out)
-            raise RunError(f"{out}: was replaced by another file while the export ran; nothing was replaced "
-                           f"(that file is at {where})")
+            moved = "" if where == out else f"; that file is at {where}"
+            raise RunError(f"{out}: was replaced by another file while the export ran; nothing was replaced{moved}")
         extra = [] if as_zip else _not_exported(aside)
         if extra:
             where = _keep(aside, out)
+            moved = "" if where == out else f"; the previous export is at {where}"
             raise RunError(f"{out}: {_names(extra)} appeared in the previous export while this one ran; nothing "
-                           f"was replaced (it is at {where})")
+                           f"was replaced{moved}")
     try:
         _move(built, out, as_zip)
     except OSError as e:

@@ -75,3 +75,26 @@ def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_d
         run_inline(essa.train, cfg, tmp_path / "r")
     assert "no adapter was saved" in str(e.value)
     assert not (tmp_path / "r" / "adapter").exists()
+
+
+def test_a_non_finite_fgrpo_update_fails_the_run_at_that_step(tiny_model_dir, tmp_path, monkeypatch):
+    from edgetune.engine import fgrpo
+    from edgetune.engine.settings import resolve
+    from inline_run import run_inline
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    (tmp_path / "rl.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    cfg = resolve(overrides={
+        "method": "fgrpo", "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8}, "data": {"path": str(tmp_path / "rl.jsonl"), "eval_fraction": 0.0},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "fgrpo": {"num_generations": 2, "prompts_per_step": 1, "max_new_tokens": 2, "steps": 3, "eval_prompts": 0}})
+    update = fgrpo.policy_update
+
+    def inf_gradient(*a, **k):
+        return {**update(*a, **k), "grad_norm": math.inf}
+
+    monkeypatch.setattr(fgrpo, "policy_update", inf_gradient)
+    with pytest.raises(RunError, match=r"^step 1: gradient norm is inf; lower fgrpo.lr \(now [0-9.e-]+\) or lora.alpha"):
+        run_inline(fgrpo.train, cfg, tmp_path / "r")
+    assert not (tmp_path / "r" / "adapter").exists()
