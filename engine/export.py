@@ -6,6 +6,10 @@ plus the tokenizer files and a model card (README.md), so it loads anywhere PEFT
     base = AutoModelForCausalLM.from_pretrained(<base model>)
     model = PeftModel.from_pretrained(base, "runs/<run>/adapter")
 
+An export is built in a temporary folder next to its target and moved into place only
+while the target is still missing or empty (or, with --force, a previous export holding
+nothing but the files its marker lists); it never follows a link inside the adapter.
+
 A merged export folds the adapter into a bf16 copy of the base, loaded unquantised for
 that purpose. We never merge into a 4-bit base: rounding the merged weights back to
 NF4 would change the model the adapter was trained for.
@@ -258,8 +262,9 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
 def _write_problem(out: Path, e: BaseException) -> str:
     if disk_full(e):
         return f"{out}: no space left on the disk; nothing was written (free some space and export again)"
-    where = getattr(e, "filename", None) or out
-    return f"{out}: cannot write the export: {where}: {getattr(e, 'strerror', None) or e}"
+    where = getattr(e, "filename", None)
+    where = f" at {where}" if where and str(where) != str(out) else ""
+    return f"{out}: cannot write the export{where} ({getattr(e, 'strerror', None) or e})"
 
 
 # --------------------------------------------------------------------------- building
@@ -324,6 +329,7 @@ def _write_zip(src: Path, files: list[str], zip_path: Path, merged: bool) -> Non
                 st = os.fstat(fin.fileno())
                 info = zipfile.ZipInfo(rel, date_time=time.localtime(max(st.st_mtime, 315532800))[:6])
                 info.compress_type = zipfile.ZIP_DEFLATED
+                info.file_size = st.st_size  # so that a file over 2 GiB gets its zip64 entry
                 with z.open(info, "w") as fout:
                     shutil.copyfileobj(fin, fout, 1 << 20)
         marker = {"source": str(src.resolve()), "merged": merged, "files": sorted(files + [EXPORT_MARKER])}
