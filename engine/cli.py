@@ -498,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")
     e.add_argument("run", help="a run folder, an adapter folder, or a run name as `edgetune runs` prints it")
-    e.add_argument("--out", required=True, help="a new folder; with --zip a file (.zip added when it has no extension; into an existing "
+    e.add_argument("--out", required=True,
+                   help="a new folder; with --zip a file (.zip added when it has no extension; into an existing "
                         "folder: <run name>.zip there)")
     e.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     e.add_argument("--merged", action="store_true", help="also fold the adapter into a bf16 copy of the base")

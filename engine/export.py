@@ -367,8 +367,8 @@ def check_finite(path: Path) -> None:
                 raise RunError(f"{path}: tensor {name} holds NaN or infinite values (the run diverged); "
                                "not exported")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise RunError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") \
-            from None
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise RunError(f"{path}: not a readable safetensors file ({why})") from None
 
 
 # --------------------------------------------------------------------------- moving into place

@@ -286,7 +286,8 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
 def check_finite(step: int, values: dict[str, float], advice: str, unit: str = "step") -> None:
     """Fail the run at the first step whose loss (or gradient norm, fitness) is NaN or
     infinite: the adapter after it is garbage, so the run must not finish and save it.
-    `values` are numbers the step already has on the host: no extra device sync."""
+    `values` are numbers on the host: the loss the step already read, and (SFT) the
+    gradient norm, one more read per step."""
     for name, v in values.items():
         if not math.isfinite(v):
             raise RunError(f"{unit} {step}: {name} is {v}; {advice}; no adapter was saved")
