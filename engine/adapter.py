@@ -5,6 +5,7 @@ Used where an adapter is loaded (engine/model.py's init_from, engine/chat.py).""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .errors import ModelError
@@ -21,11 +22,39 @@ def adapter_base(adapter: str | Path) -> str:
         return "(not recorded)"
 
 
+def check_adapter_weights(adapter: str | Path) -> None:
+    """Refuse, in one line, an adapter whose weights PEFT would read as a pickle that holds
+    more than tensors (`adapter_model.bin` without a safetensors file). PEFT itself reads
+    it weights-only, so nothing runs either way; this turns its long traceback into a line."""
+    a = Path(adapter)
+    f = a / "adapter_model.bin"
+    if (a / "adapter_model.safetensors").is_file() or not f.is_file():
+        return
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # (torch warns about the pickle protocol on the way)
+            warnings.simplefilter("ignore")
+            torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        text = str(e).strip()
+        # torch's message is a page of advice; its one specific line names what the pickle wanted
+        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        why = why.group(1).split(" was not an allowed")[0] if why else (text.splitlines() or [type(e).__name__])[0]
+        raise ModelError(f"{f}: not a safetensors file nor a weights-only pickle ({why[:120].rstrip('. ')}); only "
+                         "adapter_model.safetensors or a weights-only adapter_model.bin is read, never a pickle "
+                         "that runs code") from None
+
+
 def check_adapter_fits(model, adapter: str | Path) -> None:
     """Refuse, in one line naming the base it expects, an adapter whose LoRA factors do not
-    fit this model's layers (trained on another base). Reads only the weights' shapes."""
+    fit this model's layers (trained on another base). Reads only the weights' shapes;
+    first `check_adapter_weights`."""
     from safetensors import safe_open
 
+    check_adapter_weights(adapter)
     f = Path(adapter) / "adapter_model.safetensors"
     if not f.is_file():
         return  # another format: PEFT's own loading decides

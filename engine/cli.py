@@ -287,14 +287,17 @@ def cmd_resume(a) -> int:
 
 
 def cmd_export(a) -> int:
+    import signal
+
     from . import api
 
-    from pathlib import Path
-
     a.run = _run_arg(a.run, a.runs_dir)
-    if a.zip and not Path(a.out).suffix:  # --out my-adapter --zip writes my-adapter.zip
-        a.out = f"{a.out}.zip"
-    out = api.export(a.run, a.out, merged=a.merged, as_zip=a.zip, force=a.force)
+    # SIGTERM ends through the export's cleanup (its temporary folder removed), as Ctrl-C does
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        out = api.export(a.run, a.out, merged=a.merged, as_zip=a.zip, force=a.force)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     print(f"exported to {out}")
     return 0
 
@@ -495,7 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")
     e.add_argument("run", help="a run folder, an adapter folder, or a run name as `edgetune runs` prints it")
-    e.add_argument("--out", required=True, help="a new folder; with --zip a file (.zip added when it has no extension)")
+    e.add_argument("--out", required=True,
+                   help="a new folder; with --zip a file (.zip added when it has no extension; into an existing "
+                        "folder: <run name>.zip there)")
     e.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     e.add_argument("--merged", action="store_true", help="also fold the adapter into a bf16 copy of the base")
     e.add_argument("--zip", action="store_true", help="write a .zip instead of a folder")

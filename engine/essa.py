@@ -56,8 +56,8 @@ from .effective import copy_budget, decide, record
 from .errors import ConfigError
 from .essa_space import SVDSpace
 from .essa_state import SearchLog
-from .loop import (Progress, RunContext, every, finish, pick_checkpoint, read_state, save_checkpoint,
-                   seed_everything, set_rng_state)
+from .loop import (Progress, RunContext, check_finite, every, finish, pick_checkpoint, read_state,
+                   save_checkpoint, seed_everything, set_rng_state)
 from .multilora import batched_lora
 from .planner import arch_of
 from .rewards import build_reward
@@ -378,6 +378,9 @@ def train(ctx: RunContext) -> dict:
             break
         t_gen = time.time()
         xs = log.ask(es)
+        check_finite(gen + 1, {f"candidate {i}'s offset": float(np.sum(x)) for i, x in enumerate(xs)},
+                     f"the search diverged (sigma {float(es.sigma):g}); lower essa.sigma0 (now {s.sigma0:g})",
+                     unit="generation")
         rows = minibatch(data.train, s.prompts_per_generation, seed, gen)
         sample_seed = None if s.greedy else seed * 7919 + gen  # common random numbers for all candidates
 
@@ -385,6 +388,9 @@ def train(ctx: RunContext) -> dict:
             ctx.emit("candidate", generation=g + 1, index=i, fitness=f, seconds=round(secs, 3))
 
         fits = population_fitness(evaluator, xs, rows, sample_seed, on_candidate)
+        check_finite(gen + 1, {f"candidate {i}'s fitness": f for i, f in enumerate(fits)},
+                     f"the model's outputs diverged under this candidate; lower essa.sigma0 (now {s.sigma0:g})",
+                     unit="generation")
         log.tell(es, xs, [-f for f in fits])
         i_best = int(np.argmax(fits))
         if fits[i_best] > best_f:

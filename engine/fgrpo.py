@@ -54,8 +54,8 @@ from .effective import LOSS_CHUNK_ROWS, copy_budget, decide, record
 from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
-from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
+from .loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint, make_optimizer,
+                   make_scheduler, micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
 from .passk import mean_pass_at_k
 from .planner import arch_of
 from .rewards import Reward, build_reward
@@ -394,6 +394,9 @@ def train(ctx: RunContext) -> dict:
             g = focal_weights(r, G, s.gamma, success=ok, normalize=s.focal_normalize)
             adv = group_advantages(r, G, s.scale_rewards) * g
             upd = policy_update(model, roll, adv[first:first + len(sc.rewards)], s, optimizer, scheduler, sebp)
+            check_finite(step + 1, {"loss": upd["loss"], "gradient norm": upd["grad_norm"]},
+                         f"lower fgrpo.lr (now {s.lr:g}) or lora.alpha (now {cfg.lora.alpha:g})"
+                         + ("" if s.max_grad_norm else ", or set fgrpo.max_grad_norm"))
             step += 1
 
             p_hat = success_share(ok, G)

@@ -23,7 +23,7 @@ import torch
 from . import distributed as dist
 from . import memory
 from .effective import optimizer_name
-from .errors import CheckpointError
+from .errors import CheckpointError, RunError
 from .events import EventWriter
 from .runfolder import RunDir, atomic_dir
 from .settings import Config
@@ -281,6 +281,16 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
     fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
     ctx.emit("stopped" if stopped else "finished", **fields)
     return metrics
+
+
+def check_finite(step: int, values: dict[str, float], advice: str, unit: str = "step") -> None:
+    """Fail the run at the first step whose loss (or gradient norm, fitness) is NaN or
+    infinite: the adapter after it is garbage, so the run must not finish and save it.
+    `values` are numbers on the host: the loss the step already read, and (SFT) the
+    gradient norm, one more read per step."""
+    for name, v in values.items():
+        if not math.isfinite(v):
+            raise RunError(f"{unit} {step}: {name} is {v}; {advice}; no adapter was saved")
 
 
 def every(n: int, step: int) -> bool:

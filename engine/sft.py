@@ -44,8 +44,8 @@ from . import phases
 from .effective import decide, record
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss, label_count
-from .loop import (Progress, RunContext, every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                   micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
+from .loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint, make_optimizer,
+                   make_scheduler, micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
 from .packing import collate_packed
 from .planner import arch_of
 
@@ -182,6 +182,9 @@ def train(ctx: RunContext) -> dict:
             tokens = int(dist.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches)))
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
+            check_finite(step + 1, {"loss": step_loss, "gradient norm": float(grad_norm)},
+                         f"lower sft.lr (now {s.lr:g}) or lora.alpha (now {cfg.lora.alpha:g})"
+                         + ("" if s.max_grad_norm else ", or set sft.max_grad_norm"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -32,8 +32,16 @@ def fake_run(tmp_path):
     (run / "config.yaml").write_text("method: sft\n")
     (run / "events.jsonl").write_text("")
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(_weights(1.0))
     return run
+
+
+def _weights(value: float, name: str = "base_model.model.q_proj.lora_B.weight") -> bytes:
+    """An adapter weights file: one small float32 tensor filled with `value`."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({name: np.full((4, 2), value, dtype=np.float32)})
 
 
 def _tree(p):
@@ -42,7 +50,7 @@ def _tree(p):
 
 def test_export_into_new_and_empty_folders(fake_run, tmp_path):
     out = export(fake_run, tmp_path / "new")
-    assert (out / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert (out / "adapter_model.safetensors").read_bytes() == _weights(1.0)
     assert json.loads((out / EXPORT_MARKER).read_text())["source"] == str((fake_run / "adapter").resolve())
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -93,12 +101,12 @@ def test_export_out_dot_is_refused(fake_run, tmp_path):
 
 def test_force_replaces_only_a_previous_export(fake_run, tmp_path):
     out = export(fake_run, tmp_path / "exp")
-    (fake_run / "adapter" / "adapter_model.safetensors").write_bytes(b"newer")
+    (fake_run / "adapter" / "adapter_model.safetensors").write_bytes(_weights(2.0))
     with pytest.raises(EdgetuneError, match="not empty"):
         export(fake_run, out)
     p = edgetune("export", str(fake_run), "--out", str(out), "--force")
     assert p.returncode == 0, p.stderr
-    assert (out / "adapter_model.safetensors").read_bytes() == b"newer"
+    assert (out / "adapter_model.safetensors").read_bytes() == _weights(2.0)
     z = export(fake_run, tmp_path / "a.zip", as_zip=True)
     with pytest.raises(EdgetuneError):
         export(fake_run, z, as_zip=True)
