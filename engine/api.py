@@ -177,6 +177,21 @@ def preflight(cfg: Config) -> None:
         value = getattr(cfg.data, key)
         if value and not value.startswith("embedded:") and not Path(value).expanduser().exists():
             raise DataError(f"data.{key}: file not found", file=value)
+    check_report_to(cfg.run.report_to)
+
+
+# What brings each run.report_to backend's library (engine/tracking.py uses them).
+REPORT_TO_INSTALL = {"tensorboard": "tensorboard", "mlflow": "edgetune[mlflow]", "wandb": "edgetune[wandb]"}
+
+
+def check_report_to(backend: str) -> None:
+    """One line when the library of `backend` is missing (a look-up: nothing is imported)."""
+    import importlib.util
+
+    from .errors import ConfigError
+
+    if backend in REPORT_TO_INSTALL and importlib.util.find_spec(backend) is None:
+        raise ConfigError(f"run.report_to: {backend} is not installed (pip install {REPORT_TO_INSTALL[backend]})")
 
 
 def _locked(runs_dir: Path) -> int:

@@ -150,6 +150,10 @@ class RunSettings:
     log_every: int = setting(1, "Report a step every N steps (0 = only the last).")
     checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end")
     keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).")
+    report_to: str = setting(
+        "tensorboard",
+        "Where the run's curves also go: tensorboard (<run>/tensorboard/), mlflow (a file store in "
+        "<run>/mlruns/) or wandb (offline, <run>/wandb/): pip install edgetune[mlflow] / [wandb]; none.")
 
 
 @dataclass
@@ -659,6 +663,7 @@ CHOICES = {
     "essa.fitness": ("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"),
     "essa.export": ("mean", "best"),
     "essa.step": ("absolute", "relative"),
+    "run.report_to": ("tensorboard", "mlflow", "wandb", "none"),
 }
 
 
