@@ -94,8 +94,8 @@ class MLflow:
         pass  # the file store writes each metric as it is logged
 
     def close(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status={"finished": "FINISHED", "error": "FAILED"}.get(status,
-                                                                                                       "KILLED"))
+        ended = {"finished": "FINISHED", "error": "FAILED"}.get(status, "KILLED")  # KILLED: stopped, resumable
+        self.client.set_terminated(self.run_id, status=ended)
 
 
 class WandB:
@@ -181,6 +181,4 @@ class Tracker:
         worker ends without one passing through here."""
         reporter, self.reporter = self.reporter, None
         if reporter is not None:
-            self.reporter = reporter  # so a failure of close itself is handled like any other
             self._guard(lambda: reporter.close(status), warn)
-            self.reporter = None
