@@ -17,6 +17,9 @@ class RunsTab:
         self.page = page
         self.table = gr.Dataframe(panels.runs_frame([]), label=f"Runs in {page.runs_dir}", interactive=False,
                                   elem_id="runs-table", wrap=True)
+        # Each run's curves are also TensorBoard event files (run.report_to, engine/tracking.py).
+        gr.Markdown(f"Compare runs in TensorBoard: `tensorboard --logdir {page.runs_dir}` (one run's curves: "
+                    f"`{page.runs_dir}/<run>/tensorboard`)", elem_id="runs-tensorboard")
         with gr.Row():
             self.select = gr.Dropdown(choices=[], label="Run", elem_id="run-select", scale=3)
             self.open_btn = gr.Button("Open in the Train tab", elem_id="open-run-btn", scale=1)
@@ -43,7 +46,9 @@ class RunsTab:
         if not name:
             return {p.train_tab.msg: message("Pick a run.", "error")}
         path = str(p.runs_dir / name)
-        return {p.attached: path, p.train_tab.msg: message(f"Opened **{name}**.", "ok"),
+        board = p.runs_dir / name / "tensorboard"
+        said = f"Opened **{name}**" + (f" (TensorBoard: `tensorboard --logdir {board}`)." if board.is_dir() else ".")
+        return {p.attached: path, p.train_tab.msg: message(said, "ok"),
                 p.tabs: gr.Tabs(selected="train"), p.msg_at: p.said(path)}
 
     def wire(self) -> None:

@@ -180,6 +180,7 @@ def preflight(cfg: Config) -> None:
         if value and not value.startswith("embedded:") and not Path(value).expanduser().exists():
             raise DataError(f"data.{key}: file not found", file=value)
     check_reward_files(cfg)
+    check_report_to(cfg.run.report_to)
 
 
 def upload_folders(runs_dir: str | os.PathLike) -> list[Path]:
@@ -205,6 +206,20 @@ def check_reward_files(cfg: Config) -> None:
                 raise ConfigError(f"{section}.reward_file {value}: lies in {folder}, where the app keeps uploaded "
                                   "files; a reward file runs as Python, so it is never taken from an upload: "
                                   "save it elsewhere and give that path")
+
+
+# What brings each run.report_to backend's library (engine/tracking.py uses them).
+REPORT_TO_INSTALL = {"tensorboard": "tensorboard", "mlflow": "edgetune[mlflow]", "wandb": "edgetune[wandb]"}
+
+
+def check_report_to(backend: str) -> None:
+    """One line when the library of `backend` is missing (a look-up: nothing is imported)."""
+    import importlib.util
+
+    from .errors import ConfigError
+
+    if backend in REPORT_TO_INSTALL and importlib.util.find_spec(backend) is None:
+        raise ConfigError(f"run.report_to: {backend} is not installed (pip install {REPORT_TO_INSTALL[backend]})")
 
 
 def _locked(runs_dir: Path) -> int:

@@ -289,6 +289,11 @@ class RunSettings:
     checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end", range=NON_NEGATIVE)
     keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).",
                                     range=NON_NEGATIVE)
+    report_to: str = setting(
+        "tensorboard",
+        "Where the run's curves also go: tensorboard (<run>/tensorboard/), mlflow (a file store in "
+        "<run>/mlruns/) or wandb (offline, <run>/wandb/): pip install edgetune[mlflow] / [wandb]; none.",
+        choices=("tensorboard", "mlflow", "wandb", "none"))
 
 
 @dataclass

@@ -187,7 +187,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     owns_pid = (not multi) if owns_pid is None else owns_pid
     if owns_pid:
         atomic_write_text(run.pid_path, str(os.getpid()))
-    ctx = watch = None
+    ctx = watch = tracker = None
     beat = start_heartbeat(run) if main else threading.Event()
     startup.pause_gc()  # until the run's imports are done (engine/startup.py); back on in `finally` at the latest
     try:
@@ -212,6 +212,10 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
              device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
              pid=os.getpid(), **extra)
+        if main:  # the run's numbers mirrored into run.report_to (engine/tracking.py)
+            from .tracking import Tracker
+
+            ctx.emit = tracker = Tracker(emit, cfg, run)
         import transformers  # noqa: F401  (the tokenizer and the model load need it first)
 
         train = method_module(cfg.method).train
@@ -260,6 +264,8 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     finally:
         startup.resume_gc()
         beat.set()
+        if tracker is not None:  # closed at the terminal event already, unless the run ended in an exception
+            tracker.close(warn=False)
         if watch is not None:
             watch.stop()
         emit.close()

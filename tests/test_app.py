@@ -443,6 +443,8 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     assert moved[train.msg] == "" and moved[page.msg_at] == {}
     opened = page.runs_tab.do_open("sft-by-hand")
     assert opened[page.attached] == str(run) and "Opened" in opened[train.msg]
+    (run / "tensorboard").mkdir()  # what the worker writes by default (run.report_to)
+    assert f"tensorboard --logdir {run / 'tensorboard'}" in page.runs_tab.do_open("sft-by-hand")[train.msg]
     assert page.export_tab.do_folder({page.attached: str(run), page.export_tab.out_dir: "",
                                       page.export_tab.merged: False})[page.export_tab.msg].startswith("✗")
 
