@@ -145,11 +145,25 @@ def check_target(out: Path, src: Path, force: bool, as_zip: bool = False) -> Non
     raise RunError(f"{out}: {what}; give a new or empty folder{hint}")
 
 
+def _refuse_a_training_run(p: Path) -> None:
+    """A run that trains (a resumed one, too) holds the previous attempt's adapter, if any,
+    until it ends: exporting it now would hand out a stale adapter under the run's name."""
+    from .api import ACTIVE, Run
+
+    for run in (p, p.parent) if p.name == "adapter" else (p,):
+        if (run / "config.yaml").is_file():
+            status = Run(run).status()
+            if status in ACTIVE:
+                raise RunError(f"{run}: the run is {status}: its adapter is written when it ends (until then "
+                               "adapter/ is missing or a previous attempt's); export after it stops or finishes")
+
+
 def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
            force: bool = False) -> Path:
     """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`); with `merged`,
     also write `out/merged/`: the base in bf16 with the adapter folded in. `out` must not
     exist or be an empty folder; `force` allows replacing a previous export only."""
+    _refuse_a_training_run(Path(run_or_adapter))
     src = _adapter_of(run_or_adapter)
     out = Path(out).expanduser()
     check_target(out, src, force, as_zip)
