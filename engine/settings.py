@@ -601,6 +601,44 @@ def load_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
+def read_run_yaml(path: str | os.PathLike) -> dict:
+    """A run folder's config.yaml as a mapping, or a one-line ConfigError naming the file
+    (and the line, when the YAML is damaged). Reads only: `edgetune runs` lists with it."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_problem(p, e)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of settings at the top level, found "
+                          f"{'nothing' if data is None else type(data).__name__}")
+    return data
+
+
+def load_run_config(path: str | os.PathLike) -> Config:
+    """The settings a run resumes with, from its config.yaml: every problem in one line
+    naming the file. A run writes every group of settings, so a file missing some was cut
+    short (a full disk, a copy that stopped): refused, rather than resumed on defaults."""
+    p = Path(path)
+    data = read_run_yaml(p)
+    missing = [f.name for f in dataclasses.fields(Config) if f.name not in data]
+    if missing:
+        lines = len(p.read_text(encoding="utf-8").splitlines())
+        raise ConfigError(f"{p}, line {lines}: ends without the '{missing[0]}' settings (cut short?); a run's "
+                          "config.yaml holds every group")
+    try:
+        return from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
 def resolve(
     preset: str | None = None,
     config: str | os.PathLike | None = None,

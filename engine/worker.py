@@ -24,13 +24,11 @@ import threading
 import time
 import traceback
 
-import yaml
-
 from . import startup
-from .errors import EdgetuneError
+from .errors import ConfigError, EdgetuneError
 from .events import TERMINAL, EventWriter, read_events
-from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
-from .settings import from_dict
+from .runfolder import RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries, disk_full
+from .settings import from_dict, load_run_config
 
 METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
 HEARTBEAT_SECONDS = 1.0
@@ -181,7 +179,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     main = dist.is_main()
     run = RunDir(run_dir)
     if main:
-        run.require()
+        run.require().refuse_links()  # before writing anything: api.resume refused them already, this is the backstop
         clean_temporaries(run.path)  # what a write killed mid-way left (this process is the run's only writer)
     emit = _LockedEvents(EventWriter(run.events_path)) if main else _NoEvents()
     owns_pid = (not multi) if owns_pid is None else owns_pid
@@ -195,11 +193,14 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
 
         if multi:
             watch = RankWatch(emit, run)
-        text = run.config_path.read_text() if main else None
-        cfg = from_dict(yaml.safe_load(dist.broadcast_object(text)))
+        data = load_run_config(run.config_path).to_dict() if main else None  # a damaged file: one line with its line
+        cfg = from_dict(dist.broadcast_object(data))
         ckpt = last = None
         if resume:
             last = pick_checkpoint(run, lambda m: emit("warning", message=m)) if main else None
+            mismatch = checkpoint_mismatch(cfg, last[1], run.config_path) if main and last else None
+            if dist.broadcast_object(mismatch):
+                raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
@@ -291,7 +292,7 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
     rank a GPU on this machine. SIGTERM asks the ranks for a graceful stop (the STOP
     file); when they end without a terminal event (rank 0 died), the error is written
     here."""
-    run = RunDir(run_dir).require()
+    run = RunDir(run_dir).require().refuse_links()
     atomic_write_text(run.pid_path, str(os.getpid()))
     before = EventWriter(run.events_path)
     first = before.count
