@@ -147,6 +147,19 @@ def test_the_app_refuses_a_run_that_runs_code_and_names_the_command(tmp_path, ti
     assert read_events(run / "events.jsonl")[-1]["type"] == "stopped"  # nothing started
 
 
+def test_the_apps_chat_does_not_run_a_run_folders_model_code(tmp_path, tiny_model_dir, monkeypatch):
+    from edgetune.app.ui import build_app
+
+    run = stopped_run(tmp_path / "runs", "remote", tiny_model_dir, "model.trust_remote_code=true")
+    page = build_app(str(tmp_path / "runs")).edgetune_page
+    asked = []
+    monkeypatch.setattr(page.chat, "ask", lambda *a, **k: asked.append(a))
+    tab = page.chat_tab
+    out = tab.do_chat({tab.prompt: "Hi", page.attached: str(run), tab.base: [], tab.tuned: [], tab.max_new: 8})
+    assert f"{run / 'config.yaml'}: model.trust_remote_code would run the Python code" in out[tab.info]
+    assert not asked  # no model was loaded
+
+
 def test_a_reward_calling_sys_exit_while_scoring_is_the_files_error(tmp_path):
     from edgetune.engine.rewards import RewardFailing, load_user_reward
 
