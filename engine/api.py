@@ -270,7 +270,8 @@ def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] 
     for setting, what in code_it_runs(cfg):
         if any(_names_the_same(what, allowed) for allowed in allow_code):
             continue
-        code = f"the Python file {what}" if setting.endswith("reward_file") else f"the Python code that model {what} ships"
+        code = f"the Python file {what}" if setting.endswith("reward_file") else \
+            f"the Python code that model {what} ships"
         raise RunError(f"{run.dir.config_path}: {setting} runs {code} when this run resumes; if you trust it, "
                        f"resume on the command line with: edgetune resume {shlex.quote(str(run.path))} "
                        f"--allow-code {shlex.quote(what)}")

@@ -173,7 +173,7 @@ def find_link(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def open_append(path: str | os.PathLike, binary: bool = True):
+def open_append(path: str | os.PathLike):
     """`path` opened for appending (and reading), never through a symbolic link."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -182,10 +182,11 @@ def open_append(path: str | os.PathLike, binary: bool = True):
             raise RunError(f"{path}: a symbolic link; a run writes only its own files, never through a link") \
                 from None
         raise
-    return os.fdopen(fd, "a+b" if binary else "a+")
+    return os.fdopen(fd, "a+b")
 
 
-def checkpoint_mismatch(cfg, checkpoint: str | os.PathLike, config_path: str | os.PathLike = "config.yaml") -> str | None:
+def checkpoint_mismatch(cfg, checkpoint: str | os.PathLike,
+                        config_path: str | os.PathLike = "config.yaml") -> str | None:
     """One line naming the first setting of `cfg` that differs from what the checkpoint was
     trained with (method, the adapter's shape), or None when they agree. Reads only JSON."""
     import json

@@ -325,7 +325,7 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
             w = EventWriter(run.events_path)
             dead = _first_failure(run.log_path, log_start)  # rank 0 died: torchrun named it in worker.log
             if dead is not None:
-                w.emit("error", kind="killed",
+                w.emit("error", kind="killed" if dead["exitcode"] < 0 else "bug",
                        message=f"rank {dead['rank']} (pid {dead['pid']}) died: {_exit_words(dead['exitcode'])}; "
                                f"the run stopped (its output is in {run.log_path}); edgetune resume {run.path} "
                                "continues from the last checkpoint")
