@@ -171,7 +171,7 @@ def _fmt_event(ev: dict) -> str:
         return (f"{t} data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')}), "
                 f"{r.get('train_rows')} train, {r.get('eval_rows')} eval")
     if kind == "started":
-        resumed = f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") else ""
+        resumed = f", resumed from its step-{ev['resumed_from']} checkpoint" if ev.get("resumed_from") else ""
         return f"{t} started {ev.get('method')} on {ev.get('device')}{resumed}"
     if kind == "phase":
         return f"{t} phase: {phases.describe(ev)}"

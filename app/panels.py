@@ -145,8 +145,10 @@ def _metrics_text(metrics: dict) -> str:
 def runs_frame(summaries: list[dict]) -> pd.DataFrame:
     import time
 
+    # A damaged run folder's row names its file and the problem where the metrics would be.
     rows = [{"run": s["name"], "status": s["status"], "method": s.get("method") or "",
-             "step": f"{s.get('step', 0)}/{s.get('total') or '?'}", "metrics": _metrics_text(s.get("metrics") or {}),
+             "step": f"{s.get('step', 0)}/{s.get('total') or '?'}",
+             "metrics": s.get("message") or "" if s["status"] == "damaged" else _metrics_text(s.get("metrics") or {}),
              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s.get("created") else ""}
             for s in summaries]
     return pd.DataFrame(rows, columns=RUN_COLUMNS)

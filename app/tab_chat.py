@@ -58,6 +58,10 @@ class ChatTab:
             cfg = S.from_dict(run.config()) if run else p.config(values)
         except EdgetuneError as e:
             return {self.info: message(str(e), "error")}
+        if run is not None and cfg.model.trust_remote_code:  # a run folder may come from anyone
+            return {self.info: message(f"{run.dir.config_path}: model.trust_remote_code would run the Python code "
+                                       f"that model {cfg.model.name} ships; the app does not run it for a run "
+                                       "folder", "error")}
         user = {"role": "user", "content": text}
         # Each side continues its own conversation: the adapter's earlier replies are
         # part of what the adapter answers next.

@@ -11,7 +11,7 @@ import json
 
 import gradio as gr
 
-from edgetune.engine import api, phases
+from edgetune.engine import api
 from edgetune.engine.errors import EdgetuneError
 
 from . import live
@@ -82,7 +82,7 @@ class TrainTab:
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
                p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
         if {k: last.get(k) for k in key} != key:
-            method = BY_KEY.get(run.config().get("method"), METHODS[0])
+            method = BY_KEY.get(run.summary()["method"], METHODS[0])  # a damaged config.yaml: the first method
             frames = live.plot_frames(events, method)
             out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
                         if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
@@ -135,12 +135,16 @@ class TrainTab:
         run = p.run_of(path)
         if run is None:
             return {self.msg: message("Open a run first (Runs tab).", "error"), p.msg_at: p.said(path)}
-        last = run.dir.last_checkpoint()
         try:
+            # No code confirmation here: a run whose settings run Python (reward_file,
+            # trust_remote_code) is refused with the one line naming the CLI command.
             run = p.adopt(api.resume(run.path))
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
-        return {self.msg: message(phases.resume_words(f"**{run.name}**", last), "ok"), p.attached: str(run.path),
+        # The worker picks the checkpoint (it skips a damaged newest one): its `started`
+        # event in the log below names the step it continues from.
+        return {self.msg: message(f"Resuming **{run.name}**: the log below says from which checkpoint.", "ok"),
+                p.attached: str(run.path),
                 p.msg_at: {"path": str(run.path), "status": "starting"}}
 
     def wire(self, tab: gr.Tab) -> None:

@@ -24,8 +24,10 @@ from typing import Iterator
 
 from .errors import ConfigError, RunError
 from .events import TERMINAL, follow, read_events, scan_events
-from .runfolder import RunDir, atomic_write_text, check_run_name, lock_runs_folder, pid_alive
-from .settings import Config, resolve  # noqa: F401  (re-exported for callers)
+from .runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch, lock_runs_folder, open_append,
+                        pid_alive)
+from .config_files import read_run_yaml
+from .settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -108,20 +110,33 @@ class Run:
         return self.status()
 
     def config(self) -> dict:
-        import yaml
-
-        return yaml.safe_load(self.dir.config_path.read_text())
+        """The run's settings as its config.yaml holds them; a damaged file is a ConfigError
+        naming it (and the line)."""
+        return read_run_yaml(self.dir.config_path)
 
     def summary(self) -> dict:
-        events, damaged = scan_events(self.dir.events_path)
-        cfg = self.config() if self.dir.config_path.is_file() else {}
+        """The run as `edgetune runs` and the app's Runs table show it. A damaged run folder
+        (its config.yaml or events.jsonl unreadable) is status `damaged`, and `message` names
+        the file and the problem: one damaged folder never hides the others."""
+        problem = None
+        try:
+            events, damaged = scan_events(self.dir.events_path)
+        except OSError as e:
+            (events, damaged), problem = ([], 0), f"{self.dir.events_path}: cannot read ({e.strerror})"
+        try:
+            cfg = self.config()
+        except ConfigError as e:
+            cfg, problem = {}, problem or str(e)
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        model = cfg.get("model")
         return {
-            "name": self.name, "path": str(self.path), "status": self.status(), "method": cfg.get("method"),
-            "model": cfg.get("model", {}).get("name"), "created": events[0]["time"] if events else None,
+            "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
+            "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
+            "model": model.get("name") if isinstance(model, dict) else None,
+            "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
-            "metrics": (end or {}).get("metrics", {}), "message": (end or {}).get("message"),
+            "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
             "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
             "damaged_event_lines": damaged,
         }
@@ -150,7 +165,7 @@ def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
 def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess.Popen:
     """gpus > 1: the worker is a launcher that runs torchrun with one rank a GPU (on a
     machine without CUDA, that many CPU processes over gloo: for tests)."""
-    log = open(run.log_path, "a")
+    log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.worker", str(run.path)] + (["--resume"] if resume else []) + \
         (["--nproc", str(gpus)] if gpus > 1 else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -269,13 +284,59 @@ def create(cfg: Config, name: str | None = None) -> tuple[RunDir, int]:
         raise
 
 
-def resume(path: str | os.PathLike, gpus: int | None = None) -> Run:
+def code_it_runs(cfg: Config) -> list[tuple[str, str]]:
+    """(setting, file or model) for each setting of `cfg` that makes its worker run Python
+    that is not edgetune's: the method's reward_file (imported, then called on every
+    completion) and model.trust_remote_code (the modelling code the model ships)."""
+    out = []
+    group = getattr(cfg, cfg.method, None)
+    if cfg.method in ("fgrpo", "essa") and group.reward_file:
+        out.append((f"{cfg.method}.reward_file", group.reward_file))
+    if cfg.model.trust_remote_code:
+        out.append(("model.trust_remote_code", cfg.model.name))
+    return out
+
+
+def _names_the_same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] = ()) -> None:
+    """A run folder may come from anywhere, and resuming it must not run Python it names
+    unless the user named that same file (or model) too: refuse in one line otherwise."""
+    import shlex
+
+    for setting, what in code_it_runs(cfg):
+        if any(_names_the_same(what, allowed) for allowed in allow_code):
+            continue
+        code = f"the Python file {what}" if setting.endswith("reward_file") else \
+            f"the Python code that model {what} ships"
+        raise RunError(f"{run.dir.config_path}: {setting} runs {code} when this run resumes; if you trust it, "
+                       f"resume on the command line with: edgetune resume {shlex.quote(str(run.path))} "
+                       f"--allow-code {shlex.quote(what)}")
+
+
+def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[str] | tuple[str, ...] = ()) -> Run:
     """Continue a stopped, failed or crashed run from its last intact checkpoint (or from
     the start when it has none); new events are appended to the same events.jsonl.
     `gpus`: ranks to continue on (checkpoints hold nothing rank-specific); None = as many
-    as the run's last start had."""
+    as the run's last start had. `allow_code`: the reward files and models (as config.yaml
+    names them) whose Python the user agrees to run; any other is refused (confirm_code).
+    A run folder holding a symbolic link, a damaged config.yaml, or settings its newest
+    checkpoint was not trained with is refused in one line before a worker starts."""
     r = Run(path)
-    r.dir.require()
+    r.dir.require().refuse_links()
+    cfg = load_run_config(r.dir.config_path)
+    confirm_code(r, cfg, allow_code)
+    last = r.dir.last_checkpoint()
+    mismatch = checkpoint_mismatch(cfg, last[1], r.dir.config_path) if last else None
+    if mismatch:
+        raise ConfigError(mismatch)
     fd = _locked(r.path.parent)
     try:
         status = r.status()

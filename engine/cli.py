@@ -51,10 +51,20 @@ def _step_total(ev: dict) -> int | None:
     return group.get("generations" if ev.get("method") == "essa" else "steps")
 
 
-def watch(run, start: int = 0, quiet: bool = False) -> int:
+def _resumed_line(run, ev: dict) -> str:
+    """What a resume did, from its `started` event: the checkpoint the worker really
+    continued from (it skips a damaged newest one), or that it starts over."""
+    from .phases import resume_words
+
+    step = ev.get("resumed_from")
+    return resume_words(run.name, (step, None) if step is not None else None)
+
+
+def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> int:
     """Follow a run's events from index `start` with a progress bar that shows the phase
     at once. Ctrl-C asks for a graceful stop and keeps following this attempt to its
-    end; a second Ctrl-C kills the worker and returns."""
+    end; a second Ctrl-C kills the worker and returns. `resuming`: the first line says
+    from which checkpoint the worker continues."""
     from tqdm import tqdm
 
     from . import phases
@@ -72,9 +82,12 @@ def watch(run, start: int = 0, quiet: bool = False) -> int:
         t = ev["type"]
         if t == "started":
             bar.total = _step_total(ev)
+            if resuming:
+                tqdm.write(_resumed_line(run, ev))
             if not quiet:
                 tqdm.write(f"run {run.name}: {ev['method']} on {ev['device']}"
-                           + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") else ""))
+                           + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") and not resuming
+                              else ""))
             show_phase("starting")
         elif t == "phase":
             show_phase(phases.describe(ev) if ev["phase"] != "training" or seen["step"] else "training · first step")
@@ -274,16 +287,25 @@ def _train_as_rank(a) -> int:
 
 def cmd_resume(a) -> int:
     from . import api
-    from .phases import resume_words
 
     a.run = _run_arg(a.run, a.runs_dir)
-    last = api.open_run(a.run).dir.last_checkpoint()
-
     before = list(api.open_run(a.run).events())
     start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
-    run = api.resume(a.run, gpus=a.gpus)
-    print(resume_words(run.name, last))
-    return 0 if a.detach else watch(run, start=start)
+    run = api.resume(a.run, gpus=a.gpus, allow_code=a.allow_code or ())
+    if not a.detach:
+        return watch(run, start=start, resuming=True)
+    # Detached: wait only for the worker's choice of checkpoint (or its refusal).
+    for ev in run.events(start, follow_live=True):
+        if ev["type"] == "warning":
+            print(f"warning: {ev['message']}", file=sys.stderr)
+        elif ev["type"] == "error":
+            print(f"error: {ev['message']}", file=sys.stderr)
+            return 2 if ev.get("kind") == "input" else 1
+        elif ev["type"] == "started":
+            print(_resumed_line(run, ev))
+            return 0
+    print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
+    return 1
 
 
 def cmd_export(a) -> int:
@@ -308,6 +330,9 @@ def cmd_runs(a) -> int:
     for r in api.list_runs(a.runs_dir):
         s = r.summary()
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
+        if s["status"] == "damaged":
+            print(f"{s['name']:32s} damaged   {s['message']}")
+            continue
         damaged = s.get("damaged_event_lines") or 0
         note = f"  ({damaged} damaged line{'s' if damaged != 1 else ''} in events.jsonl, skipped)" if damaged else ""
         print(f"{s['name']:32s} {s['status']:9s} {s['method'] or '':6s} step {s['step']}/{s['total']}  {metrics}{note}")
@@ -494,6 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--gpus", "--nproc", dest="gpus", type=int,
                    help="GPUs to continue on (any number: checkpoints hold nothing rank-specific); default "
                         "as many as the run's last start")
+    r.add_argument("--allow-code", action="append", metavar="FILE_OR_MODEL",
+                   help="run this Python when resuming: the reward_file, or for model.trust_remote_code the "
+                        "model, exactly as the run's config.yaml names it (repeat for both). Without it, a run "
+                        "whose settings run Python other than edgetune's is refused: a run folder may come "
+                        "from anyone")
     r.set_defaults(fn=cmd_resume)
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")

@@ -68,3 +68,24 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of settings at the top level")
     return data
+
+
+def read_run_yaml(path: str | os.PathLike) -> dict:
+    """A run folder's config.yaml as a mapping, or a one-line ConfigError naming the file
+    (and the line, when the YAML is damaged). Reads only: `edgetune runs` lists with it."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_problem(p, e)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of settings at the top level, found "
+                          f"{'nothing' if data is None else type(data).__name__}")
+    return data

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .runfolder import open_append
+
 TERMINAL = ("finished", "stopped", "error")
 
 
@@ -53,7 +55,7 @@ class EventWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         events = read_events(self.path)
         self.count = events[-1]["i"] + 1 if events else 0
-        self._f = open(self.path, "a+b")
+        self._f = open_append(self.path)  # never through a symbolic link planted in a copied run folder
         # A writer killed mid-line left no newline: start on a fresh line so that line
         # stays one damaged line instead of swallowing our first event.
         if self._f.seek(0, os.SEEK_END) > 0:

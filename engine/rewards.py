@@ -250,6 +250,8 @@ def load_user_reward(path: str) -> ScoreOne:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - report any import-time failure in one line
         raise ConfigError(f"reward_file {path}: fails to load: {type(e).__name__}: {e}") from None
+    except SystemExit as e:  # the file's error, not ours: a reward must not end the process
+        raise ConfigError(f"reward_file {path}: calls sys.exit({e.code!r}) while loading") from None
     fn = getattr(module, "reward", None)
     if not callable(fn):
         raise ConfigError(f"reward_file {path}: defines no function 'reward(completion, answer, row)'")
@@ -262,6 +264,9 @@ def load_user_reward(path: str) -> ScoreOne:
                 v = float(fn(text, row.get("answer"), row))
             if not math.isfinite(v):
                 raise ValueError(f"returned {v}")
+        except SystemExit as e:  # the file's error, not ours: a reward returns a number, it never ends the run
+            raise RewardFailing(f"reward_file {path}: reward() calls sys.exit({e.code!r}); it must return a number") \
+                from None
         except Exception as e:  # noqa: BLE001 - counted here, reported per completion by Reward.score
             failures[0] += 1
             failures[1] = f"{type(e).__name__}: {e}".splitlines()[0][:200]

@@ -12,6 +12,9 @@
 
 Every file is written to a temporary name in the same folder and renamed into place;
 folders (checkpoints, adapter) are built under a temporary name and renamed whole.
+Nothing in a run folder is a symbolic link: a run folder that holds one (copied from
+elsewhere, or planted) is refused before a worker writes into it, and the files a run
+appends to are opened without following links.
 """
 
 from __future__ import annotations
@@ -148,6 +151,68 @@ class RunDir:
         if not self.config_path.is_file():
             raise RunError(f"not a run folder (no config.yaml): {self.path}")
         return self
+
+    def refuse_links(self) -> "RunDir":
+        """Refuse, naming it, a symbolic link anywhere in the run folder: a worker appends to
+        events.jsonl and worker.log and writes checkpoints/ and adapter/, and through a link
+        it would write (or prune) wherever the link points."""
+        link = find_link(self.path)
+        if link is not None:
+            raise RunError(f"{link}: a symbolic link inside the run folder (to {os.readlink(link)}); a run "
+                           "writes only its own files: replace the link with the file itself, or start a new run")
+        return self
+
+
+def find_link(folder: str | os.PathLike) -> Path | None:
+    """The first symbolic link in `folder`'s tree (links are not followed), or None."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                return p
+    return None
+
+
+def open_append(path: str | os.PathLike):
+    """`path` opened for appending (and reading), never through a symbolic link."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunError(f"{path}: a symbolic link; a run writes only its own files, never through a link") \
+                from None
+        raise
+    return os.fdopen(fd, "a+b")
+
+
+def checkpoint_mismatch(cfg, checkpoint: str | os.PathLike,
+                        config_path: str | os.PathLike = "config.yaml") -> str | None:
+    """One line naming the first setting of `cfg` that differs from what the checkpoint was
+    trained with (method, the adapter's shape), or None when they agree. Reads only JSON."""
+    import json
+
+    ck = Path(checkpoint)
+    try:
+        adapter = json.loads((ck / "adapter_config.json").read_text())
+        info = json.loads((ck / "edgetune.json").read_text()) if (ck / "edgetune.json").is_file() else {}
+    except (OSError, ValueError):
+        return None  # a damaged checkpoint: picking one (engine/loop.py) names what is wrong with it
+    if not isinstance(adapter, dict) or not isinstance(info, dict):
+        return None
+    theirs = [("method", cfg.method, info.get("method"))]
+    # The adapter's shape is lora.*'s unless it comes from another adapter (lora.init_from,
+    # ESSA's warm start): then that adapter decides it, and the settings are not compared.
+    if cfg.method != "essa" and not cfg.lora.init_from:
+        theirs += [("lora.r", cfg.lora.r, adapter.get("r")), ("lora.alpha", cfg.lora.alpha, adapter.get("lora_alpha")),
+                   ("lora.dropout", cfg.lora.dropout, adapter.get("lora_dropout"))]
+    if len(theirs) > 1 and isinstance(cfg.lora.target_modules, (list, tuple)) \
+            and isinstance(adapter.get("target_modules"), list):
+        theirs.append(("lora.target_modules", sorted(cfg.lora.target_modules), sorted(adapter["target_modules"])))
+    for name, ours, saved in theirs:
+        if saved is not None and ours != saved:
+            return (f"{config_path}: {name} is {ours}, but checkpoint {ck.name} was trained with {saved}; set it "
+                    f"back to {saved} to resume, or start a new run with the new value")
+    return None
 
 
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old-\d+)$")  # names atomic_write_text / atomic_dir give their temporaries

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from .config_files import list_presets, load_yaml
+from .config_files import list_presets, load_yaml, read_run_yaml
 from .errors import ConfigError
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
@@ -656,6 +656,23 @@ def _nest(key: str, value: Any) -> dict:
     for part in reversed(key.split(".")):
         out = {part: out}
     return out
+
+
+def load_run_config(path: str | os.PathLike) -> Config:
+    """The settings a run resumes with, from its config.yaml: every problem in one line
+    naming the file. A run writes every group of settings, so a file missing some was cut
+    short (a full disk, a copy that stopped): refused, rather than resumed on defaults."""
+    p = Path(path)
+    data = read_run_yaml(p)
+    missing = [f.name for f in dataclasses.fields(Config) if f.name not in data]
+    if missing:
+        lines = len(p.read_text(encoding="utf-8").splitlines())
+        raise ConfigError(f"{p}, line {lines}: ends without the '{missing[0]}' settings (cut short?); a run's "
+                          "config.yaml holds every group")
+    try:
+        return from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
 
 
 def resolve(

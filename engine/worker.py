@@ -9,7 +9,8 @@ On several GPUs (`edgetune train --gpus N`) the process that engine/api.py start
 launcher (`--nproc N`): it runs `torchrun`, which starts N copies of this module, one a
 GPU (engine/distributed.py). Rank 0 writes the run folder and watches the other ranks:
 one that dies ends the run with an `error` event that names it. The launcher writes the
-error itself when the ranks ended without one (rank 0 itself died).
+error itself when the ranks ended without one (rank 0 itself died): the rank, pid and exit
+status torchrun reports as the first failure.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import argparse
 import importlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import traceback
 
-import yaml
-
 from . import startup
-from .errors import EdgetuneError
+from .errors import ConfigError, EdgetuneError
 from .events import TERMINAL, EventWriter, read_events
-from .runfolder import RunDir, atomic_write_text, clean_temporaries, disk_full
-from .settings import from_dict
+from .runfolder import RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries, disk_full
+from .settings import from_dict, load_run_config
 
 METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
 HEARTBEAT_SECONDS = 1.0
@@ -181,7 +181,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     main = dist.is_main()
     run = RunDir(run_dir)
     if main:
-        run.require()
+        run.require().refuse_links()  # before writing anything: api.resume refused them already, this is the backstop
         clean_temporaries(run.path)  # what a write killed mid-way left (this process is the run's only writer)
     emit = _LockedEvents(EventWriter(run.events_path)) if main else _NoEvents()
     owns_pid = (not multi) if owns_pid is None else owns_pid
@@ -195,11 +195,14 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
 
         if multi:
             watch = RankWatch(emit, run)
-        text = run.config_path.read_text() if main else None
-        cfg = from_dict(yaml.safe_load(dist.broadcast_object(text)))
+        data = load_run_config(run.config_path).to_dict() if main else None  # a damaged file: one line with its line
+        cfg = from_dict(dist.broadcast_object(data))
         ckpt = last = None
         if resume:
             last = pick_checkpoint(run, lambda m: emit("warning", message=m)) if main else None
+            mismatch = checkpoint_mismatch(cfg, last[1], run.config_path) if main and last else None
+            if dist.broadcast_object(mismatch):
+                raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
@@ -297,7 +300,7 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
     rank a GPU on this machine. SIGTERM asks the ranks for a graceful stop (the STOP
     file); when they end without a terminal event (rank 0 died), the error is written
     here."""
-    run = RunDir(run_dir).require()
+    run = RunDir(run_dir).require().refuse_links()
     atomic_write_text(run.pid_path, str(os.getpid()))
     before = EventWriter(run.events_path)
     first = before.count
@@ -317,6 +320,7 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     import subprocess
 
+    log_start = run.log_path.stat().st_size if run.log_path.is_file() else 0
     try:
         rc = subprocess.call(cmd, env=env, stdin=subprocess.DEVNULL)
     except KeyboardInterrupt:
@@ -325,10 +329,16 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
         events = read_events(run.events_path, first)
         if not any(e["type"] in ("finished", "stopped", "error") for e in events):
             w = EventWriter(run.events_path)
-            how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
-            w.emit("error", kind="bug" if rc > 0 else "killed",
-                   message=f"the training processes ended without a word (torchrun: {how}; rank 0 died?); "
-                           f"see {run.log_path}")
+            dead = _first_failure(run.log_path, log_start)  # rank 0 died: torchrun named it in worker.log
+            if dead is not None:
+                w.emit("error", kind="killed" if dead["exitcode"] < 0 else "bug",
+                       message=f"rank {dead['rank']} (pid {dead['pid']}) died: {_exit_words(dead['exitcode'])}; "
+                               f"the run stopped (its output is in {run.log_path}); edgetune resume {run.path} "
+                               "continues from the last checkpoint")
+            else:
+                how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+                w.emit("error", kind="bug" if rc > 0 else "killed",
+                       message=f"the training processes ended without a word (torchrun: {how}); see {run.log_path}")
             w.close()
     finally:
         try:
@@ -336,6 +346,33 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
         except FileNotFoundError:
             pass
     return rc if rc >= 0 else 1
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+
+
+def _first_failure(log_path, start: int = 0, tail_bytes: int = 65536) -> dict | None:
+    """{rank, exitcode, pid} of the rank torchrun names as the root cause of a failed job,
+    from the summary it writes at its end (its stderr is worker.log, read from byte
+    `start`: this attempt's part); None without one."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    root = text.rfind("Root Cause")
+    m = _FAILURE.search(text, root) if root >= 0 else None
+    return {"rank": int(m[1]), "exitcode": int(m[2]), "pid": int(m[3])} if m else None
+
+
+def _exit_words(code: int) -> str:
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def main(argv=None) -> int:

@@ -243,6 +243,44 @@ def test_a_killed_rank_ends_the_run_naming_it(tiny_model_dir, tmp_path):
     assert not alive, f"ranks left running: {alive}"
 
 
+@pytest.mark.slow  # two ranks: the fast suite keeps the SFT and F-GRPO equality on two ranks
+def test_a_killed_rank_0_is_named_with_its_pid_and_signal(tiny_model_dir, tmp_path):
+    """Rank 0 writes the events and watches the others, so its own death is written by the
+    launcher, from the failure torchrun reports: the rank, its pid and how it ended."""
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=400), name="kill0", gpus=2)
+    for ev in run.events(follow_live=True, timeout=300):
+        if ev["type"] == "step":
+            break
+    ranks = _ranks(run.process.pid)
+    ranks[0].send_signal(signal.SIGKILL)
+    err = finish(run, timeout=120)[-1]
+    assert err["type"] == "error" and err["kind"] == "killed", err
+    assert f"rank 0 (pid {ranks[0].pid}) died: killed by signal 9 (SIGKILL)" in err["message"], err
+
+
+def test_rank_death_is_read_from_torchruns_own_summary(tmp_path):
+    """The launcher reads the root cause from the text torchrun's ChildFailedError writes,
+    and only from this attempt's part of worker.log."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from edgetune.engine import worker
+
+    def summary(rank, pid, code):
+        return ChildFailedError("edgetune.engine.worker", {
+            rank: ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=str(tmp_path / "none")),
+            rank + 1: ProcessFailure(local_rank=rank + 1, pid=pid + 1, exitcode=1, error_file=str(tmp_path / "none")),
+        }).format_msg()
+
+    log = tmp_path / "worker.log"
+    log.write_text("an earlier attempt\n" + summary(1, 111, 3))
+    start = log.stat().st_size
+    assert worker._first_failure(log, start) is None
+    with open(log, "a") as f:
+        f.write("this attempt\n" + summary(0, 4242, -9))
+    assert worker._first_failure(log, start) == {"rank": 0, "exitcode": -9, "pid": 4242}
+    assert worker._exit_words(-9) == "killed by signal 9 (SIGKILL)" and worker._exit_words(3) == "exit status 3"
+
+
 def test_cli_launch_options(tmp_path):
     from edgetune.engine import cli
 

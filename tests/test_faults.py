@@ -1,6 +1,6 @@
 """Faults a long run meets, each injected on the CPU with the tiny model: a graceful stop
 between checkpoints, a damaged event log, a truncated or planted checkpoint, leftovers
-of a killed write, a SIGKILL mid-step and mid-checkpoint."""
+of a killed write, a SIGKILL mid-step and mid-checkpoint, an edited lora.r."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgetune.engine import api, settings
-from edgetune.engine.errors import CheckpointError
+from edgetune.engine.errors import CheckpointError, ConfigError
 from edgetune.engine.events import EventWriter, read_events, scan_events
 from edgetune.engine.loop import pick_checkpoint
 from edgetune.engine.runfolder import RunDir
@@ -104,6 +104,39 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp
     assert any(str(state) in m for m in msgs), msgs
     # full_losses come from an in-process run; a worker's fp32 sums may differ in the 7th digit
     assert _losses(after) == pytest.approx({k: v for k, v in full_losses.items() if k > 2}, rel=1e-6)
+
+
+def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
+    """The CLI's resume line names the checkpoint the worker continued from, not a newer
+    damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is
+    refused naming the setting, by resume and, behind it, by the worker itself."""
+    cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2, "keep_checkpoints": 3})
+    path = tmp_path / "r"
+    _sft(cfg, path, stop_after=4)
+    _write_config(cfg, path)
+    good = (path / "config.yaml").read_text()
+    (path / "config.yaml").write_text(good.replace("  r: 8\n", "  r: 4\n", 1))
+    expected = f"{path / 'config.yaml'}: lora.r is 4, but checkpoint step-4 was trained with 8"
+    with pytest.raises(ConfigError, match=expected):
+        api.resume(path)
+    from edgetune.engine import worker
+
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), resume=True, owns_pid=False) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert read_events(path / "events.jsonl")[-1]["message"].startswith(expected)
+
+    (path / "config.yaml").write_text(good)
+    state = path / "checkpoints" / "step-4" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "resume", str(path)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("Resumed")]
+    assert said == ["Resumed r from its step-2 checkpoint."], p.stdout
+    assert f"warning: checkpoint {state.parent} is damaged, skipped" in p.stdout
 
 
 class _Payload:
