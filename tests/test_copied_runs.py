@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from edgetune.engine import api
 from edgetune.engine.errors import ConfigError, EdgetuneError, RunError
@@ -227,7 +229,8 @@ def test_export_refuses_a_run_that_trains_again(tmp_path, tiny_model_dir):
     run = stopped_run(tmp_path / "runs", "again", tiny_model_dir)
     (run / "adapter").mkdir()
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 16}))
-    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"the first attempt's weights")
+    first = run / "adapter" / "adapter_model.safetensors"
+    save_file({"base_model.model.lora_A.weight": np.ones((2, 2), np.float32)}, first)  # the first attempt's
     # resumed: a new `started` after the stop, and its worker alive (this process stands in)
     with open(run / "events.jsonl", "a") as f:
         f.write(json.dumps({"i": 2, "time": 3, "type": "started", "method": "sft"}) + "\n")
@@ -237,4 +240,4 @@ def test_export_refuses_a_run_that_trains_again(tmp_path, tiny_model_dir):
             export(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     (run / "worker.pid").unlink()  # the attempt ended (crashed): its previous adapter exports
-    assert (export(run, tmp_path / "out") / "adapter_model.safetensors").read_bytes() == b"the first attempt's weights"
+    assert (export(run, tmp_path / "out") / "adapter_model.safetensors").read_bytes() == first.read_bytes()
