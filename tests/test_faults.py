@@ -211,6 +211,43 @@ def test_user_reward_that_raises_hangs_or_returns_nan_costs_only_that_completion
     assert "returned nan" in s.errors[3]
 
 
+def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeypatch):
+    """The limit is a kill of the reward's process: a function that swallows every
+    exception and retries forever costs its completion reward 0 within the limit, and
+    the next completion is scored by a fresh process."""
+    from edgetune.engine import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 0.5)
+    r = _user_reward(tmp_path, "    print('scoring', completion)  # prints go to the log, not the scores\n"
+                               "    while completion == 'hang':\n"
+                               "        try:\n"
+                               "            time.sleep(60)\n"
+                               "        except BaseException:\n"
+                               "            pass\n"
+                               "    return 1.0\n")
+    first = r.parts[0][0].score.worker.proc
+    t0 = time.time()
+    s = r.score(["hang", "ok"], [{"answer": "1"}] * 2)
+    assert time.time() - t0 < 5
+    assert s.rewards == [0.0, 1.0]
+    assert s.errors == ["file: TimeoutError: took longer than 0.5 s", None]
+    assert first.poll() is not None  # killed, not left running
+
+
+def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
+    from edgetune.engine import rewards
+    from edgetune.engine.errors import ConfigError
+
+    r = _user_reward(tmp_path, "    import sys\n    sys.exit(3)\n")
+    with pytest.raises(rewards.RewardFailing) as e:
+        r.score(["x"], [{"answer": "1"}])
+    assert str(e.value) == (f"reward_file {tmp_path / 'reward.py'}: reward() called sys.exit(3); a reward returns "
+                            "a number (raise an exception to score a completion 0)")
+    (tmp_path / "at_import.py").write_text("import sys\nsys.exit(4)\n")
+    with pytest.raises(ConfigError, match=r"at_import.py: fails to load: it calls sys.exit\(4\)$"):
+        rewards.build_reward("file", str(tmp_path / "at_import.py"))
+
+
 def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatch):
     from edgetune.engine import rewards
 
