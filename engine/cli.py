@@ -333,11 +333,21 @@ def cmd_data(a) -> int:
 
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
     fmt = data_lib.preview(a.path, a.format, 1)[1]
+    tty, shown = sys.stderr.isatty(), []
+
+    def progress(rows: int, read: int, total: int) -> None:  # a long file: how far the check got
+        shown.append(rows)
+        done = f" ({read / 2**20:.0f} of {total / 2**20:.0f} MiB)" if total else ""
+        print(f"{chr(13) if tty else ''}checking {a.path}: {rows:,} rows{done}", end="" if tty else "\n",
+              file=sys.stderr, flush=True)
+
     if fmt == "rl":
-        report = data_lib.load_rl(ds, 0).report
+        report = data_lib.load_rl(ds, 0, progress=progress).report
     else:
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(a.model or ModelSettings().name))
-        report = data_lib.load_sft(ds, tok, 0).report
+        report = data_lib.load_sft(ds, tok, 0, progress).report
+    if tty and shown:
+        print(file=sys.stderr)  # ends the \r line
     print(report.summary())
     return 0
 

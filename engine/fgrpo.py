@@ -322,7 +322,7 @@ def train(ctx: RunContext) -> dict:
     eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
     phases.emit(ctx.emit, "data_check")
-    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok, phases.data_progress(ctx.emit))
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
         raise DataError("no training rows left after validation", file=cfg.data.path)
