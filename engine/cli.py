@@ -186,14 +186,30 @@ def cmd_train(a) -> int:
         return _train_as_rank(a)
     if a.nnodes > 1:
         return _exec_torchrun(a)
-    if a.gpus < 1:
-        raise EdgetuneError(f"--gpus must be at least 1, got {a.gpus}")
+    check_gpus(a.gpus)
     cfg = _config(a)
     run = api.start(cfg, name=a.name, gpus=a.gpus)
     print(f"run folder: {run.path}" + (f" ({a.gpus} ranks)" if a.gpus > 1 else ""))
     if a.detach:
         return 0
     return watch(run)
+
+
+def check_gpus(n: int | None) -> None:
+    """--gpus: at least 1; on a machine without a CUDA GPU every rank is a CPU process
+    (gloo), so at most one a core."""
+    import os
+
+    from .planner import gpu_memory
+
+    if n is None:
+        return
+    if n < 1:
+        raise EdgetuneError(f"--gpus must be at least 1, got {n}")
+    cores = os.cpu_count() or 1
+    if n > cores and gpu_memory() is None:
+        raise EdgetuneError(f"--gpus {n}: this machine has no CUDA GPU, so each rank would be a CPU process; "
+                            f"at most {cores} (its CPU cores)")
 
 
 def _exec_torchrun(a) -> int:
@@ -279,6 +295,7 @@ def cmd_resume(a) -> int:
     a.run = _run_arg(a.run, a.runs_dir)
     last = api.open_run(a.run).dir.last_checkpoint()
 
+    check_gpus(a.gpus)
     before = list(api.open_run(a.run).events())
     start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
     run = api.resume(a.run, gpus=a.gpus)
