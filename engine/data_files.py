@@ -189,7 +189,8 @@ _TOO_DEEP = "JSON nested too deeply to read (thousands of levels of [ or {)"
 
 
 def _too_long() -> str:
-    return f"the line is longer than {MAX_LINE_BYTES / 2**20:g} MiB, the limit for one row (is this a file of JSON rows?)"
+    return (f"the line is longer than {MAX_LINE_BYTES / 2**20:g} MiB, the limit for one row "
+            "(is this a file of JSON rows?)")
 
 
 class Progress:

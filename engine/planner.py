@@ -796,7 +796,8 @@ def refuse_far_beyond(cfg: Config, device: str, gpus: int = 1, memory: int | Non
     if total <= FAR_BEYOND * memory:
         return
     shape = _SHAPE[cfg.method]
-    sizes = {k: int(plan[k]) for k in plan["parts"] if k not in ("allocator_overhead", "cuda_context", "host_pinned")}
+    overhead = ("allocator_overhead", "cuda_context", "host_pinned")
+    sizes = {k: int(plan[k]) for k in plan["parts"] if k not in overhead}
     # the parts that alone exceed the memory, else the largest one
     big = [k for k, v in sorted(sizes.items(), key=lambda kv: -kv[1]) if v > memory] or [max(sizes, key=sizes.get)]
     names = list(dict.fromkeys(n for k in big for n in _DRIVERS.get(k, shape)))
