@@ -38,10 +38,14 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import pickle
 import re
+import select
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .reward_worker import HEADER, send
 
 # One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller
 # turns the exception into reward 0 and an error message for that completion.
@@ -296,8 +301,6 @@ class UserRewardProcess:
         weakref.finalize(self, _kill_all, self._procs)
 
     def start(self) -> None:
-        import os
-
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgetune.engine.reward_worker", self.file, str(os.getpid())],
@@ -312,8 +315,6 @@ class UserRewardProcess:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.start()
-            from .reward_worker import send
-
             try:
                 send(self.proc.stdin, (text, answer, row))
             except BrokenPipeError:
@@ -330,15 +331,10 @@ class UserRewardProcess:
     def _receive(self, timeout: float, starting: bool = False) -> tuple[str, Any]:
         """The next frame within `timeout` seconds; past it, or when the process ends, the
         process is killed and the call fails."""
-        import os
-        import select
-        import struct
-        import time
-
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         buf = b""
-        need = 4
+        need = HEADER.size
         while len(buf) < need:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -355,11 +351,9 @@ class UserRewardProcess:
                     return "load_error", f"fails to load: {what}"
                 raise RuntimeError(what)
             buf += chunk
-            if need == 4 and len(buf) >= 4:
-                need = 4 + struct.unpack(">I", buf[:4])[0]
-        import pickle
-
-        return pickle.loads(buf[4:need])
+            if need == HEADER.size and len(buf) >= HEADER.size:
+                need = HEADER.size + HEADER.unpack(buf[:HEADER.size])[0]
+        return pickle.loads(buf[HEADER.size:need])
 
     def close(self) -> None:
         _kill_all(self._procs)
