@@ -12,6 +12,7 @@ reads one JSON answer from stdout. A problem with the user's input comes back as
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -33,26 +34,36 @@ def _jsonable_rows(rows: list[dict]) -> list[dict]:
 
 
 def _bad_json_lines(path: Path) -> list[dict]:
-    """Every malformed line of a JSONL file (the loader stops at the first)."""
+    """Every malformed line of a JSONL file (the loader stops at the first), read line by
+    line; a line over the loader's limit ends the search (engine/data_files.MAX_LINE_BYTES)."""
+    from .data_files import MAX_LINE_BYTES
+
     bad = []
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+        with open(path, "rb") as f:
+            n = 0
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                n += 1
+                if n == 1 and line.lstrip().startswith(b"["):
+                    return bad
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    bad.append({"row": n, "problem": f"the line is longer than {MAX_LINE_BYTES / 2**20:g} MiB"})
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.decode("utf-8-sig" if n == 1 else "utf-8"))
+                except UnicodeDecodeError as e:
+                    bad.append({"row": n, "problem": f"not UTF-8 text ({e.reason})"})
+                except json.JSONDecodeError as e:
+                    bad.append({"row": n, "problem": f"malformed JSON: {e.msg} (column {e.colno})"})
+                else:
+                    if not isinstance(row, dict):
+                        bad.append({"row": n, "problem": f"expected a JSON object, got {type(row).__name__}"})
+                if len(bad) >= MAX_BAD_ROWS:
+                    break
+    except OSError:
         return bad
-    if text.lstrip().startswith("["):
-        return bad
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append({"row": n, "problem": f"malformed JSON: {e.msg} (column {e.colno})"})
-        else:
-            if not isinstance(row, dict):
-                bad.append({"row": n, "problem": f"expected a JSON object, got {type(row).__name__}"})
-        if len(bad) >= MAX_BAD_ROWS:
-            break
     return bad
 
 
@@ -84,9 +95,11 @@ def check_data(cfg) -> dict:
     except DataError as e:
         out["error"] = str(e)
         try:
-            all_rows = d.read_rows(ds.path, ds.max_rows)
-            fmt = d.format_for(all_rows, ds, ds.path)
-            out["bad_rows"] = d.bad_rows(all_rows, fmt, cfg.method, ds, tokenizer, limit=MAX_BAD_ROWS)
+            rows = d.iter_rows(ds.path, ds.max_rows)  # one row at a time: a long file stays out of memory
+            first = next(rows)
+            fmt = d.format_for([first], ds, ds.path)
+            out["bad_rows"] = d.bad_rows(itertools.chain([first], rows), fmt, cfg.method, ds, tokenizer,
+                                         limit=MAX_BAD_ROWS)
         except DataError:
             pass
     return out

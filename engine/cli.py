@@ -199,14 +199,30 @@ def cmd_train(a) -> int:
         return _train_as_rank(a)
     if a.nnodes > 1:
         return _exec_torchrun(a)
-    if a.gpus < 1:
-        raise EdgetuneError(f"--gpus must be at least 1, got {a.gpus}")
+    check_gpus(a.gpus)
     cfg = _config(a)
     run = api.start(cfg, name=a.name, gpus=a.gpus)
     print(f"run folder: {run.path}" + (f" ({a.gpus} ranks)" if a.gpus > 1 else ""))
     if a.detach:
         return 0
     return watch(run)
+
+
+def check_gpus(n: int | None) -> None:
+    """--gpus: at least 1; on a machine without a CUDA GPU every rank is a CPU process
+    (gloo), so at most one a core."""
+    import os
+
+    from .planner import gpu_memory
+
+    if n is None:
+        return
+    if n < 1:
+        raise EdgetuneError(f"--gpus must be at least 1, got {n}")
+    cores = os.cpu_count() or 1
+    if n > cores and gpu_memory() is None:
+        raise EdgetuneError(f"--gpus {n}: this machine has no CUDA GPU, so each rank would be a CPU process; "
+                            f"at most {cores} (its CPU cores)")
 
 
 def _exec_torchrun(a) -> int:
@@ -289,6 +305,7 @@ def cmd_resume(a) -> int:
     from . import api
 
     a.run = _run_arg(a.run, a.runs_dir)
+    check_gpus(a.gpus)
     before = list(api.open_run(a.run).events())
     start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
     run = api.resume(a.run, gpus=a.gpus, allow_code=a.allow_code or ())
@@ -361,11 +378,21 @@ def cmd_data(a) -> int:
 
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
     fmt = data_lib.preview(a.path, a.format, 1)[1]
+    tty, shown = sys.stderr.isatty(), []
+
+    def progress(rows: int, read: int, total: int) -> None:  # a long file: how far the check got
+        shown.append(rows)
+        done = f" ({read / 2**20:.0f} of {total / 2**20:.0f} MiB)" if total else ""
+        print(f"{chr(13) if tty else ''}checking {a.path}: {rows:,} rows{done}", end="" if tty else "\n",
+              file=sys.stderr, flush=True)
+
     if fmt == "rl":
-        report = data_lib.load_rl(ds, 0).report
+        report = data_lib.load_rl(ds, 0, progress=progress).report
     else:
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(a.model or ModelSettings().name))
-        report = data_lib.load_sft(ds, tok, 0).report
+        report = data_lib.load_sft(ds, tok, 0, progress).report
+    if tty and shown:
+        print(file=sys.stderr)  # ends the \r line
     print(report.summary())
     return 0
 

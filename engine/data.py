@@ -16,21 +16,21 @@ first (the app's data check).
 from __future__ import annotations
 
 from .data_files import (EMBEDDED, EMBEDDED_EVAL, EXPECTED_COLUMNS, FORMATS, ValidationReport, detect_format,
-                         format_for, preview, read_rows, report_dict, resolve_data_path)
+                         format_for, iter_rows, preview, read_rows, report_dict, resolve_data_path)
 from .data_rl import DROP_LONG_PROMPT, RLData, load_rl, rl_rows
 from .data_sft import DROP_LONG, DROP_NO_TARGET, IGNORE, SFTData, SFTExample, collate, load_sft, tokenize_rows
 from .errors import DataError
 
 __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE", "DROP_LONG", "DROP_NO_TARGET",
-           "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "detect_format",
-           "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl", "collate",
-           "tokenize_rows", "rl_rows", "bad_rows"]
+           "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
+           "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
+           "collate", "tokenize_rows", "rl_rows", "bad_rows"]
 
 
-def bad_rows(rows: list[dict], fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list[dict]:
-    """Check rows one at a time with the loaders' own row checks, so that every bad row is
-    named (with its 1-based number), not only the first: [{"row": n, "problem": ...}],
-    at most `limit` of them (0 = all)."""
+def bad_rows(rows, fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list[dict]:
+    """Check rows (a list or an iterator) one at a time with the loaders' own row checks, so
+    that every bad row is named (with its 1-based number), not only the first:
+    [{"row": n, "problem": ...}], at most `limit` of them (0 = all)."""
     bad = []
     for n, row in enumerate(rows, start=1):
         try:

@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,17 @@ EMBEDDED = {
 # The held-out pairs of an embedded set: used as its eval split unless the user gives
 # data.eval_path (a fractional split of 70 pairs would test on trained questions' kin).
 EMBEDDED_EVAL = {EMBEDDED_RL_DATA: ASSETS / "arith_rl_eval.jsonl"}
+
+# The longest JSONL line read. A training row is at most a few max_seq_len of text (tens
+# of kB); a line far beyond that is a file that is not row data (a dump, a binary), and
+# reading it whole would hold all of it in memory before any check could say so.
+MAX_LINE_BYTES = 8 * 2**20
+# Rows rendered and tokenised together: large enough for the fast tokenizer's batching,
+# small enough that the texts and token lists of one chunk are a few MB, whatever the
+# file's length (engine/data_sft.py).
+CHUNK_ROWS = 2048
+# How often a long data check reports how far it got (Progress).
+PROGRESS_EVERY_S = 1.0
 
 FORMATS = ("messages", "alpaca", "prompt_completion", "text", "rl")
 EXPECTED_COLUMNS = {
@@ -104,6 +116,8 @@ def resolve_data_path(path: str) -> str:
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError("file not found", file=path)
+    if not p.is_dir() and not p.is_file():
+        raise DataError("not a regular file (a device, pipe or socket); give a data file or folder", file=path)
     if p.is_file() and not os.access(p, os.R_OK):
         raise DataError("file is not readable (permissions)", file=path)
     return str(p)
@@ -155,6 +169,8 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
     else:
         rows = []
         for n, line in enumerate(text.splitlines(), start=1):
+            if len(line) > MAX_LINE_BYTES:
+                raise DataError(_too_long(), file=shown, row=n)
             if not line.strip():
                 continue
             try:
@@ -170,6 +186,87 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
 
 
 _TOO_DEEP = "JSON nested too deeply to read (thousands of levels of [ or {)"
+
+
+def _too_long() -> str:
+    return (f"the line is longer than {MAX_LINE_BYTES / 2**20:g} MiB, the limit for one row "
+            "(is this a file of JSON rows?)")
+
+
+class Progress:
+    """How far a long data check got: `callback(rows, bytes_read, bytes_total)` at most every
+    PROGRESS_EVERY_S seconds, and at the end (`final`) when it reported before: a check
+    that takes less than that says nothing. The bytes are those of a JSONL file read line
+    by line (on disk: compressed for .gz); 0 when the file is read whole."""
+
+    def __init__(self, callback=None):
+        self.callback = callback
+        self.read = self.total = 0
+        self._last = time.monotonic()
+        self._reported = False
+
+    def rows(self, n: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.callback is not None and (self._reported if final else now - self._last >= PROGRESS_EVERY_S):
+            self._last, self._reported = now, True
+            self.callback(n, self.read, self.total)
+
+
+def _is_jsonl(p: Path) -> bool:
+    """A .jsonl / .ndjson file of rows, not one JSON document (a [ ... ] array)."""
+    name = p.name.lower().removesuffix(".gz")
+    if not name.endswith((".jsonl", ".ndjson")):
+        return False
+    opener = gzip.open if p.name.lower().endswith(".gz") else open
+    try:
+        with opener(p, "rb") as f:
+            while chunk := f.read(1 << 16):
+                head = chunk.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()
+                if head:
+                    return not head.startswith(b"[")
+    except (OSError, EOFError):
+        return True  # the line reader names the problem
+    return True
+
+
+def _jsonl_rows(p: Path, shown: str, progress: Progress):
+    """The rows of a JSONL file, one line in memory at a time; a row is numbered by its line."""
+    try:
+        raw = open(p, "rb")
+    except PermissionError:
+        raise DataError("file is not readable (permissions)", file=shown) from None
+    progress.total = os.fstat(raw.fileno()).st_size
+    f = gzip.GzipFile(fileobj=raw, mode="rb") if p.name.lower().endswith(".gz") else raw
+    with raw, f:
+        n = 0
+        while True:
+            try:
+                line = f.readline(MAX_LINE_BYTES + 1)
+            except (OSError, EOFError) as e:  # a damaged or cut-off .gz
+                raise DataError(f"cannot read: {e}", file=shown, row=n + 1) from None
+            if not line:
+                return
+            n += 1
+            progress.read = raw.tell()
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                raise DataError(_too_long(), file=shown, row=n)
+            try:
+                text = line.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark is not data
+            except UnicodeDecodeError as e:
+                raise DataError(f"not UTF-8 text ({e.reason} at byte {e.start} of the line)", file=shown,
+                                row=n) from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"malformed JSON on line {n}: {e.msg} (column {e.colno})", file=shown,
+                                row=n) from None
+            except RecursionError:
+                raise DataError(_TOO_DEEP, file=shown, row=n) from None
+            if not isinstance(row, dict):
+                raise DataError(f"expected a JSON object per row, got {type(row).__name__}", file=shown, row=n)
+            yield row
 
 
 def _single_json(text: str) -> bool:
@@ -201,11 +298,31 @@ def _csv_string_features(p: Path, delimiter: str, shown: str):
 
 def read_rows(path: str, max_rows: int = 0) -> list[dict]:
     """Raw rows of a file/folder (or embedded name), as plain Python dicts."""
+    return list(iter_rows(path, max_rows))
+
+
+def iter_rows(path: str, max_rows: int = 0, progress: Progress | None = None):
+    """The raw rows one at a time: a JSONL file is read line by line (bounded memory, and
+    `progress` learns how far), any other file whole."""
     shown = path
     p = Path(resolve_data_path(path))
     kind = _kind(p)
     if p.is_file() and p.stat().st_size == 0:
         raise DataError("the dataset is empty (the file has 0 bytes)", file=shown)
+    progress = progress or Progress()
+    rows = _jsonl_rows(p, shown, progress) if kind == "json" and _is_jsonl(p) else _read_whole(p, kind, shown,
+                                                                                                max_rows)
+    n = 0
+    for row in rows:
+        yield row
+        n += 1
+        if n == max_rows:
+            break
+    if n == 0:
+        raise DataError("the dataset is empty (no rows)", file=shown)
+
+
+def _read_whole(p: Path, kind: str, shown: str, max_rows: int) -> list[dict]:
     if kind == "json":
         try:
             rows = _json_rows_by_hand(p, shown)
@@ -245,8 +362,6 @@ def read_rows(path: str, max_rows: int = 0) -> list[dict]:
                                 file=shown) from None
     except PermissionError:
         raise DataError("file is not readable (permissions)", file=shown) from None
-    if len(ds) == 0:
-        raise DataError("the dataset is empty (no rows)", file=shown)
     if max_rows:
         ds = ds.select(range(min(max_rows, len(ds))))
     return ds.to_list()

@@ -315,7 +315,7 @@ def train(ctx: RunContext) -> dict:
     phases.emit(ctx.emit, "loading")
     model, tok, base_path = load_model(cfg, adapter)
     phases.emit(ctx.emit, "data_check")
-    data = data_lib.load_rl(cfg.data, seed, tok)
+    data = data_lib.load_rl(cfg.data, seed, tok, phases.data_progress(ctx.emit))
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
         from .errors import DataError

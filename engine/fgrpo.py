@@ -54,7 +54,7 @@ from .effective import LOSS_CHUNK_ROWS, copy_budget, decide, record
 from .errors import ConfigError, DataError
 from .grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from .lm_loss import backbone_and_head
-from .loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint, make_optimizer,
+from .loop import (Progress, RunContext, check_finite, check_seed, every, finish, load_checkpoint, make_optimizer,
                    make_scheduler, micro_batch_indices, save_checkpoint, save_stop_checkpoint, seed_everything)
 from .passk import mean_pass_at_k
 from .planner import arch_of
@@ -205,6 +205,7 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
     ("" = the base alone, for a before/after comparison in the same precision).
     `progress(prompts_done, total)` as the evaluation advances."""
     cfg = copy.deepcopy(cfg)
+    check_seed(cfg.run.seed)  # its sampling streams come from it
     if adapter_path:
         if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
             adapter_path = str(Path(adapter_path) / "adapter")
@@ -322,7 +323,7 @@ def train(ctx: RunContext) -> dict:
     eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
     phases.emit(ctx.emit, "data_check")
-    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok, phases.data_progress(ctx.emit))
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
         raise DataError("no training rows left after validation", file=cfg.data.path)

@@ -23,7 +23,7 @@ import torch
 from . import distributed as dist
 from . import memory
 from .effective import optimizer_name
-from .errors import CheckpointError, RunError
+from .errors import CheckpointError, ConfigError, RunError
 from .events import EventWriter
 from .runfolder import RunDir, atomic_dir
 from .settings import Config
@@ -43,7 +43,21 @@ class RunContext:
         return dist.any_rank(self.stop_flag[0] or self.run.stop_requested())
 
 
+# The largest run.seed: numpy takes seeds from 0 to 2**32 - 1, and the streams derived from
+# the seed (micro_batch_indices here, engine/fgrpo.py's sampling streams) stay within the
+# 64-bit range torch's generators take below it.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed) -> int:
+    """run.seed, or a one-line ConfigError when torch / numpy cannot take it."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"run.seed={seed}: out of range (a seed is a whole number from 0 to {MAX_SEED})")
+    return seed
+
+
 def seed_everything(seed: int) -> None:
+    check_seed(seed)
     random.seed(seed)
     torch.manual_seed(seed)
     try:

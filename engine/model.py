@@ -322,14 +322,15 @@ def load_base(ms: ModelSettings):
         kwargs["quantization_config"] = q
     kwargs["device_map"] = {"": 0} if device == "cuda" else {"": device}
     cached, entry = _quantised_entry(ms, path, q, dtype)
-    try:
-        if cached is not None:  # the 4-bit weights as a run of this model stored them: no quantising
-            kwargs.pop("quantization_config")
-            model = AutoModelForCausalLM.from_pretrained(cached, **kwargs)
-        else:
+    model = None
+    if cached is not None:  # the 4-bit weights as a run of this model stored them: no quantising
+        model = _load_cached(cached, {k: v for k, v in kwargs.items() if k != "quantization_config"})
+        cached = cached if model is not None else None
+    if model is None:
+        try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{ms.name}: cannot load ({str(e).splitlines()[0]})") from None
     from . import distributed
 
     if entry is not None and cached is None and distributed.is_main():  # one writer of the cache
@@ -352,10 +353,31 @@ def _quantised_entry(ms: ModelSettings, path: str, q, dtype) -> tuple:
     from . import quant_cache
 
     entry = quant_cache.key(path, q.to_dict(), str(dtype))
-    cached = quant_cache.lookup(entry)
-    if cached is not None:
-        print(f"quantised base: loaded from the cache {cached}", file=sys.stderr, flush=True)
+    cached, dropped = quant_cache.lookup(entry)
+    if dropped:
+        print(f"warning: quantised base: {dropped}", file=sys.stderr, flush=True)
     return cached, entry
+
+
+def _load_cached(cached: Path, kwargs: dict):
+    """The model from a cache entry that passed its checksums, or None (after dropping the
+    entry, with a warning in the log) when it still does not load: the caller quantises."""
+    from transformers import AutoModelForCausalLM
+
+    from . import quant_cache
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cached, **kwargs)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of our own entry costs a re-quantisation, not the run
+        if "out of memory" in str(e).lower():
+            raise
+        why = f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        print(f"warning: quantised base: {quant_cache.drop(cached, why)}", file=sys.stderr, flush=True)
+        return None
+    print(f"quantised base: loaded from the cache {cached}", file=sys.stderr, flush=True)
+    return model
 
 
 def _keep_cpu_4bit_differentiable(model) -> None:

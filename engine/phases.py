@@ -27,6 +27,17 @@ def emit(emit_fn, phase: str, done: int | None = None, total: int | None = None,
     emit_fn("phase", **fields)
 
 
+def data_progress(emit_fn):
+    """The callback engine/data.py's loaders report a long file's progress to: `data_check`
+    with the MiB read of the file's MiB."""
+
+    def report(rows: int, read: int, total: int) -> None:
+        if total:
+            emit(emit_fn, "data_check", read >> 20, max(1, total >> 20), "MiB")
+
+    return report
+
+
 def describe(ev: dict) -> str:
     """'initial eval 12/30 prompts' from a `phase` event."""
     text = LABELS.get(ev.get("phase"), str(ev.get("phase")))

@@ -741,3 +741,74 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
                          checkpointed=n_checkpointed(ctx)).to_dict(),
     )
     return plan
+
+
+# --------------------------------------------------------------------------- refusing before loading
+
+# A run is refused before anything loads when the planner predicts this many times the
+# memory of the device it runs on. The planner aims at ±15%; a prediction this far over is
+# a setting typed wrong (a batch of a billion rows), not a close call: those are left to
+# the run itself (engine/oom.py), as the verdict of `edgetune estimate` is.
+FAR_BEYOND = 4
+
+# The settings behind each part of a plan, for the refusal's one line.
+_DRIVERS = {
+    "weights": ("model.name", "model.quant"),
+    "lora": ("lora.r", "lora.target_modules"),
+    "lora_grads": ("lora.r", "lora.target_modules"),
+    "optimizer": ("lora.r", "lora.target_modules"),
+}
+_SHAPE = {
+    "sft": ("sft.batch_size", "data.max_seq_len"),
+    "fgrpo": ("fgrpo.prompts_per_step", "fgrpo.num_generations", "fgrpo.micro_batch_size",
+              "fgrpo.max_new_tokens", "data.max_seq_len"),
+    "essa": ("essa.prompts_per_generation", "essa.candidates_per_batch", "essa.max_new_tokens",
+             "data.max_seq_len"),
+}
+
+
+def host_memory() -> int | None:
+    """Bytes of RAM of this machine (the CPU device's memory), or None where unknown."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refuse_far_beyond(cfg: Config, device: str, gpus: int = 1, memory: int | None = None) -> None:
+    """Raise a one-line ConfigError when the predicted peak of `cfg` on `device` ("cpu" or
+    "cuda") is more than FAR_BEYOND times `memory` (default: host RAM for the CPU, the
+    card's memory for a GPU), naming the settings that drive the prediction. Called
+    before the model loads (engine/worker.py)."""
+    from .errors import ConfigError, EdgetuneError
+
+    gpu = device.startswith("cuda")
+    if memory is None:
+        got = (gpu_memory_torch() or gpu_memory()) if gpu else None
+        memory = got[1] if got else None if gpu else host_memory()
+    if not memory:
+        return
+    try:
+        plan = estimate(cfg, device="cuda" if gpu else "cpu", detect_gpu=False, gpus=gpus)
+    except EdgetuneError:  # a model the planner cannot read: loading it names the problem
+        return
+    total = plan["total"]
+    if total <= FAR_BEYOND * memory:
+        return
+    shape = _SHAPE[cfg.method]
+    overhead = ("allocator_overhead", "cuda_context", "host_pinned")
+    sizes = {k: int(plan[k]) for k in plan["parts"] if k not in overhead}
+    # the parts that alone exceed the memory, else the largest one
+    big = [k for k, v in sorted(sizes.items(), key=lambda kv: -kv[1]) if v > memory] or [max(sizes, key=sizes.get)]
+    names = list(dict.fromkeys(n for k in big for n in _DRIVERS.get(k, shape)))
+    shown = ", ".join(f"{n}={_value(cfg, n)}" for n in names)
+    where = "the GPU's memory" if gpu else "this machine's RAM"
+    raise ConfigError(f"the planner predicts {_gib(total)} at the peak, far beyond {where} ({_gib(memory)}); "
+                      f"driven by {shown} (edgetune estimate shows the parts)")
+
+
+def _value(cfg: Config, dotted: str):
+    group, field = dotted.split(".")
+    return getattr(getattr(cfg, group), field)

@@ -10,15 +10,20 @@ or another library version gives another entry, never a stale one. Files are has
 size and mtime, not content, like the GGUF conversion cache (engine/model.py): reading
 15 GB to hash it would cost what the cache saves.
 
-Entries are written under a temporary name and renamed into place (runfolder.atomic_dir),
-so an interrupted store leaves no entry. A store is skipped, with a note, when the disk
-holds less than twice the entry's size.
+Entries are written under a temporary name, flushed to disk (fsync) and renamed into place
+(runfolder.atomic_dir), so an interrupted store or a power cut leaves no entry. Each entry
+lists its files' sizes and sha256 in CHECKSUMS; a load checks them first, and an entry
+that fails the check (truncated, edited, or written before checksums existed) is ours to
+drop: the load says so in worker.log, deletes it and quantises the source again. Hashing
+reads the entry once more, which the page cache makes cheap next to loading it. A store
+is skipped, with a note, when the disk holds less than twice the entry's size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from .runfolder import atomic_dir
 from .settings import cache_dir
 
 SOURCE_PATTERNS = ("*.safetensors", "*.bin", "*.json")
+CHECKSUMS = "edgetune-checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}}
 
 
 def key(source: str | Path, quant: dict, dtype: str) -> str | None:
@@ -50,11 +56,68 @@ def entry(name: str) -> Path:
     return cache_dir() / "quantized" / name
 
 
-def lookup(name: str | None) -> Path | None:
+def lookup(name: str | None) -> tuple[Path | None, str]:
+    """(the entry's folder, "") when it exists and passes its checksums; (None, why) after
+    dropping an entry that fails them; (None, "") when there is none."""
     if name is None:
-        return None
+        return None, ""
     p = entry(name)
-    return p if (p / "config.json").is_file() else None
+    if not p.exists():
+        return None, ""
+    problem = damage(p)
+    if problem is None:
+        return p, ""
+    return None, drop(p, problem)
+
+
+def drop(p: Path, problem: str) -> str:
+    """Delete a damaged entry (ours: everything under quantized/ was written by store);
+    returns the warning line for the log."""
+    shutil.rmtree(p, ignore_errors=True)
+    return f"the cached entry {p} {problem}; deleted it, quantising the source again"
+
+
+def damage(p: Path) -> str | None:
+    """What is wrong with an entry folder, or None when every file matches CHECKSUMS."""
+    try:
+        listed = json.loads((p / CHECKSUMS).read_text())["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("files is not a mapping")
+    except FileNotFoundError:
+        return "has no checksums (stored by an older edgetune, or cut off while storing)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"has unreadable checksums ({type(e).__name__})"
+    present = {f.relative_to(p).as_posix() for f in p.rglob("*") if f.is_file()} - {CHECKSUMS}
+    if present - set(listed):
+        return f"holds files it was not stored with ({', '.join(sorted(present - set(listed))[:3])})"
+    for rel, want in sorted(listed.items()):
+        f = p / rel
+        if not f.is_file():
+            return f"is missing {rel}"
+        size = f.stat().st_size
+        if size != want.get("size"):
+            return f"is damaged: {rel} has {size} bytes, it was stored with {want.get('size')}"
+        if _sha256(f) != want.get("sha256"):
+            return f"is damaged: {rel} does not match its stored checksum"
+    if "config.json" not in listed:
+        return "has no config.json"
+    return None
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def store(model, name: str) -> str:
@@ -67,4 +130,18 @@ def store(model, name: str) -> str:
         return f"not stored: {free / 2**30:.1f} GiB free on disk, the entry needs {size / 2**30:.1f}"
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
+        seal(tmp)
+    _fsync(out.parent)  # the rename itself
     return f"stored in {out} ({size / 2**30:.1f} GiB)"
+
+
+def seal(folder: Path) -> None:
+    """Write CHECKSUMS for every file in `folder` and flush them all to disk, so that the
+    rename that publishes the entry never publishes data still in the page cache."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name != CHECKSUMS)
+    listed = {f.relative_to(folder).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+    (folder / CHECKSUMS).write_text(json.dumps({"files": listed}, indent=1))
+    for f in [*files, folder / CHECKSUMS]:
+        _fsync(f)
+    for d in sorted({f.parent for f in files} | {folder}, key=lambda d: -len(d.parts)):
+        _fsync(d)

@@ -22,10 +22,12 @@ generation, so nothing here is batched or cached beyond the parsed user module):
                   whenever the gold string appears anywhere, which a policy can farm
 - `file`          the user's `def reward(completion, answer, row) -> float`, loaded
                   only from the local path in `reward_file`: it is ordinary Python run
-                  with the user's rights, so only point it at code you trust. An
-                  exception, a NaN or a call over USER_REWARD_TIMEOUT_S costs that
-                  completion reward 0 and an error message; a run of
-                  USER_REWARD_MAX_CONSECUTIVE_FAILURES such failures stops the run
+                  with the user's rights, so only point it at code you trust. It runs
+                  in a process of its own (engine/reward_worker.py), killed when a
+                  call runs over USER_REWARD_TIMEOUT_S. An exception, a NaN or a
+                  timeout costs that completion reward 0 and an error message; a run
+                  of USER_REWARD_MAX_CONSECUTIVE_FAILURES such failures, or a call of
+                  sys.exit, stops the run
 
 Success (what p̂ in F-GRPO's focal weight and pass@k count) is `Reward.success`: with no
 threshold, a completion succeeds when every non-shaping part reaches its best value
@@ -34,20 +36,24 @@ threshold, a completion succeeds when every non-shaping part reaches its best va
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import importlib.util
 import math
+import os
+import pickle
 import re
-import signal
+import select
+import subprocess
 import sys
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .reward_worker import HEADER, send
 
 # One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller
 # turns the exception into reward 0 and an error message for that completion.
@@ -98,7 +104,7 @@ class Reward:
                     raise
                 except Exception as e:  # noqa: BLE001 - a bad completion or user code must not end the run
                     v = 0.0
-                    msg = f"{part.name}: {type(e).__name__}: {e}".splitlines()[0][:300]
+                    msg = f"{part.name}: {describe(e)}".splitlines()[0][:300]
                     errors[i] = msg if errors[i] is None else f"{errors[i]}; {msg}"
                 values.append(v)
                 totals[i] += weight * v
@@ -237,39 +243,25 @@ def _reasoning_gym(task: str) -> ScoreOne:
 
 
 def load_user_reward(path: str) -> ScoreOne:
-    """`def reward(completion, answer, row) -> float` from a local .py file."""
+    """`def reward(completion, answer, row) -> float` from a local .py file, run in its own
+    process (engine/reward_worker.py) so that the time limit holds whatever the code does."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"reward_file not found: {path}")
-    name = f"edgetune_user_reward_{abs(hash(str(p.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, p)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"reward_file {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - report any import-time failure in one line
-        raise ConfigError(f"reward_file {path}: fails to load: {type(e).__name__}: {e}") from None
-    except SystemExit as e:  # the file's error, not ours: a reward must not end the process
-        raise ConfigError(f"reward_file {path}: calls sys.exit({e.code!r}) while loading") from None
-    fn = getattr(module, "reward", None)
-    if not callable(fn):
-        raise ConfigError(f"reward_file {path}: defines no function 'reward(completion, answer, row)'")
-    sys.modules.pop(name, None)
+    worker = UserRewardProcess(str(p), path)
+    worker.start()  # import errors are reported now, before any model loads
     failures = [0, ""]  # consecutive failures, the last one's message
 
     def score(text: str, row: dict, truncated: bool) -> float:
         try:
-            with _time_limit(USER_REWARD_TIMEOUT_S):
-                v = float(fn(text, row.get("answer"), row))
+            v = worker.call(text, row.get("answer"), row, USER_REWARD_TIMEOUT_S)
             if not math.isfinite(v):
                 raise ValueError(f"returned {v}")
-        except SystemExit as e:  # the file's error, not ours: a reward returns a number, it never ends the run
-            raise RewardFailing(f"reward_file {path}: reward() calls sys.exit({e.code!r}); it must return a number") \
-                from None
+        except RewardFailing:
+            raise
         except Exception as e:  # noqa: BLE001 - counted here, reported per completion by Reward.score
             failures[0] += 1
-            failures[1] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            failures[1] = describe(e).splitlines()[0][:200]
             if failures[0] >= USER_REWARD_MAX_CONSECUTIVE_FAILURES:
                 raise RewardFailing(f"reward_file {path}: failed on {failures[0]} completions in a row "
                                     f"(last: {failures[1]}); fix it, then edgetune resume the run") from None
@@ -277,6 +269,7 @@ def load_user_reward(path: str) -> ScoreOne:
         failures[0] = 0
         return v
 
+    score.worker = worker  # type: ignore[attr-defined]  (tests, and close() when done)
     return score
 
 
@@ -285,30 +278,106 @@ def load_user_reward(path: str) -> ScoreOne:
 # run stops (its checkpoints stay) rather than train on zeros.
 USER_REWARD_TIMEOUT_S = 10.0
 USER_REWARD_MAX_CONSECUTIVE_FAILURES = 32
+# Starting the reward process includes importing the user's file and what it imports
+# (sympy and the like take seconds); a file that takes longer than this is reported.
+USER_REWARD_START_TIMEOUT_S = 120.0
 
 
 class RewardFailing(ConfigError):
     """The user's reward function fails on every completion: stop the run."""
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Interrupt a hanging call with TimeoutError (SIGALRM: the main thread only, which is
-    where the training loop scores; elsewhere the call runs unbounded)."""
-    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
-        yield
-        return
+class UserRewardProcess:
+    """The user's reward function in a child process (engine/reward_worker.py): `call`
+    sends one completion and waits at most `timeout` seconds for its score; past that the
+    process is killed (a limit the function cannot catch) and the next call starts a new
+    one. Calls are serialised (one pipe)."""
 
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"took longer than {seconds:g} s")
+    def __init__(self, file: str, shown: str):
+        self.file, self.shown = file, shown
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self._procs: list = []  # what the finaliser kills when this object goes away
+        weakref.finalize(self, _kill_all, self._procs)
 
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edgetune.engine.reward_worker", self.file, str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._procs[:] = [self.proc]
+        kind, detail = self._receive(USER_REWARD_START_TIMEOUT_S, starting=True)
+        if kind != "ready":
+            self.close()
+            raise ConfigError(f"reward_file {self.shown}: {detail}")
+
+    def call(self, text: str, answer, row: dict, timeout: float) -> float:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.start()
+            try:
+                send(self.proc.stdin, (text, answer, row))
+            except BrokenPipeError:
+                self.close()
+                raise RuntimeError("the reward process ended before the call") from None
+            kind, detail = self._receive(timeout)
+        if kind == "ok":
+            return detail
+        if kind == "exit":
+            raise RewardFailing(f"reward_file {self.shown}: reward() called sys.exit({detail}); a reward "
+                                "returns a number (raise an exception to score a completion 0)")
+        raise _RewardError(detail)
+
+    def _receive(self, timeout: float, starting: bool = False) -> tuple[str, Any]:
+        """The next frame within `timeout` seconds; past it, or when the process ends, the
+        process is killed and the call fails."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        buf = b""
+        need = HEADER.size
+        while len(buf) < need:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.close()
+                if starting:
+                    return "load_error", f"took longer than {timeout:g} s to import"
+                raise TimeoutError(f"took longer than {timeout:g} s")
+            chunk = os.read(fd, need - len(buf))
+            if not chunk:
+                code = self.proc.wait()
+                self.close()
+                what = f"the reward process ended (exit status {code})"
+                if starting:
+                    return "load_error", f"fails to load: {what}"
+                raise RuntimeError(what)
+            buf += chunk
+            if need == HEADER.size and len(buf) >= HEADER.size:
+                need = HEADER.size + HEADER.unpack(buf[:HEADER.size])[0]
+        return pickle.loads(buf[HEADER.size:need])
+
+    def close(self) -> None:
+        _kill_all(self._procs)
+        self.proc = None
+
+
+class _RewardError(Exception):
+    """The user's function raised, in its process: "Type: message" of what it raised."""
+
+
+def describe(e: Exception) -> str:
+    """"Type: message" of a failed score (for the user's function: of what it raised)."""
+    return str(e) if isinstance(e, _RewardError) else f"{type(e).__name__}: {e}"
+
+
+def _kill_all(procs: list) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
+    procs.clear()
 
 
 BUILTINS: dict[str, tuple[ScoreOne, float]] = {

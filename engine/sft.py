@@ -120,7 +120,7 @@ def train(ctx: RunContext) -> dict:
     # Validate the data (needs only the tokenizer) before spending time on the model.
     phases.emit(ctx.emit, "data_check")
     tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
-    data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
+    data = data_lib.load_sft(cfg.data, tok, cfg.run.seed, phases.data_progress(ctx.emit))
     ctx.emit("data", report=data.report.__dict__)
     if not data.train:
         from .errors import DataError

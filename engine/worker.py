@@ -220,6 +220,9 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
 
             ctx.emit = tracker = Tracker(emit, cfg, run)
         import transformers  # noqa: F401  (the tokenizer and the model load need it first)
+        from .planner import refuse_far_beyond
+
+        refuse_far_beyond(cfg, resolve_device(cfg.model), dist.world())  # a typo'd batch of 1e9 rows, before loading
 
         train = method_module(cfg.method).train
         startup.imports_done()  # the collector back on, the imported objects out of its walks

@@ -366,3 +366,17 @@ def test_library_notices_are_silenced_where_raised():
     assert p.returncode == 0, p.stderr[-2000:]
     assert "pip install kernels" not in p.stderr and "removed in v6" not in p.stderr
     assert "our own warning" in p.stderr
+
+
+def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys):
+    """Without a CUDA GPU each rank is a CPU process: --gpus 1000 would start 1,000."""
+    import os
+
+    from edgetune.engine import cli, planner
+
+    monkeypatch.setattr(planner, "gpu_memory", lambda: None)
+    runs = tmp_path / "runs"
+    rc = cli.main(["train", "--preset", "sft-quickstart", "--gpus", "1000", "--runs-dir", str(runs)])
+    assert rc == 2 and not runs.exists()
+    assert capsys.readouterr().err == (f"error: --gpus 1000: this machine has no CUDA GPU, so each rank would be a "
+                                       f"CPU process; at most {os.cpu_count()} (its CPU cores)\n")

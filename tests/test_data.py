@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -309,7 +310,7 @@ def test_missing_and_unreadable_files(tok, tmp_path):
     (tmp_path / "x.parquet").write_bytes(b"this is not parquet")
     bad(r"x\.parquet: cannot read as parquet", D.read_rows, str(tmp_path / "x.parquet"))
     (tmp_path / "latin.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
-    bad("not UTF-8", D.read_rows, str(tmp_path / "latin.jsonl"))
+    bad("row 1: not UTF-8", D.read_rows, str(tmp_path / "latin.jsonl"), row=1)  # read line by line: named
     (tmp_path / "notes.txt").write_text("hello")
     bad("unknown file type", D.read_rows, str(tmp_path / "notes.txt"))
     bad("eval.jsonl: file not found", sft(tok, "embedded:arith-sft", eval_path=str(tmp_path / "eval.jsonl")))
@@ -412,3 +413,39 @@ def test_nothing_left_after_length_limits_is_an_error(tok, tmp_path):
     rl = write(ROWS["rl"], tmp_path / "r.jsonl")
     bad("no prompts left to train on",
         lambda: D.load_rl(DataSettings(path=rl, max_seq_len=8), seed=0, tokenizer=tok))
+
+
+def test_a_line_over_the_limit_is_refused_naming_file_row_and_limit(tmp_path, monkeypatch):
+    """A JSONL file is read line by line, and a line beyond MAX_LINE_BYTES stops the read
+    before it is held whole (a file that is not rows: a dump, a binary)."""
+    from edgetune.engine import data_files
+
+    monkeypatch.setattr(data_files, "MAX_LINE_BYTES", 2**20)
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"text": "fine"}\n' + '{"text": "' + "x" * (2**20 + 10) + '"}\n')
+    msg = bad(r"row 2: the line is longer than 1 MiB, the limit for one row", D.read_rows, str(f), row=2)
+    assert msg.startswith(f"{f}, row 2:")
+    assert D.read_rows(str(f), max_rows=1) == [{"text": "fine"}]  # a preview stops before it
+
+
+def test_a_device_or_pipe_is_refused(tmp_path):
+    msg = bad("not a regular file", D.read_rows, "/dev/zero")
+    assert msg == "/dev/zero: not a regular file (a device, pipe or socket); give a data file or folder"
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    bad("not a regular file", D.read_rows, str(tmp_path / "pipe.jsonl"))
+
+
+def test_a_long_file_reports_progress(tok, tmp_path, monkeypatch):
+    from edgetune.engine import data_files, data_sft
+
+    monkeypatch.setattr(data_files, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(data_files, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(data_sft, "CHUNK_ROWS", 4)
+    f = tmp_path / "pc.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"Add {i}", "completion": str(i + 1)}) + "\n" for i in range(10)))
+    heard = []
+    d = D.load_sft(DataSettings(path=str(f)), tok, 0, lambda *a: heard.append(a))
+    assert len(d.train) + len(d.eval) == 10
+    size = f.stat().st_size
+    assert [h[0] for h in heard] == [4, 8, 10]
+    assert heard[-1] == (10, size, size) and all(0 < h[1] <= size for h in heard)

@@ -244,6 +244,43 @@ def test_user_reward_that_raises_hangs_or_returns_nan_costs_only_that_completion
     assert "returned nan" in s.errors[3]
 
 
+def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeypatch):
+    """The limit is a kill of the reward's process: a function that swallows every
+    exception and retries forever costs its completion reward 0 within the limit, and
+    the next completion is scored by a fresh process."""
+    from edgetune.engine import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 0.5)
+    r = _user_reward(tmp_path, "    print('scoring', completion)  # prints go to the log, not the scores\n"
+                               "    while completion == 'hang':\n"
+                               "        try:\n"
+                               "            time.sleep(60)\n"
+                               "        except BaseException:\n"
+                               "            pass\n"
+                               "    return 1.0\n")
+    first = r.parts[0][0].score.worker.proc
+    t0 = time.time()
+    s = r.score(["hang", "ok"], [{"answer": "1"}] * 2)
+    assert time.time() - t0 < 5
+    assert s.rewards == [0.0, 1.0]
+    assert s.errors == ["file: TimeoutError: took longer than 0.5 s", None]
+    assert first.poll() is not None  # killed, not left running
+
+
+def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
+    from edgetune.engine import rewards
+    from edgetune.engine.errors import ConfigError
+
+    r = _user_reward(tmp_path, "    import sys\n    sys.exit(3)\n")
+    with pytest.raises(rewards.RewardFailing) as e:
+        r.score(["x"], [{"answer": "1"}])
+    assert str(e.value) == (f"reward_file {tmp_path / 'reward.py'}: reward() called sys.exit(3); a reward returns "
+                            "a number (raise an exception to score a completion 0)")
+    (tmp_path / "at_import.py").write_text("import sys\nsys.exit(4)\n")
+    with pytest.raises(ConfigError, match=r"at_import.py: fails to load: it calls sys.exit\(4\)$"):
+        rewards.build_reward("file", str(tmp_path / "at_import.py"))
+
+
 def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatch):
     from edgetune.engine import rewards
 
@@ -487,3 +524,52 @@ def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, t
     second = [e for e in run_inline(fgrpo.train, cfg, tmp_path / "cut", resume=True)[2] if e["i"] > first[-1]["i"]]
     assert second[-1]["type"] == "finished" and [s[0] for s in steps(second)] == [2, 3]
     assert steps(first) + steps(second) == steps(full)
+
+
+# --------------------------------------------------------------------------- a plan far beyond the machine
+
+
+def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
+    """sft.batch_size=1e9 and lora.r=1e6 on the CPU: one line naming the settings, before
+    the data check or the model load starts (no phase event), not gigabytes later."""
+    from edgetune.engine import planner, worker
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    cfg = settings.resolve(preset="sft-quickstart", overrides={
+        "model": {"device": "cpu"}, "sft": {"batch_size": 10**9}, "lora": {"r": 10**6},
+        "run": {"runs_dir": str(tmp_path / "runs")}})
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        t0 = time.time()
+        assert worker.run(str(run)) == 2
+        assert time.time() - t0 < 30
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    events = read_events(run / "events.jsonl")
+    assert not [e for e in events if e["type"] == "phase"]
+    msg = events[-1]["message"]
+    assert events[-1]["type"] == "error" and events[-1]["kind"] == "input" and "\n" not in msg
+    assert msg.startswith("the planner predicts ") and "far beyond this machine's RAM (" in msg
+    assert f"({planner.host_memory() / 2**30:.1f} GiB); driven by sft.batch_size=1000000000, data.max_seq_len=256, " \
+           "lora.r=1000000, lora.target_modules=all-linear (edgetune estimate shows the parts)" in msg
+
+
+def test_the_quickstarts_are_not_refused_on_a_small_machine():
+    """The refusal is for settings typed wrong: every quick start passes on a 4 GiB machine."""
+    from edgetune.engine import planner
+
+    for preset in ("sft-quickstart", "fgrpo-quickstart", "essa-quickstart"):
+        planner.refuse_far_beyond(settings.resolve(preset=preset), "cpu", memory=4 * 2**30)
+
+
+def test_a_seed_beyond_numpy_and_torch_is_one_line():
+    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.loop import MAX_SEED, micro_batch_indices, seed_everything
+
+    with pytest.raises(ConfigError) as e:
+        seed_everything(2**70)
+    assert str(e.value) == f"run.seed={2**70}: out of range (a seed is a whole number from 0 to {MAX_SEED})"
+    seed_everything(MAX_SEED)  # the largest one works, and so do the streams drawn from it
+    assert len(micro_batch_indices(10, 4, 7, MAX_SEED)) == 4

@@ -59,6 +59,67 @@ def test_second_load_reads_the_stored_4bit_weights(cache, source, capfd):
     torch.testing.assert_close(_logits(second), _logits(first), rtol=0, atol=0)
 
 
+def _entry(cache):
+    entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1
+    return entries[0]
+
+
+def _truncate(f):
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip_a_byte(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    f.write_bytes(bytes(data))
+
+
+def _drop_checksums(f):
+    (f.parent / quant_cache.CHECKSUMS).unlink()
+
+
+@pytest.mark.parametrize("harm, said", [
+    (_truncate, r"is damaged: model.safetensors has \d+ bytes, it was stored with \d+"),
+    (_flip_a_byte, "is damaged: model.safetensors does not match its stored checksum"),
+    (_drop_checksums, r"has no checksums \(stored by an older edgetune, or cut off while storing\)"),
+])
+def test_a_damaged_entry_is_named_dropped_and_stored_again(cache, source, capfd, harm, said):
+    """A truncated (a crash, a full disk) or edited cache entry is ours: the next load says
+    so in the log, deletes it, quantises the source again and stores a good entry."""
+    import re
+
+    ms = ModelSettings(name=str(source), quant="nf4", device="cpu")
+    first, _, _ = model_lib.load_base(ms)
+    entry = _entry(cache)
+    assert quant_cache.damage(entry) is None
+    harm(entry / "model.safetensors")
+    capfd.readouterr()
+
+    second, _, _ = model_lib.load_base(ms)
+    err = capfd.readouterr().err
+    assert re.search(f"warning: quantised base: the cached entry {re.escape(str(entry))} {said}; deleted it, "
+                     "quantising the source again", err), err
+    assert "quantised base: stored in" in err and "loaded from the cache" not in err
+    assert _entry(cache) == entry and quant_cache.damage(entry) is None
+    torch.testing.assert_close(_logits(second), _logits(first), rtol=0, atol=0)
+    model_lib.load_base(ms)
+    assert "quantised base: loaded from the cache" in capfd.readouterr().err
+
+
+def test_an_entry_that_passes_its_checksums_but_does_not_load_is_stored_again(cache, source, capfd):
+    ms = ModelSettings(name=str(source), quant="nf4", device="cpu")
+    model_lib.load_base(ms)
+    entry = _entry(cache)
+    (entry / "model.safetensors").write_bytes(b"not a safetensors file")
+    quant_cache.seal(entry)  # consistent checksums over a bad file
+    capfd.readouterr()
+    model_lib.load_base(ms)
+    err = capfd.readouterr().err
+    assert f"warning: quantised base: the cached entry {entry} does not load (" in err, err
+    assert "quantised base: stored in" in err and quant_cache.damage(entry) is None
+
+
 def test_key_follows_source_files_and_settings(source):
     q = model_lib.quantization_config(ModelSettings(quant="nf4"), torch.float32).to_dict()
     k = quant_cache.key(source, q, "torch.float32")
