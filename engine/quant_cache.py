@@ -10,24 +10,26 @@ or another library version gives another entry, never a stale one. Files are has
 size and mtime, not content, like the GGUF conversion cache (engine/model.py): reading
 15 GB to hash it would cost what the cache saves.
 
-Entries are written under a temporary name, flushed to disk (fsync) and renamed into place
-(runfolder.atomic_dir), so an interrupted store or a power cut leaves no entry. Each entry
-lists its files' sizes and sha256 in CHECKSUMS; a load checks them first, and an entry
-that fails the check (truncated, edited, or written before checksums existed) is ours to
-drop: the load says so in worker.log, deletes it and quantises the source again. Hashing
-reads the entry once more, which the page cache makes cheap next to loading it. A store
-is skipped, with a note, when the disk holds less than twice the entry's size.
+Entries are written under a temporary name, flushed to disk (fsync) and renamed into
+place, never over an existing entry (two runs storing the same model keep the first), so
+an interrupted store or a power cut leaves no entry. Each entry lists its files' sizes and
+sha256 in CHECKSUMS; a load checks them first, and an entry that fails the check
+(truncated, edited, or written before checksums existed) is ours to drop: the load says so
+in worker.log, deletes it and quantises the source again. Hashing reads the entry once
+more, which the page cache makes cheap next to loading it. A store is skipped, with a
+note, when the disk holds less than twice the entry's size.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from .runfolder import atomic_dir
 from .settings import cache_dir
 
 SOURCE_PATTERNS = ("*.safetensors", "*.bin", "*.json")
@@ -128,9 +130,20 @@ def store(model, name: str) -> str:
     free = shutil.disk_usage(out.parent).free
     if free < 2 * size:
         return f"not stored: {free / 2**30:.1f} GiB free on disk, the entry needs {size / 2**30:.1f}"
-    with atomic_dir(out) as tmp:
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
         model.save_pretrained(tmp)
         seal(tmp)
+        try:
+            os.rename(tmp, out)  # never over an entry: the system refuses a folder that is not empty
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # Another run of the same model stored the same entry meanwhile (two runs started
+            # together): keep theirs, which the next load checks against its own checksums.
+            return f"not stored: {out} was stored by another run meanwhile"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     _fsync(out.parent)  # the rename itself
     return f"stored in {out} ({size / 2**30:.1f} GiB)"
 

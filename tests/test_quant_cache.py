@@ -145,6 +145,20 @@ def test_a_failed_store_leaves_no_entry(cache, source, monkeypatch):
     assert not cache.exists() or not any(cache.iterdir())
 
 
+def test_two_runs_storing_the_same_entry_keep_the_first(cache, source, capfd):
+    """Two runs of one model started together both quantise it; the second store finds the
+    entry published and keeps it, rather than failing or replacing a folder being read."""
+    ms = ModelSettings(name=str(source), quant="nf4", device="cpu")
+    model, _, _ = model_lib.load_base(ms)
+    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    before = {f.name: f.stat().st_mtime_ns for f in entry.iterdir()}
+    said = quant_cache.store(model, entry.name)
+    assert said == f"not stored: {entry} was stored by another run meanwhile"
+    assert {f.name: f.stat().st_mtime_ns for f in entry.iterdir()} == before
+    assert quant_cache.damage(entry) is None
+    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary left
+
+
 def test_plain_weights_are_not_cached(cache, source):
     model_lib.load_base(ModelSettings(name=str(source), quant="none", device="cpu"))
     assert not cache.exists()
