@@ -121,7 +121,7 @@ def test_a_reward_file_runs_on_resume_only_when_named(tmp_path, tiny_model_dir):
 
     p = edgetune("resume", "rl", "--runs-dir", str(runs), "--allow-code", str(reward), cwd=tmp_path)
     assert marker.exists(), p.stderr[-2000:]
-    assert p.returncode == 2 and f"reward_file {reward}: calls sys.exit(3) while loading" in _one_error_line(p)
+    assert p.returncode == 2 and f"reward_file {reward}: fails to load: it calls sys.exit(3)" in _one_error_line(p)
     err = read_events(run / "events.jsonl")[-1]
     assert err["type"] == "error" and err["kind"] == "input"
 
@@ -168,7 +168,7 @@ def test_a_reward_calling_sys_exit_while_scoring_is_the_files_error(tmp_path):
     f = tmp_path / "reward.py"
     f.write_text("import sys\n\ndef reward(completion, answer, row):\n    sys.exit(0)\n")
     score = load_user_reward(str(f))
-    with pytest.raises(RewardFailing, match=f"reward_file {f}: reward\\(\\) calls sys.exit\\(0\\)"):
+    with pytest.raises(RewardFailing, match=f"reward_file {f}: reward\\(\\) called sys.exit\\(0\\)"):
         score("7", {"answer": "7"}, False)
 
 
