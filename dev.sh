@@ -37,8 +37,8 @@ case "${1:-}" in
     # bring. OMP_NUM_THREADS reaches the runs' workers too.
     # fast: one test file per process at a time, in the order collected (tests/conftest.py
     # puts the browser test, the longest, first, so it runs beside the others).
-    # slow: one test at a time, the longest first (tests/conftest.py), so the long learning
-    # tests split between the two processes and the short ones fill in beside the last.
+    # slow: one test at a time (one running and one waiting per process), the long learning
+    # tests first, in the order tests/conftest.py sets so that the two processes end together.
     if [ "$1" = test ]; then marks="not slow"; par="--dist loadfile --no-loadscope-reorder"
     else marks="slow"; par="--dist load --maxschedchunk 1"; fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
