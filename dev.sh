@@ -30,21 +30,21 @@ case "${1:-}" in
       (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "warning: could not install Chromium; the browser test will fail" >&2
     fi
-    # The fast suite on two processes (pytest-xdist), one test file per process at a time, in
-    # the order collected (tests/conftest.py puts the browser test first); most of its time is
-    # one busy thread (imports, a worker starting, a tiny model), so two cores halve it. The
-    # slow tests keep the machine to themselves.
-    if [ "$1" = test ]; then marks="not slow"; par="-n 2 --dist loadfile --no-loadscope-reorder"; else marks="slow"; par=""; fi
-    # One torch thread a process in the fast suite: its two test processes and their workers
-    # already keep both cores busy, and torch's threads, spinning for each other on shared
-    # cores, cost more than they bring. Measured on 2 cores, two pytest processes side by
-    # side (test_cli+test_safety+test_sft | test_faults+test_app), default threads -> one:
-    # 94 s | 98 s -> 75 s | 61 s; with other work loading the machine, the browser test's
-    # three chat turns 92 s -> 25 s. The slow tests keep torch's default.
-    if [ "$1" = test ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+    # Both stages on two processes (pytest-xdist), one torch thread each. Most of a test's
+    # time is one busy thread (imports, a worker starting, a small model's many small
+    # operations), so two processes side by side finish more work than one process with two
+    # threads, whose threads, spinning for each other on shared cores, cost more than they
+    # bring. OMP_NUM_THREADS reaches the runs' workers too.
+    # fast: one test file per process at a time, in the order collected (tests/conftest.py
+    # puts the browser test, the longest, first, so it runs beside the others).
+    # slow: one test at a time (one running and one waiting per process), the long learning
+    # tests first, in the order tests/conftest.py sets so that the two processes end together.
+    if [ "$1" = test ]; then marks="not slow"; par="--dist loadfile --no-loadscope-reorder"
+    else marks="slow"; par="--dist load --maxschedchunk 1"; fi
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     set +e
     # shellcheck disable=SC2086  # $par: separate words
-    "$VENV/bin/pytest" -q -m "$marks" $par --durations=25 "${@:2}"
+    "$VENV/bin/pytest" -q -m "$marks" -n 2 $par --durations=25 "${@:2}"
     rc=$?
     set -e
     # 5: nothing selected, which would pass silently (a typo in a path, a marker gone).

@@ -43,7 +43,25 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     return out
 
 
+# The slow tests that train SmolLM2 for minutes, in the order `bash dev.sh test-slow` starts
+# them on its two processes. pytest-xdist gives each process two tests at the start (one to
+# run, one waiting), so the first process takes the first two and the second the next two:
+# the longest with the fourth longest, the second with the third; then the two shorter
+# learning tests, and the short slow tests fill in beside whichever ends last. A test missing
+# here runs after these, in the order collected: only the balance depends on this list.
+SLOW_ORDER = [
+    "tests/test_fgrpo.py::test_quickstart_raises_held_out_success",
+    "tests/test_essa_quickstart.py::test_essa_quickstart_raises_held_out_reward",
+    "tests/test_sft.py::test_quickstart_learns_and_exports",
+    "tests/bench/test_learning.py::test_essa_with_the_gold_fitness_improves_on_its_warm_start",
+    "tests/bench/test_learning.py::test_fgrpo_learns_a_task_the_presets_never_use",
+    "tests/bench/test_learning.py::test_sft_learns_a_task_the_presets_never_use",
+]
+
+
 def pytest_collection_modifyitems(items):
-    """The browser test first: `bash dev.sh test` runs the fast suite on two processes, and
-    its longest test, started first, runs beside the others instead of after them."""
-    items.sort(key=lambda item: item.get_closest_marker("browser") is None)
+    """The browser test first, then the learning tests in SLOW_ORDER: `bash dev.sh test` and
+    `test-slow` run on two processes, and the longest tests, started first, run beside the
+    others instead of after them."""
+    rank = {nodeid: i for i, nodeid in enumerate(SLOW_ORDER)}
+    items.sort(key=lambda item: (item.get_closest_marker("browser") is None, rank.get(item.nodeid, len(rank))))

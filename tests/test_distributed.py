@@ -4,8 +4,8 @@ under torchrun, on the tiny random Llama (conftest.py).
 - SFT on 2 ranks (edgetune's own launcher) takes the same steps as one process with the
   same global batch: losses, gradient norms and final LoRA weights within 1e-5; step
   events carry both ranks' memory and time;
-- the SFT gradient and an F-GRPO update on fixed rollouts (tests/dist_driver.py) equal the
-  one-process ones;
+- the SFT gradient and an F-GRPO update on fixed rollouts (tests/helpers/dist_driver.py)
+  equal the one-process ones;
 - ESSA under a plain `torchrun -m edgetune.engine.cli train` (population 5 split 3 + 2)
   has the one-process fitness trajectory;
 - a stop reaches both ranks; the run resumes on one process and ends as an uninterrupted one;
@@ -29,7 +29,7 @@ from edgetune.engine import distributed as dist
 from edgetune.engine.events import read_events
 from inline_run import run_inline
 
-TESTS = Path(__file__).resolve().parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -119,13 +119,12 @@ def test_gradients_and_fgrpo_update_equal_one_process(tiny_model_dir, tmp_path):
     """The SFT gradient of 8 rows (2 ranks x 4, micro-batches of 3) and two F-GRPO optimizer
     steps on one fixed rollout batch (each rank the groups of its prompts, one group with
     zero advantage) equal the one-process ones."""
-    sys.path.insert(0, str(TESTS))
     import dist_driver
 
     dist_driver.main(str(tmp_path), str(tiny_model_dir))  # one process, in this one
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(TESTS / "dist_driver.py"), str(tmp_path), str(tiny_model_dir)],
+                    str(HELPERS / "dist_driver.py"), str(tmp_path), str(tiny_model_dir)],
                    env=env, check=True, timeout=300, capture_output=True)
     one = torch.load(tmp_path / "world-1.pt", weights_only=False)
     two = torch.load(tmp_path / "world-2.pt", weights_only=False)
@@ -308,7 +307,7 @@ def test_gpu_count_reads_nvidia_smi(tmp_path, monkeypatch):
 def test_a_failing_rank_ends_the_run_with_its_error(tiny_model_dir, tmp_path, monkeypatch):
     """A bug on rank 1 alone (its 2nd step raises): rank 0 ends the run with rank 1's own
     one-line error, kind bug; the traceback is in worker.log."""
-    hooks = TESTS / "rank_hooks"
+    hooks = HELPERS / "rank_hooks"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("EDGETUNE_RANK_FAULT", "1:2")
     run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=6), name="fault", gpus=2)

@@ -350,11 +350,12 @@ def test_full_disk_is_the_users_condition_in_one_line(tiny_model_dir, tmp_path, 
 
 # --------------------------------------------------------------------------- kills and stops at the worst moment
 
-HOOKS = os.path.join(os.path.dirname(__file__), "fault_hooks")  # sitecustomize.py: pauses a worker on cue
+# sitecustomize.py: pauses a worker on cue
+HOOKS = os.path.join(os.path.dirname(__file__), "helpers", "fault_hooks")
 
 
 def _start_paused(cfg, name, tmp_path, monkeypatch, fault, until=None):
-    """Start a worker that pauses at `fault` (see fault_hooks/sitecustomize.py); return
+    """Start a worker that pauses at `fault` (see helpers/fault_hooks/sitecustomize.py); return
     the run once it sits there."""
     marker = tmp_path / f"{name}.paused"
     with monkeypatch.context() as m:

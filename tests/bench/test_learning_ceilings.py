@@ -3,7 +3,7 @@
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "learning_ceilings.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "learning_ceilings.sh"
 
 
 def test_an_out_folder_with_reports_is_refused_untouched(tmp_path):

@@ -3,7 +3,7 @@
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "learning_search.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "learning_search.sh"
 
 
 def _run(tmp_path, *args):
