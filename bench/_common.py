@@ -48,7 +48,7 @@ def load_baseline(ref_dir: str | os.PathLike = ROOT / ".ref"):
     """The reference baseline module (builds models layer by layer, HF QLoRA step)."""
     ref = Path(ref_dir)
     if not (ref / "baseline.py").is_file():
-        raise SystemExit(f"{ref}/baseline.py missing: cp /work/shared/bench-reference/*.py {ref}/")
+        raise SystemExit(f"{ref}/baseline.py missing: copy the reference baseline scripts into {ref}/")
     sys.path.insert(0, str(ref))
     import baseline  # noqa: PLC0415
 

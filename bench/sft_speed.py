@@ -54,8 +54,8 @@ counting recompilations per new shape (what a real packed run meets every step).
 
     python bench/sft_speed.py --tiny    # CPU, tiny config, seconds (Unsloth phase skipped)
     PYTHONPATH=$PWD/.gpu-site python bench/sft_speed.py   # GPU: $OUT/sft_speed.json + table
-Unsloth needs `.unsloth-site/` (bash /work/shared/tools/unsloth-site.sh .unsloth-site)
-and bitsandbytes in `.gpu-site/`; it is skipped when the folder is missing.
+Unsloth needs `.unsloth-site/` (a folder with Unsloth installed: `pip install --target
+.unsloth-site unsloth`) and bitsandbytes in `.gpu-site/`; it is skipped when the folder is missing.
 """
 
 from __future__ import annotations
