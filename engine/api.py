@@ -22,11 +22,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
+from .config_files import read_run_yaml
 from .errors import ConfigError, RunError
 from .events import TERMINAL, follow, read_events, scan_events
 from .runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch, lock_runs_folder, open_append,
                         pid_alive)
-from .config_files import read_run_yaml
 from .settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
@@ -361,6 +361,17 @@ def open_run(path: str | os.PathLike) -> Run:
     return r
 
 
+def _refuse_a_training_run(p: Path) -> None:
+    """A run that trains (a resumed one, too) holds the previous attempt's adapter, if any,
+    until it ends: exporting it now would hand out a stale adapter under the run's name."""
+    for run in (p, p.parent) if p.name == "adapter" else (p,):
+        if (run / "config.yaml").is_file():
+            status = Run(run).status()
+            if status in ACTIVE:
+                raise RunError(f"{run}: the run is {status}: its adapter is written when it ends (until then "
+                               "adapter/ is missing or a previous attempt's); export after it stops or finishes")
+
+
 def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
            as_zip: bool = False, force: bool = False, isolated: bool = False) -> Path:
     """`out` must be new or an empty folder; `force` replaces only a previous export.
@@ -370,6 +381,7 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     from .export import export as _export
     from .export import export_isolated
 
+    _refuse_a_training_run(Path(run_or_adapter))
     fn = export_isolated if isolated else _export
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
 

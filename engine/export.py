@@ -212,19 +212,6 @@ def zip_target(out: Path, src: Path) -> Path:
     return out if out.suffix else out.with_name(out.name + ".zip")
 
 
-def _refuse_a_training_run(p: Path) -> None:
-    """A run that trains (a resumed one, too) holds the previous attempt's adapter, if any,
-    until it ends: exporting it now would hand out a stale adapter under the run's name."""
-    from .api import ACTIVE, Run
-
-    for run in (p, p.parent) if p.name == "adapter" else (p,):
-        if (run / "config.yaml").is_file():
-            status = Run(run).status()
-            if status in ACTIVE:
-                raise RunError(f"{run}: the run is {status}: its adapter is written when it ends (until then "
-                               "adapter/ is missing or a previous attempt's); export after it stops or finishes")
-
-
 def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
            force: bool = False) -> Path:
     """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`: `zip_target`); with
@@ -234,7 +221,6 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
     place in one rename that the system refuses if `out` is no longer empty; an export
     killed before that leaves the temporary folder, which the next export into the same
     folder removes (`clean_stale_temps`)."""
-    _refuse_a_training_run(Path(run_or_adapter))
     src = _adapter_of(run_or_adapter)
     out = Path(out).expanduser()
     if as_zip:

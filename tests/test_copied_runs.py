@@ -19,7 +19,6 @@ from safetensors.numpy import save_file
 from edgetune.engine import api
 from edgetune.engine.errors import ConfigError, EdgetuneError, RunError
 from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.export import export
 from edgetune.engine.settings import resolve
 
 
@@ -237,7 +236,7 @@ def test_export_refuses_a_run_that_trains_again(tmp_path, tiny_model_dir):
     (run / "worker.pid").write_text(str(os.getpid()))
     for source in (run, run / "adapter"):
         with pytest.raises(EdgetuneError, match=f"{run}: the run is running: its adapter is written when it ends"):
-            export(source, tmp_path / "out")
+            api.export(source, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     (run / "worker.pid").unlink()  # the attempt ended (crashed): its previous adapter exports
-    assert (export(run, tmp_path / "out") / "adapter_model.safetensors").read_bytes() == first.read_bytes()
+    assert (api.export(run, tmp_path / "out") / "adapter_model.safetensors").read_bytes() == first.read_bytes()
