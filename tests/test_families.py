@@ -27,6 +27,7 @@ REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, comp
 
 @pytest.fixture(scope="module")
 def family_root(tmp_path_factory):
+    """A folder with rl.jsonl and reward.py (and the runs trained below)."""
     root = tmp_path_factory.mktemp("families")
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
     (root / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -34,14 +35,19 @@ def family_root(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """{family: model folder}: the tiny models (bench/support_table.folders) and the embedded one."""
+    return support.folders(tmp_path_factory.mktemp("family-models"))
+
+
 _TRAINED = {}
 
 
-def trained(family, root, embedded_dir):
-    """(model folder, SFT run folder) of `family`, trained one SFT step once per process."""
+def trained(family, root, folders):
+    """(model folder, SFT run folder, settings) of `family`, trained one SFT step once per process."""
     if family not in _TRAINED:
-        model_dir = embedded_dir if family == support.EMBEDDED else \
-            support.build_tiny(family, root / family, embedded_dir)
+        model_dir = folders[family]
         cfg = support.sft_settings(model_dir, root / "runs")
         run, _, events = run_inline(sft.train, cfg, root / "runs" / f"sft-{family}")
         assert events[-1]["type"] == "finished", events[-1]
@@ -50,11 +56,11 @@ def trained(family, root, embedded_dir):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sft_export_reload_and_plan(family, family_root, embedded_dir, tmp_path):
+def test_sft_export_reload_and_plan(family, family_root, family_dirs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model_dir, run_path, cfg = trained(family, family_root, embedded_dir)
+    model_dir, run_path, cfg = trained(family, family_root, family_dirs)
     out = export.export(run_path, tmp_path / "exported")
     ids = torch.tensor([[5, 17, 300, 41, 9, 2000, 77]])
 
@@ -95,8 +101,8 @@ def test_sft_export_reload_and_plan(family, family_root, embedded_dir, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fgrpo_and_essa(family, family_root, embedded_dir, tmp_path):
-    model_dir, run_path, _ = trained(family, family_root, embedded_dir)
+def test_fgrpo_and_essa(family, family_root, family_dirs, tmp_path):
+    model_dir, run_path, _ = trained(family, family_root, family_dirs)
     common = {"model": {"name": str(model_dir), "quant": "none", "gradient_checkpointing": False},
               "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
               "data": {"path": str(family_root / "rl.jsonl"), "eval_fraction": 0}}
@@ -116,7 +122,6 @@ def test_fgrpo_and_essa(family, family_root, embedded_dir, tmp_path):
     assert (tmp_path / "essa" / "adapter" / "adapter_config.json").is_file()
 
 
-def test_support_page_is_what_the_script_writes(tmp_path, embedded_dir):
-    folders = support.folders(tmp_path)
-    assert list(folders) == FAMILIES  # the page's rows are the families the tests above run
-    assert support.OUT.read_text() == support.table(folders), "run: python bench/support_table.py"
+def test_support_page_is_what_the_script_writes(family_dirs):
+    assert list(family_dirs) == FAMILIES  # the page's rows are the families the tests above run
+    assert support.OUT.read_text() == support.table(family_dirs), "run: python bench/support_table.py"
