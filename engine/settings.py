@@ -72,8 +72,8 @@ class ModelSettings:
     attn_implementation: str = setting(
         "auto",
         "auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows' position "
-        "ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md), sdpa otherwise; "
-        "or any name transformers accepts (sdpa, eager, flex_attention, ...).")
+        "ids: 1.13x the step of sdpa with a dense [N, N] mask, bench/RESULTS.md), sdpa otherwise "
+        "(eager for Gemma 2, which transformers has no sdpa for); or any name transformers accepts (sdpa, eager, flex_attention, ...).")
     liger: str = setting(
         "auto",
         "Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a CUDA "
