@@ -32,6 +32,11 @@ LOSS_CHUNK_ROWS = 512
 # Model families whose RMSNorm + SwiGLU MLP Liger-Kernel 0.8.5 patches (engine/liger.py).
 LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
 
+# Model families transformers has no sdpa attention for (Gemma 2: its attention logits are
+# soft-capped, which sdpa cannot do): `auto` gives them eager attention, or flex_attention
+# for packed rows on CUDA (flex applies the soft-cap in its score function).
+NO_SDPA_FAMILIES = ("gemma2",)
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -83,13 +88,15 @@ def optimizer_name(asked: str) -> str:
     return "adamw" if asked == "auto" else asked
 
 
-def attention(asked: str, packing: bool, device: str) -> str:
+def attention(asked: str, packing: bool, device: str, model_type: str = "") -> str:
     """auto = flex_attention for packed SFT rows on CUDA (its block mask skips the
     cross-row blocks that sdpa's dense boolean mask computes; bench/README.md), sdpa
-    otherwise."""
+    otherwise; eager for a family without sdpa (NO_SDPA_FAMILIES)."""
     if asked != "auto":
         return asked
-    return "flex_attention" if packing and device.startswith("cuda") else "sdpa"
+    if packing and device.startswith("cuda"):
+        return "flex_attention"
+    return "eager" if model_type in NO_SDPA_FAMILIES else "sdpa"
 
 
 def _switch(asked: str, default: bool) -> bool:
@@ -103,6 +110,22 @@ def liger_applies(asked: str, device: str, method: str, arch) -> bool:
         return method == "sft" and asked == "on"
     return (device.startswith("cuda") and arch is not None and arch.model_type in LIGER_FAMILIES
             and importlib.util.find_spec("liger_kernel") is not None)
+
+
+def liger_off_reason(asked: str, device: str, method: str, arch) -> str:
+    """Why `liger_applies` says no, in words for the run log ("" when it applies)."""
+    if liger_applies(asked, device, method, arch):
+        return ""
+    if method != "sft":
+        return f"Liger is used in SFT only, not {method}"
+    if asked != "auto":
+        return f"model.liger is {asked}"
+    if not device.startswith("cuda"):
+        return f"the run is on {device}, not CUDA"
+    if arch is None or arch.model_type not in LIGER_FAMILIES:
+        return (f"model type {arch.model_type if arch else '?'!r} is not one whose RMSNorm + SwiGLU "
+                f"it patches ({', '.join(LIGER_FAMILIES)})")
+    return "liger_kernel is not installed"
 
 
 def lora_targets(target_modules) -> tuple[str, ...]:
@@ -228,7 +251,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
     optimizer = optimizer_name(method_settings.optimizer) if method_settings else "none"  # ESSA: no gradients
     return Effective(
         device=device, dtype=dtype, autocast=cuda and dtype in ("bf16", "fp16"),
-        attn_implementation=attention(m.attn_implementation, packing, device),
+        attn_implementation=attention(m.attn_implementation, packing, device, arch.model_type if arch else ""),
         liger=liger_applies(m.liger, device, cfg.method, arch),
         sebp=_switch(method_settings.sebp, cuda) if method_settings else False,
         optimizer=optimizer, fused_optimizer=cuda and optimizer == "adamw", packing=packing,

@@ -307,14 +307,17 @@ def check_model(ms: ModelSettings) -> str:
 
 def load_base(ms: ModelSettings):
     """(model, tokenizer, path): the frozen base model, quantised as `ms.quant` says."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = check_model(ms)
     device = resolve_device(ms)
     dtype = compute_dtype(ms, device)
     tok = load_tokenizer(path)
     # packed SFT switches to its own choice after loading (engine/sft.py)
-    attn = effective.attention(ms.attn_implementation, packing=False, device=device)
+    model_type = AutoConfig.from_pretrained(path, trust_remote_code=ms.trust_remote_code).model_type
+    attn = effective.attention(ms.attn_implementation, packing=False, device=device, model_type=model_type)
+    if attn == "eager" and ms.attn_implementation == "auto":
+        print(f"attention: eager (transformers has no sdpa attention for {model_type})", file=sys.stderr, flush=True)
     kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=ms.trust_remote_code)
     q = quantization_config(ms, dtype)
     if q is not None:

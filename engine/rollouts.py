@@ -23,6 +23,7 @@ LoRA is never merged: the adapters read their live trainable weights.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -187,4 +188,10 @@ def _pick_fast(model, device, fast: bool | None) -> bool:
     ok, why = fast_decode.supported(model, device, require_cuda=fast is None)
     if fast and not ok:
         raise ValueError(f"fast rollouts unavailable: {why}")
+    if not ok and device.type == "cuda" and why not in _SAID:  # once per process, into worker.log
+        _SAID.add(why)
+        print(f"rollouts: the plain decode loop ({why})", file=sys.stderr, flush=True)
     return ok
+
+
+_SAID: set[str] = set()  # fallback reasons already printed

@@ -200,8 +200,9 @@ class ModelSettings:
     attn_implementation: str = setting(
         "auto",
         "auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows' position "
-        "ids instead of sdpa with a dense [N, N] mask; bench/README.md), sdpa otherwise; "
-        "or any name transformers accepts (sdpa, eager, flex_attention, ...).")
+        "ids instead of sdpa with a dense [N, N] mask; bench/README.md), sdpa otherwise (eager for "
+        "Gemma 2, which transformers has no sdpa for); or any name transformers accepts (sdpa, eager, "
+        "flex_attention, ...).")
     liger: str = setting(
         "auto",
         "Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/liger.py): auto = on a CUDA "

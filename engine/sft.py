@@ -41,7 +41,7 @@ from . import data as data_lib
 from . import distributed as dist
 from . import model as model_lib
 from . import phases
-from .effective import decide, record
+from .effective import decide, liger_off_reason, record
 from .liger import apply as apply_liger
 from .lm_loss import causal_lm_loss, label_count
 from .loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint, make_optimizer,
@@ -131,7 +131,8 @@ def train(ctx: RunContext) -> dict:
     device = model_lib.resolve_device(cfg.model)
     eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
-    liger = apply_liger(model, "on") if eff.liger else f"off (model.liger {cfg.model.liger} on {device})"
+    liger = apply_liger(model, "on") if eff.liger else \
+        f"off ({liger_off_reason(cfg.model.liger, device, cfg.method, arch_of(model))})"
     print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log
     base = model.get_base_model()
     if base.config._attn_implementation != eff.attn_implementation:

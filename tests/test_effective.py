@@ -118,3 +118,18 @@ def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     # the record is not a setting: the file resolves back to the same settings
     assert settings.from_dict(written).to_dict() == cfg.to_dict()
     assert settings.resolve(config=run.config_path).to_dict() == cfg.to_dict()
+
+
+def test_a_family_without_sdpa_gets_eager_attention_and_liger_off_names_why():
+    from edgetune.engine.planner import Arch
+
+    assert effective.attention("auto", False, "cuda", "gemma2") == "eager"
+    assert effective.attention("auto", True, "cuda", "gemma2") == "flex_attention"  # flex soft-caps
+    assert effective.attention("auto", False, "cpu", "llama") == "sdpa"
+    assert effective.attention("sdpa", False, "cpu", "gemma2") == "sdpa"  # asked for: honoured
+    gemma = Arch(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100, tied=True,
+                 model_type="gemma2")
+    assert "'gemma2' is not one whose RMSNorm + SwiGLU it patches" in effective.liger_off_reason(
+        "auto", "cuda", "sft", gemma)
+    assert effective.liger_off_reason("auto", "cpu", "sft", gemma) == "the run is on cpu, not CUDA"
+    assert effective.liger_off_reason("auto", "cuda", "fgrpo", gemma) == "Liger is used in SFT only, not fgrpo"

@@ -177,6 +177,31 @@ def test_liger_matches_transformers(build, restore_modeling, interpreter_float_s
         torch.testing.assert_close(g, ref_grads[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_phi3_fused_projections_match_transformers(interpreter_float_scalars):
+    """Phi-3 (fused qkv_proj and gate_up_proj, Liger's own Phi-3 MLP): the same loss and
+    LoRA gradients; docs/support.md counts Phi-3 among the families Liger is used for."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers.models.phi3 import modeling_phi3
+
+    saved = dict(vars(modeling_phi3))
+    try:
+        ref = _peft(lambda: Phi3ForCausalLM(Phi3Config(**COMMON, eos_token_id=1, bos_token_id=1)))
+        fused = copy.deepcopy(ref)
+        ref_loss, ref_grads = _loss_and_grads(ref, _batch())
+        assert liger.apply(fused, "on") == "applied: rms_norm, swiglu, rope"
+        loss, grads = _loss_and_grads(fused, _batch())
+    finally:
+        for k, v in saved.items():
+            if getattr(modeling_phi3, k, None) is not v:
+                setattr(modeling_phi3, k, v)
+    assert {"_swiglu_forward_kernel", "_swiglu_backward_kernel", "_triton_rope"} <= set(interpreter_float_scalars)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 2 * 4  # qkv, o, gate_up, down per layer
+    for n, g in grads.items():
+        assert ref_grads[n].abs().max() > 0, n
+        torch.testing.assert_close(g, ref_grads[n], atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_on_without_gpu_is_an_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = _llama()
