@@ -1,4 +1,4 @@
-"""The settings form: one widget spec per dataclass field of engine/settings.py, read from
+"""The settings form: one widget spec per dataclass field of engine/core/settings.py, read from
 the dataclasses themselves (type, default, and the help text, section and choices each
 field declares in its metadata), so a new setting appears in the app without touching it.
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from edgetune.engine import config_files
-from edgetune.engine import settings as S
+from edgetune.engine.core import config_files
+from edgetune.engine.core import settings as S
 
 # Settings groups of a Config, in the order the page shows them.
 GROUPS = {"model": S.ModelSettings, "data": S.DataSettings, "lora": S.LoraSettings, "run": S.RunSettings,

@@ -12,7 +12,7 @@ import time
 
 import pandas as pd
 
-from edgetune.engine import phases
+from edgetune.engine.core import phases
 
 from .methods import BY_KEY, Method, Plot
 

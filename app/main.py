@@ -13,7 +13,7 @@ import ipaddress
 import sys
 from pathlib import Path
 
-from edgetune.engine.errors import ConfigError
+from edgetune.engine.core.errors import ConfigError
 
 from .guard import Guard, LoginThrottle
 from .tab_data import DATA_TYPES

@@ -1,5 +1,5 @@
 """The training methods the app offers, one table entry each: adding a method is adding
-an entry here (plus its settings dataclass in engine/settings.py), never a special case
+an entry here (plus its settings dataclass in engine/core/settings.py), never a special case
 in the page code."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 import gradio as gr
 import psutil
 
-from edgetune.engine import api
+from edgetune.engine.run import api
 
 from . import form
 from .methods import BY_KEY, BY_LABEL

@@ -79,7 +79,7 @@ def _size(n) -> str:
 
 
 def estimate_markdown(result: dict) -> str:
-    """engine/planner.py's estimate: the verdict ("fits" / "does not fit — try ..."),
+    """engine/planning/planner.py's estimate: the verdict ("fits" / "does not fit — try ..."),
     bytes by part, the batch shape and the GPU's free memory; "estimate unavailable"
     while the planner is missing or fails."""
     if not result.get("ok"):
@@ -108,7 +108,7 @@ def estimate_markdown(result: dict) -> str:
 
 def effective_markdown(eff: dict, title: str = "Decided for this run", layers: int | None = None,
                        method: str | None = None) -> str:
-    """What the run will decide for its `auto` settings (engine/effective.py), one line,
+    """What the run will decide for its `auto` settings (engine/planning/effective.py), one line,
     the settings `method` uses (all when None); `layers`: the model's decoder layers, for
     the gradient checkpointing split."""
     on = {True: "on", False: "off"}

@@ -8,8 +8,8 @@ import dataclasses
 
 import gradio as gr
 
-from edgetune.engine import settings as S
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
 from .page import message

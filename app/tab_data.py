@@ -7,8 +7,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine import api
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.run import api
+from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from edgetune.engine.config_files import preset_dir
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.core.config_files import preset_dir
+from edgetune.engine.core.errors import EdgetuneError
 
 from . import form
 from .methods import BY_KEY, METHODS

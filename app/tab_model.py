@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gradio as gr
 
-from edgetune.engine import api
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.run import api
+from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
 
@@ -22,7 +22,7 @@ def estimate_text(cfg) -> str:
 
 
 def decided_text(cfg) -> str:
-    """What a Start with `cfg` would decide for its `auto` settings (engine/effective.py,
+    """What a Start with `cfg` would decide for its `auto` settings (engine/planning/effective.py,
     as the planner asks it), one line; the run records the same in its config.yaml."""
     try:
         est = api.estimate(cfg)

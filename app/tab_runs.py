@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine import api
+from edgetune.engine.run import api
 
 from . import panels
 from .page import message
@@ -17,7 +17,7 @@ class RunsTab:
         self.page = page
         self.table = gr.Dataframe(panels.runs_frame([]), label=f"Runs in {page.runs_dir}", interactive=False,
                                   elem_id="runs-table", wrap=True)
-        # Each run's curves are also TensorBoard event files (run.report_to, engine/tracking.py).
+        # Each run's curves are also TensorBoard event files (run.report_to, engine/run/tracking.py).
         gr.Markdown(f"Compare runs in TensorBoard: `tensorboard --logdir {page.runs_dir}` (one run's curves: "
                     f"`{page.runs_dir}/<run>/tensorboard`)", elem_id="runs-tensorboard")
         with gr.Row():

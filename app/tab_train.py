@@ -11,8 +11,8 @@ import json
 
 import gradio as gr
 
-from edgetune.engine import api
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.run import api
+from edgetune.engine.core.errors import EdgetuneError
 
 from . import live
 from .methods import BY_KEY, MAX_PLOTS, METHODS

@@ -7,7 +7,7 @@ app re-attaches to the same run and replays its history. The browser holds only 
 run it looks at (and a fresh page picks the active run, or else the newest).
 
 This process never imports torch: data checks, training, chat and merged exports run in
-subprocesses started through edgetune.engine.api; the memory planner reads config.json
+subprocesses started through edgetune.engine.run.api; the memory planner reads config.json
 and nvidia-smi only, so it runs here.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine import settings as S
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
 
 from .page import Page
 from .tab_chat import ChatTab

@@ -115,14 +115,14 @@ STEP_BEFORE = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
 
 def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0, amp: bool = True,
                 chunk_rows: int = 512) -> tuple[float, dict]:
-    """engine/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under
+    """engine/methods/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under
     the engine's autocast, backward, clip, optimizer step. `amp=False` / `chunk_rows=2048`
     give the step as it was before those became the engine's defaults (for lever shares).
     Returns (loss, seconds per phase)."""
     import contextlib
 
-    from edgetune.engine.lm_loss import causal_lm_loss
-    from edgetune.engine.model import autocast
+    from edgetune.engine.training.lm_loss import causal_lm_loss
+    from edgetune.engine.models.model import autocast
 
     t = [time.perf_counter()]
     wait = 0.0  # seconds the host spent waiting for the GPU at the phase ends: ~0 = host-bound
@@ -190,8 +190,8 @@ def arch_folder(arch: dict, model_type: str = "qwen2") -> str:
 def planner_prediction(folder: str, method: str, sets: list[str]) -> dict:
     """The planner's estimate for the engine path (NF4, LoRA r16/a32 on all 7 projections,
     checkpointing) of a measured shape."""
-    from edgetune.engine import planner
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.planning import planner
+    from edgetune.engine.core.settings import resolve
 
     cfg = resolve(overrides=[f"method={method}", f"model.name={folder}", "model.quant=nf4", "lora.r=16",
                              "lora.alpha=32", "model.gradient_checkpointing=true", *sets])

@@ -11,16 +11,16 @@ all 7 projections, gradient checkpointing.
 Rows (one process, one build):
   hf_2048          .ref/baseline.py's add_lora + train_bench on 1 x 2,048 (its section C)
   ours_2048_before  the engine's step before autocast became its default:
-                   engine.model.add_lora + engine/lm_loss (2,048-row chunks) without
+                   engine.models.model.add_lora + engine/training/lm_loss (2,048-row chunks) without
                    autocast, paged 8-bit AdamW
-  ours_2048        the engine's step now (engine/sft.py): bf16 autocast, fused AdamW,
+  ours_2048        the engine's step now (engine/methods/sft.py): bf16 autocast, fused AdamW,
                    512-row loss chunks
-  ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/liger.py), GPU only
+  ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/models/liger.py), GPU only
   ours_2048_no_ckpt  + model.gradient_checkpointing=false (no recomputation: the floor of
                    a checkpointed step is 4 x 2 x 72.7 G x 2,048 FLOP / 790 TFLOP/s = 1.5 s)
-  ours_32k         as ours_2048_liger + model.offload_activations (engine/offload.py): each
+  ours_32k         as ours_2048_liger + model.offload_activations (engine/models/offload.py): each
                    layer's checkpointed input waits in pinned host memory; logits only
-                   in 512-row chunks (engine/lm_loss). Checkpointed inputs alone would
+                   in 512-row chunks (engine/training/lm_loss). Checkpointed inputs alone would
                    be 80 x 32,768 x 8,192 x 2 B = 43 GB on the GPU; the target is a peak
                    under 80 GB. One step (the first includes pinned-memory allocation);
                    a second when time allows.
@@ -111,10 +111,10 @@ def main():
     base = model if args.skip_hf else section("hf_2048", hf, need_s=30 if args.tiny else 60)
     if base is None:
         return
-    from edgetune.engine import model as model_lib
-    from edgetune.engine import offload
-    from edgetune.engine.loop import make_optimizer
-    from edgetune.engine.settings import LoraSettings
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.models import offload
+    from edgetune.engine.training.loop import make_optimizer
+    from edgetune.engine.core.settings import LoraSettings
 
     ours = model_lib.add_lora(base, LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=list(C.TARGETS)),
                               gradient_checkpointing=True)
@@ -142,7 +142,7 @@ def main():
     section("ours_2048", lambda: run("ours_2048", short, 1, 2), need_s=20 if args.tiny else 40)
 
     def liger_row():
-        from edgetune.engine import liger
+        from edgetune.engine.models import liger
 
         R["notes"].append(f"liger: {liger.apply(ours, 'on')}")
         run("ours_2048_liger", short, 1, 2)

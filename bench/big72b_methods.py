@@ -8,11 +8,11 @@ never written to disk). The process is held to 80 GB of the card
 (torch.cuda.set_per_process_memory_fraction): anything that would need more fails here
 as it would on an 80 GB card.
 
-  fgrpo   one F-GRPO step as engine/fgrpo.py runs it (bench/fgrpo_gpu.py's loop): LoRA
+  fgrpo   one F-GRPO step as engine/methods/fgrpo.py runs it (bench/fgrpo_gpu.py's loop): LoRA
           r=16 on all 7 projections, gradient checkpointing, SEBP; 8 prompts x 8
           completions, 128-token prompts, 256 new tokens, DAPO loss, micro-batch 8, update
           included. Rewards are seeded coin flips (a random-init model solves nothing).
-  essa    one ESSA generation as engine/essa.py runs it: LoRA r=8 on q, k, v, o (the
+  essa    one ESSA generation as engine/methods/essa.py runs it: LoRA r=8 on q, k, v, o (the
           same base, its F-GRPO adapter unloaded), population 16, 32 prompts x 64 tokens,
           64 new tokens, greedy, batched evaluation with the candidates per pass (K) the
           memory planner fits into 80 GB.
@@ -93,7 +93,7 @@ def copy_bytes(model, info: dict) -> int:
     """Bytes of the opportunistic bf16 copy a generate call took (its `dense_layers`, or
     all layers with `bf16_weights`): memory taken because it was free, which the planner
     does not count, so it is taken off the measured peak for the planner's row."""
-    from edgetune.engine import fast_decode as fd
+    from edgetune.engine.generation import fast_decode as fd
 
     if not info.get("bf16_weights"):
         return 0
@@ -107,8 +107,8 @@ def less(peak: int | None, copied: int) -> int | None:
 
 
 def planned(method: str, sets: list[str]) -> dict:
-    from edgetune.engine import planner
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.planning import planner
+    from edgetune.engine.core.settings import resolve
 
     cfg = resolve(overrides=[f"method={method}", f"model.name={FOLDER}", "model.quant=nf4", *sets])
     return planner.estimate(cfg, device="cuda", detect_gpu=False)
@@ -151,12 +151,12 @@ def build():
 
 
 def fgrpo_step(base):
-    from edgetune.engine.fgrpo import policy_update
-    from edgetune.engine.grpo_loss import focal_weights, group_advantages
-    from edgetune.engine.loop import make_optimizer, make_scheduler
-    from edgetune.engine.model import add_lora
-    from edgetune.engine.rollouts import generate
-    from edgetune.engine.settings import FGRPOSettings, LoraSettings
+    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
+    from edgetune.engine.training.loop import make_optimizer, make_scheduler
+    from edgetune.engine.models.model import add_lora
+    from edgetune.engine.generation.rollouts import generate
+    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
     from edgetune.kernels import sebp as sebp_lib
 
     model = add_lora(base, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
@@ -200,9 +200,9 @@ def fgrpo_step(base):
 def essa_generation(base):
     import numpy as np
 
-    from edgetune.engine.essa import make_es
-    from edgetune.engine.essa_space import SVDSpace
-    from edgetune.engine.settings import ESSASettings
+    from edgetune.engine.methods.essa import make_es
+    from edgetune.engine.methods.essa_space import SVDSpace
+    from edgetune.engine.core.settings import ESSASettings
 
     model = add_random_lora(base, ES["rank"])
     space = SVDSpace(model)

@@ -8,13 +8,13 @@ exists whole. LoRA r=8 on q, k, v, o with random non-zero factors stands in for 
 start (throughput does not depend on what the weights say).
 
 Measured greedy, every row generating exactly --new-tokens (EOS is an id the model cannot
-emit), first with the same decode loop (engine/rollouts.py, plain loop) in every mode:
+emit), first with the same decode loop (engine/generation/rollouts.py, plain loop) in every mode:
   sequential  candidates one after another (P rows each); timed on a few candidates,
               seconds per generation = population x seconds per candidate
   batched     K candidates x P rows in one generate call, per-row adapters
   plain       the same K x P rows through the same model with its one adapter (what any
               batched inference of this model costs), and with the adapter switched off
-then through the rollouts' static / CUDA-graph loop (engine/fast_decode.py), when it
+then through the rollouts' static / CUDA-graph loop (engine/generation/fast_decode.py), when it
 supports the model (what every mode gets by default on CUDA):
   fast loop   sequential candidates, plain inference of the K x P rows with one adapter,
               and batched candidates (per-row stacked factors in the packed step)
@@ -151,7 +151,7 @@ def id_reward(completions, rows, truncated=None):
 def info_evaluator():
     """An ESSA Evaluator that keeps the rollouts' info of its last generate call (which
     decode path the batched candidates took: packed, graph, capture time)."""
-    from edgetune.engine.essa import Evaluator
+    from edgetune.engine.methods.essa import Evaluator
 
     class InfoEvaluator(Evaluator):
         last_info: dict = {}
@@ -181,10 +181,10 @@ def peak_gib(device):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    from edgetune.engine.essa import Evaluator, make_es
-    from edgetune.engine.essa_space import SVDSpace
-    from edgetune.engine.rollouts import generate
-    from edgetune.engine.settings import ESSASettings
+    from edgetune.engine.methods.essa import Evaluator, make_es
+    from edgetune.engine.methods.essa_space import SVDSpace
+    from edgetune.engine.generation.rollouts import generate
+    from edgetune.engine.core.settings import ESSASettings
 
     device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -260,7 +260,7 @@ def main(argv=None) -> dict:
         for x in xs[:2]:
             space.write(x)
             ref.append(model(input_ids=ids).logits[:, -1].float())
-        from edgetune.engine.multilora import batched_lora
+        from edgetune.engine.training.multilora import batched_lora
 
         with batched_lora(space.modules, space.stacked(np.asarray(xs[:2])), torch.arange(2).repeat_interleave(2)):
             got = model(input_ids=ids.repeat(2, 1)).logits[:, -1].float()
@@ -292,7 +292,7 @@ def main(argv=None) -> dict:
         print(name, R[name], flush=True)
     # -- the rollouts' fast loop (static KV cache, CUDA graph, packed bf16 weights): what
     # sequential and batched ESSA and plain inference get by default on CUDA.
-    from edgetune.engine import fast_decode
+    from edgetune.engine.generation import fast_decode
 
     InfoEvaluator = info_evaluator()
 

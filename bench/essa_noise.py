@@ -6,7 +6,7 @@ prompts (greedy, so the only noise is which prompts were drawn). This bench take
 setup of a user's ESSA quick start on a reasoning-gym task (`--preset essa-quickstart`,
 the task's train rows from bench/learning.py, its SFT demonstrations as warm-start data):
 
-    warm start  engine.essa.warm_start (SFT, essa.warm_start_steps) or --warm-start <adapter>
+    warm start  engine.methods.essa.warm_start (SFT, essa.warm_start_steps) or --warm-start <adapter>
     space       SVDSpace(model, essa.alpha); CMA-ES at essa.sigma0, popsize essa.population
     population  the first es.ask() of the run (what generation 1 scores)
 
@@ -167,14 +167,15 @@ def build(a, work: Path, log):
     import torch
 
     from edgetune.engine import data as data_lib
-    from edgetune.engine import essa, model as model_lib
-    from edgetune.engine.effective import copy_budget, decide
-    from edgetune.engine.events import EventWriter
-    from edgetune.engine.loop import RunContext, seed_everything
-    from edgetune.engine.planner import arch_of
-    from edgetune.engine.rewards import build_reward
-    from edgetune.engine.runfolder import RunDir
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.methods import essa
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.planning.effective import copy_budget, decide
+    from edgetune.engine.core.events import EventWriter
+    from edgetune.engine.training.loop import RunContext, seed_everything
+    from edgetune.engine.planning.planner import arch_of
+    from edgetune.engine.training.rewards import build_reward
+    from edgetune.engine.core.runfolder import RunDir
+    from edgetune.engine.core.settings import resolve
 
     learning = _learning()
     data = learning.write_task_data(a.task, work / "data", a.train_items, 10, a.seed)
@@ -241,7 +242,7 @@ def tiny_model(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgetune.engine.model import embedded_model_dir, load_tokenizer
+    from edgetune.engine.models.model import embedded_model_dir, load_tokenizer
 
     tok = load_tokenizer(str(embedded_model_dir()))
     torch.manual_seed(0)
@@ -307,7 +308,7 @@ def main(argv=None) -> dict:
         a.prompts = a.prompts or "3,6"
         a.sets = [f"model.name={tiny_model(work / 'tiny-model')}", "model.quant=none", "essa.max_new_tokens=6",
                   "sft.batch_size=2", *a.sets]
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     preset_ppg = resolve(a.preset).essa.prompts_per_generation
     ps = [int(x) for x in a.prompts.split(",") if x] if a.prompts else [preset_ppg, 2 * preset_ppg, 4 * preset_ppg]

@@ -1,10 +1,10 @@
 """F-GRPO steps on a 7B-architecture NF4 model: time split generation / training, peak memory.
 
 Built like bench/essa.py (random-init Qwen2.5-7B architecture, NF4, layer by layer on
-the GPU), then the engine's own path: `engine.model.add_lora` (r=16 on all linear
+the GPU), then the engine's own path: `engine.models.model.add_lora` (r=16 on all linear
 projections, gradient checkpointing), SEBP patched, the optimizer `auto` picks, and per
-step `engine.rollouts.generate` + `engine.fgrpo.policy_update`, exactly as
-engine/fgrpo.py's loop calls them. A random-init model solves nothing, so rewards are
+step `engine.generation.rollouts.generate` + `engine.methods.fgrpo.policy_update`, exactly as
+engine/methods/fgrpo.py's loop calls them. A random-init model solves nothing, so rewards are
 seeded coin flips: that keeps the advantage structure of real training (mixed groups,
 some all-right or all-wrong groups dropped) and exercises every part of the update.
 
@@ -41,12 +41,12 @@ def main() -> dict:
     if a.tiny:
         a.prompts, a.group, a.prompt_len, a.new_tokens, a.steps = 2, 4, 8, 8, 2
 
-    from edgetune.engine.fgrpo import policy_update
-    from edgetune.engine.grpo_loss import focal_weights, group_advantages
-    from edgetune.engine.loop import make_optimizer, make_scheduler
-    from edgetune.engine.model import add_lora
-    from edgetune.engine.rollouts import generate
-    from edgetune.engine.settings import FGRPOSettings, LoraSettings
+    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
+    from edgetune.engine.training.loop import make_optimizer, make_scheduler
+    from edgetune.engine.models.model import add_lora
+    from edgetune.engine.generation.rollouts import generate
+    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
     from edgetune.kernels import sebp as sebp_lib
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,7 +70,7 @@ def main() -> dict:
     with sebp_lib.enabled(model, dev == "cuda") as sebp:
         for step in range(a.steps):
             t = time.time()
-            with sebp.lifted():  # as engine/fgrpo.py's loop: the packed fast path needs it
+            with sebp.lifted():  # as engine/methods/fgrpo.py's loop: the packed fast path needs it
                 roll = generate(model, tok, prompts, num_generations=s.num_generations,
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=step)
             if dev == "cuda":

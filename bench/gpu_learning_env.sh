@@ -131,8 +131,8 @@ $PY - <<'EOF' || die "the import check or the GGUF conversion failed (see the tr
 import time
 t = time.time()
 import bitsandbytes, cma, gguf, math_verify, pycosat, reasoning_gym
-from edgetune.engine.model import embedded_model_dir
-from edgetune.engine.rewards import build_reward
+from edgetune.engine.models.model import embedded_model_dir
+from edgetune.engine.training.rewards import build_reward
 build_reward("rg:gcd")  # reasoning-gym's grader loads
 from importlib.metadata import version
 print(f"gpu_learning_env: imports ok (reasoning-gym {version('reasoning_gym')}, bitsandbytes {bitsandbytes.__version__})")

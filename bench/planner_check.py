@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The memory planner (engine/planner.py) against measured peaks on the GPU.
+"""The memory planner (engine/planning/planner.py) against measured peaks on the GPU.
 
 Measured here, on the Qwen2.5-0.5B architecture (NF4, built layer by layer by the
-reference baseline's builder, engine.model.add_lora r=16 on all 7 projections,
+reference baseline's builder, engine.models.model.add_lora r=16 on all 7 projections,
 checkpointing): SFT at two sizes (4 x 512 and 16 x 2,048 tokens, the engine's step),
-an F-GRPO rollout (8 prompts x 8 completions, 128 + 256 tokens, engine/rollouts'
+an F-GRPO rollout (8 prompts x 8 completions, 128 + 256 tokens, engine/generation/rollouts'
 plain KV-cache loop) and an F-GRPO-shaped update (16 rows, loss on the completions), and
 an ESSA sequential evaluation (32 prompts, 128 + 64 tokens, inference only).
 Collected from the other benches' JSON in the same output folder(s) when present:
@@ -108,10 +108,10 @@ def measure(name, fn):
 
 
 def own_measurements():
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.loop import make_optimizer
-    from edgetune.engine.rollouts import generate
-    from edgetune.engine.settings import LoraSettings
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.training.loop import make_optimizer
+    from edgetune.engine.generation.rollouts import generate
+    from edgetune.engine.core.settings import LoraSettings
 
     arch = B.C05B
     folder = C.arch_folder(arch)

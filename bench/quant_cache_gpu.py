@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Time to the first training step of a 7B bf16 checkpoint on disk, loaded in NF4: the
 first run (read 15 GB, quantise, store the 4-bit weights in the cache) against the second
-run of the same model and settings (engine/quant_cache.py: the stored 4-bit weights).
+run of the same model and settings (engine/models/quant_cache.py: the stored 4-bit weights).
 
 The checkpoint is a random-init Qwen2.5-7B architecture in bf16 with a small tokenizer,
 written by .ref/unsloth_bench.py's save phase. Each run is its own process, as a user's
-second `edgetune train` would be: the worker's imports, engine/model.load (load_base with
-the cache's decision inside, peft imported alongside, add_lora; engine/startup.py's
+second `edgetune train` would be: the worker's imports, engine/models/model.load (load_base with
+the cache's decision inside, peft imported alongside, add_lora; engine/models/startup.py's
 collector pauses as in the worker), one SFT step of 1 x 512 tokens; every phase timed,
 each big import on its own, with the seconds of bytecode compilation, garbage-collection
 pauses and torch custom-op registration inside the run and which package triggered each
@@ -150,9 +150,9 @@ def child(folder: str) -> dict:
     """One run: imports (each big package timed on its own), load, LoRA, one step; seconds
     of each, bytecode compilation and custom-op registration inside them, printed as JSON.
 
-    The start-up is the worker's own (engine/worker.run): its imports with the collector off
-    (engine/startup.pause_gc ... imports_done, which freezes the imported objects), then
-    engine/model.load, which loads the base with peft imported on a side thread and the
+    The start-up is the worker's own (engine/run/worker.run): its imports with the collector off
+    (engine/models/startup.pause_gc ... imports_done, which freezes the imported objects), then
+    engine/models/model.load, which loads the base with peft imported on a side thread and the
     collector off until the adapter is on. import_peft is what that import still took
     after the load (model.load's peft_wait); load_base includes importing bitsandbytes."""
     tracer = Tracer()
@@ -161,7 +161,7 @@ def child(folder: str) -> dict:
     t = {}
     sys.path.insert(0, str(HERE))
     startup = _engine_startup()
-    startup.pause_gc()  # as engine/worker.run: the collector off for the imports of the run
+    startup.pause_gc()  # as engine/run/worker.run: the collector off for the imports of the run
     t0 = time.perf_counter()
     import torch
 
@@ -170,13 +170,13 @@ def child(folder: str) -> dict:
     import _common as C  # noqa: F401  (edgetune importable)
 
     # what the worker imports before the method's train: transformers, the method's module
-    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.sft")]:
+    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.methods.sft")]:
         t0 = time.perf_counter()
         importlib.import_module(mod)
         t[label] = time.perf_counter() - t0
     startup.imports_done()
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.settings import from_dict
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.core.settings import from_dict
 
     t["imports"] = time.perf_counter() - T_START
     before = tracer.summary()
@@ -206,10 +206,10 @@ def child(folder: str) -> dict:
 
 
 def _engine_startup():
-    """engine/startup.py before torch is imported (bench/_common.py imports torch)."""
+    """engine/models/startup.py before torch is imported (bench/_common.py imports torch)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("edgetune_startup", HERE.parent / "engine" / "startup.py")
+    spec = importlib.util.spec_from_file_location("edgetune_startup", HERE.parent / "engine" / "models" / "startup.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -57,9 +57,9 @@ import torch  # noqa: E402
 
 import baseline as B  # noqa: E402  (reads --tiny itself)
 
-from edgetune.engine import fast_decode, rollouts  # noqa: E402
-from edgetune.engine.model import add_lora  # noqa: E402
-from edgetune.engine.settings import LoraSettings  # noqa: E402
+from edgetune.engine.generation import fast_decode, rollouts  # noqa: E402
+from edgetune.engine.models.model import add_lora  # noqa: E402
+from edgetune.engine.core.settings import LoraSettings  # noqa: E402
 
 T0 = time.perf_counter()
 OUT = os.environ.get("OUT", ".")

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from edgetune.engine.lm_loss import causal_lm_loss
+from edgetune.engine.training.lm_loss import causal_lm_loss
 from edgetune.kernels import sebp
 
 SHAPES = [

@@ -20,14 +20,14 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
   ours/autocast               bf16 autocast, fused AdamW, 512-row loss chunks; no SEBP
   ours/+sebp                  + kernels/sebp.patch: padding rows skipped in every backward
                               (= the engine's default step on a padded batch)
-  ours/+packing               + engine/packing.collate_packed: one row, no padding at all
+  ours/+packing               + engine/data/packing.collate_packed: one row, no padding at all
                               (SEBP then has nothing to skip)
   ours/+liger                 + Liger-Kernel's fused RMSNorm / SwiGLU / RoPE
-                              (engine/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
+                              (engine/models/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
   ours/+flex                  + flex_attention (a BlockMask from the packed position ids
                               instead of sdpa with a dense [N, N] boolean mask)
   ours/+ckpt_auto_12, _24     + model.gradient_checkpointing=auto with model.memory_budget_gib
-                              12 / 24: the planner's split (engine/planner.checkpoint_split), the
+                              12 / 24: the planner's split (engine/planning/planner.checkpoint_split), the
                               first k layers checkpointed, the others keep their activations
   ours/+no_ckpt               + model.gradient_checkpointing=false: no recomputation, every
                               layer's activations kept (the speed/memory trade the planner prices)
@@ -334,7 +334,7 @@ class Row:
 
 
 class LigerSwitch:
-    """engine/liger.py's patch applied once, then switched off and on again between rows:
+    """engine/models/liger.py's patch applied once, then switched off and on again between rows:
     Liger binds its forwards into the instances' __dict__ and replaces functions of the
     modeling module (RoPE); the switch records both and puts either set back. Each row's
     first loss (fresh adapter) checks that the model is the same after switching."""
@@ -346,7 +346,7 @@ class LigerSwitch:
         if DEV != "cuda":  # --tiny: the rows still run (the plumbing is what is checked)
             R["notes"].append("liger not applied on the CPU (Triton kernels need a GPU)")
             return
-        from edgetune.engine import liger
+        from edgetune.engine.models import liger
 
         base = model.get_base_model()
         mod = sys.modules[type(base).__module__]
@@ -389,8 +389,8 @@ def set_attention(model, flex: bool):
 def auto_split(budget_gib: float, real: int) -> int:
     """The planner's checkpointed-layer count for the packed 7B step under a budget: what
     the engine's model.load does for gradient_checkpointing: auto."""
-    from edgetune.engine import planner
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.planning import planner
+    from edgetune.engine.core.settings import resolve
 
     sets = C.sft_row_settings("sft_speed", f"+ckpt_auto_{budget_gib:g}", {"seq": B.SEQ, "real_tokens": real})
     cfg = resolve(overrides=[f"model.name={C.arch_folder(B.C7B)}", "model.quant=nf4", "lora.r=16", "lora.alpha=32",
@@ -401,11 +401,11 @@ def auto_split(budget_gib: float, real: int) -> int:
 
 
 def ours_rows(base, padded, real):
-    from edgetune.engine import model as model_lib
+    from edgetune.engine.models import model as model_lib
     from edgetune.engine.data import collate
-    from edgetune.engine.loop import make_optimizer
-    from edgetune.engine.packing import collate_packed
-    from edgetune.engine.settings import LoraSettings
+    from edgetune.engine.training.loop import make_optimizer
+    from edgetune.engine.data.packing import collate_packed
+    from edgetune.engine.core.settings import LoraSettings
     from edgetune.kernels import sebp
 
     model = model_lib.add_lora(base, LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=list(C.TARGETS)),
@@ -498,7 +498,7 @@ def flex_shapes(model, rows, handle, make_optimizer, collate_packed):
     """The packed flex step on batches of lengths not seen yet (a real run's every step):
     per step the time and the frames torch.compile compiled (a recompilation per shape
     costs seconds each time; dynamo marks the length dynamic after the second one)."""
-    from edgetune.engine import model as model_lib
+    from edgetune.engine.models import model as model_lib
 
     model_lib.checkpoint_first_layers(model.get_base_model(), None)
     C.reinit_lora(model, seed=0)

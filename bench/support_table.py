@@ -9,7 +9,7 @@ checks that docs/support.md equals what `table()` writes now, so the page cannot
 
 The speed-path columns are what the engine decides for an SFT run (packing on) and for
 rollouts on a CUDA device, asked from the decision functions themselves
-(engine/effective.decide through the planner, engine/fast_decode.supported), since a CPU
+(engine/planning/effective.decide through the planner, engine/generation/fast_decode.supported), since a CPU
 has none of these paths.
 
     python bench/support_table.py            # rewrites docs/support.md
@@ -50,7 +50,7 @@ def build_tiny(family: str, out: Path, tokenizer_dir: Path) -> Path:
     import torch
     import transformers
 
-    from edgetune.engine.model import load_tokenizer
+    from edgetune.engine.models.model import load_tokenizer
 
     _, config_cls, model_cls, extra = FAMILIES[family]
     tok = load_tokenizer(str(tokenizer_dir))
@@ -66,7 +66,7 @@ def build_tiny(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 def sft_settings(model_dir, runs_dir, **over):
     """The SFT settings every family trains with (and the table plans, packed, on CUDA)."""
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     sft = {"steps": 1, "batch_size": 2, "grad_accum": 1, "lr": 1e-2, "eval_every": 0, "warmup_steps": 0,
            **over}
@@ -82,7 +82,8 @@ def speed_paths(model_dir: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from edgetune.engine import effective, fast_decode, planner
+    from edgetune.engine.planning import effective, planner
+    from edgetune.engine.generation import fast_decode
 
     cfg = sft_settings(model_dir, "runs", packing=True)
     GiB = 2**30
@@ -119,7 +120,7 @@ def table(folders: dict[str, Path]) -> str:
         "adapter) and planned by `edgetune estimate` (deciding what the run decided).",
         "",
         "The speed paths are what the engine decides on a CUDA GPU for a packed SFT run and for",
-        "rollouts (`engine/effective.py`, `engine/fast_decode.py`); where one does not apply, the run",
+        "rollouts (`engine/planning/effective.py`, `engine/generation/fast_decode.py`); where one does not apply, the run",
         "takes the named fallback and says why in its `worker.log`. What each path does:",
         "[performance.md](performance.md).",
         "",
@@ -133,7 +134,7 @@ def table(folders: dict[str, Path]) -> str:
 
 def folders(root: Path) -> dict[str, Path]:
     """Build every tiny family under `root`; {family: folder}, the embedded model last."""
-    from edgetune.engine.model import embedded_model_dir
+    from edgetune.engine.models.model import embedded_model_dir
 
     emb = embedded_model_dir()
     out = {f: build_tiny(f, root / f, emb) for f in FAMILIES}

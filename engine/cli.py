@@ -17,11 +17,11 @@ import argparse
 import json
 import sys
 
-from .errors import EdgetuneError
+from edgetune.engine.core.errors import EdgetuneError
 
 
 def _config(a):
-    from .settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     if not a.preset and not a.config:
         raise EdgetuneError("give --preset NAME or --config FILE (edgetune presets lists the presets)")
@@ -54,7 +54,7 @@ def _step_total(ev: dict) -> int | None:
 def _resumed_line(run, ev: dict) -> str:
     """What a resume did, from its `started` event: the checkpoint the worker really
     continued from (it skips a damaged newest one), or that it starts over."""
-    from .phases import resume_words
+    from edgetune.engine.core.phases import resume_words
 
     step = ev.get("resumed_from")
     return resume_words(run.name, (step, None) if step is not None else None)
@@ -67,7 +67,7 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
     from which checkpoint the worker continues."""
     from tqdm import tqdm
 
-    from . import phases
+    from edgetune.engine.core import phases
 
     # Elapsed and ETA come from the worker's events: tqdm's own rate would count the
     # replayed or resumed steps as if done in the first instant.
@@ -192,8 +192,8 @@ def _run_arg(value: str, runs_dir: str = "runs") -> str:
 
 
 def cmd_train(a) -> int:
-    from . import api
-    from . import distributed
+    from edgetune.engine.run import api
+    from edgetune.engine.core import distributed
 
     if distributed.launched():  # one of several ranks that torchrun started
         return _train_as_rank(a)
@@ -213,7 +213,7 @@ def check_gpus(n: int | None) -> None:
     (gloo), so at most one a core."""
     import os
 
-    from .planner import gpu_memory
+    from edgetune.engine.planning.planner import gpu_memory
 
     if n is None:
         return
@@ -253,9 +253,9 @@ def _train_as_rank(a) -> int:
     process (no worker is spawned); rank 0 makes the run folder and prints the steps."""
     import threading
 
-    from . import api, worker
-    from . import distributed as dist
-    from .events import follow
+    from edgetune.engine.run import api, worker
+    from edgetune.engine.core import distributed as dist
+    from edgetune.engine.core.events import follow
 
     dist.init()
     made = fd = None
@@ -302,7 +302,7 @@ def _train_as_rank(a) -> int:
 
 
 def cmd_resume(a) -> int:
-    from . import api
+    from edgetune.engine.run import api
 
     a.run = _run_arg(a.run, a.runs_dir)
     check_gpus(a.gpus)
@@ -328,7 +328,7 @@ def cmd_resume(a) -> int:
 def cmd_export(a) -> int:
     import signal
 
-    from . import api
+    from edgetune.engine.run import api
 
     a.run = _run_arg(a.run, a.runs_dir)
     # SIGTERM ends through the export's cleanup (its temporary folder removed), as Ctrl-C does
@@ -342,7 +342,7 @@ def cmd_export(a) -> int:
 
 
 def cmd_runs(a) -> int:
-    from . import api
+    from edgetune.engine.run import api
 
     for r in api.list_runs(a.runs_dir):
         s = r.summary()
@@ -360,7 +360,7 @@ def cmd_presets(a) -> int:
     import shutil
     import textwrap
 
-    from .config_files import list_presets, preset_description
+    from edgetune.engine.core.config_files import list_presets, preset_description
 
     width = max(60, min(shutil.get_terminal_size((100, 20)).columns, 120))
     for name, path in list_presets().items():
@@ -372,9 +372,9 @@ def cmd_presets(a) -> int:
 
 
 def cmd_data(a) -> int:
-    from . import data as data_lib
-    from . import model as model_lib
-    from .settings import DataSettings, ModelSettings
+    from edgetune.engine import data as data_lib
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.core.settings import DataSettings, ModelSettings
 
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
     fmt = data_lib.preview(a.path, a.format, 1)[1]
@@ -398,7 +398,7 @@ def cmd_data(a) -> int:
 
 
 def decided_rows(est: dict) -> list[tuple[str, str]]:
-    """What the run will do for every `auto` setting (engine/effective.py), in words."""
+    """What the run will do for every `auto` setting (engine/planning/effective.py), in words."""
     eff = est.get("effective") or {}
     if not eff:
         return []
@@ -444,7 +444,7 @@ def estimate_table(est: dict) -> str:
 
 
 def cmd_estimate(a) -> int:
-    from . import api
+    from edgetune.engine.run import api
 
     est = api.estimate(_config(a), gpus=a.gpus)
     print(json.dumps(est, indent=2) if a.json else estimate_table(est))
@@ -464,7 +464,7 @@ def eval_table(result: dict) -> str:
 def cmd_eval(a) -> int:
     from tqdm import tqdm
 
-    from .fgrpo import eval_passes, evaluate_adapter
+    from edgetune.engine.methods.fgrpo import eval_passes, evaluate_adapter
 
     from transformers.utils import logging as hf_logging
 

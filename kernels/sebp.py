@@ -25,7 +25,7 @@ Trade-offs:
   cuBLAS (copies of X[R] and dY[R] for the layer's backward, a faster GEMM and fewer
   launches). Under TRITON_INTERPRET=1 the Triton path runs; on a plain CPU, index_select.
 
-Use (the engine, engine/sft.py and engine/fgrpo.py):
+Use (the engine, engine/methods/sft.py and engine/methods/fgrpo.py):
 
     with sebp.enabled(model, on) as h:    # after add_lora (patching first would leave the
                                           # LoRA product on PEFT's dense path); on=False: no-op
@@ -34,7 +34,7 @@ Use (the engine, engine/sft.py and engine/fgrpo.py):
             hidden = decoder(input_ids, attention_mask).last_hidden_state
             loss = sparse_lm_head_loss(hidden, lm_head.weight, labels, chunk_rows=2048)
             loss.backward()       # (model(..., labels=...).loss works too, dense lm_head;
-                                  #  the engine wraps this in engine/lm_loss.causal_lm_loss)
+                                  #  the engine wraps this in engine/training/lm_loss.causal_lm_loss)
         with h.lifted():          # generation between updates: the model's own forwards
             ...
     # the original forwards are back, also when the block raised

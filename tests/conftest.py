@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    from edgetune.engine.model import embedded_model_dir
+    from edgetune.engine.models.model import embedded_model_dir
 
     return embedded_model_dir()
 
@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgetune.engine.model import load_tokenizer
+    from edgetune.engine.models.model import load_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tok = load_tokenizer(str(embedded_dir))

@@ -8,15 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgetune.engine import settings
-from edgetune.engine.export import write_adapter
+from edgetune.engine.core import settings
+from edgetune.engine.models.export import write_adapter
 
 
 def _adapter(model_dir, name: str, out: Path, tmp_path) -> Path:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.model import load_tokenizer, lora_config
+    from edgetune.engine.models.model import load_tokenizer, lora_config
 
     cfg = settings.from_dict({"method": "sft", "model": {"name": name, "quant": "none"},
                               "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path)}})
@@ -64,10 +64,10 @@ def test_a_checkpoint_names_its_base_like_the_final_adapter(tiny_model_dir, tmp_
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.export import export
-    from edgetune.engine.loop import RunContext, load_checkpoint, save_checkpoint
-    from edgetune.engine.model import lora_config
-    from edgetune.engine.runfolder import RunDir
+    from edgetune.engine.models.export import export
+    from edgetune.engine.training.loop import RunContext, load_checkpoint, save_checkpoint
+    from edgetune.engine.models.model import lora_config
+    from edgetune.engine.core.runfolder import RunDir
 
     cfg = settings.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none"},
                               "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path)}})

@@ -13,9 +13,9 @@ import pytest
 
 from edgetune.app import form, live, panels
 from edgetune.app.methods import BY_KEY, METHODS
-from edgetune.engine import settings as S
-from edgetune.engine.config_files import list_presets
-from edgetune.engine.errors import ConfigError
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.config_files import list_presets
+from edgetune.engine.core.errors import ConfigError
 
 
 # --------------------------------------------------------------------------- no torch in the UI process
@@ -27,7 +27,7 @@ def test_building_the_app_imports_no_torch(tmp_path):
         from edgetune.app.main import launch
         from edgetune.app.ui import build_app
         demo = build_app({str(tmp_path / 'runs')!r})
-        from edgetune.engine import api
+        from edgetune.engine.run import api
         api.estimate(api.resolve(preset="sft-quickstart"))  # the Model tab calls it in-process
         heavy = [m for m in ("torch", "transformers", "peft", "bitsandbytes") if m in sys.modules]
         print("HEAVY", heavy)
@@ -81,7 +81,7 @@ def test_preset_values_are_widget_friendly(tmp_path):
     by_key = dict(zip([s.key for s in specs], form.values_from_config(form.preset_config("essa-quickstart", "r"),
                                                                           specs)))
     assert by_key["lora.target_modules"] == "[q_proj, k_proj, v_proj, o_proj]"
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     assert by_key["essa.population"] == resolve(preset="essa-quickstart").essa.population
     assert isinstance(by_key["essa.population"], int) and by_key["sft.sebp"] == "auto"
@@ -232,7 +232,7 @@ def test_good_data_report_and_histogram():
 
 
 def test_estimate_panel_shows_the_planner_verdict_and_parts():
-    from edgetune.engine import planner
+    from edgetune.engine.planning import planner
 
     assert "Estimate unavailable" in panels.estimate_markdown({"ok": False, "error": "no planner"})
     cfg = S.resolve(preset="sft-qlora-7b", overrides={"model": {"name": "embedded:smollm2-135m"}})
@@ -257,7 +257,7 @@ def test_runs_table_rows():
 
 
 def test_data_check_names_every_bad_row(tmp_path, embedded_dir):
-    from edgetune.engine.checks import check_data
+    from edgetune.engine.run.checks import check_data
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n{"prompt": "d", "completion": ""}\n')
@@ -271,7 +271,7 @@ def test_data_check_names_every_bad_row(tmp_path, embedded_dir):
 
 
 def test_isolated_data_check_of_malformed_json(tmp_path):
-    from edgetune.engine import api
+    from edgetune.engine.run import api
 
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": \n{"text": "ok"}\n{oops}\n')
@@ -284,7 +284,7 @@ def test_isolated_data_check_of_malformed_json(tmp_path):
 def chat_worker(tmp_path_factory):
     """One chat worker process for the chat tests (a start costs the imports of torch,
     transformers and PEFT: several CPU-seconds); each test sends its own model settings."""
-    from edgetune.engine.chat import ChatSession
+    from edgetune.engine.generation.chat import ChatSession
 
     log = tmp_path_factory.mktemp("chat") / "chat.log"
     chat = ChatSession(log_path=log)
@@ -297,7 +297,7 @@ def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_d
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.model import lora_config
+    from edgetune.engine.models.model import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     peft_model = get_peft_model(model, lora_config(S.LoraSettings(r=4, alpha=64)))
@@ -457,8 +457,8 @@ def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, ti
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.export import write_adapter
-    from edgetune.engine.model import load_tokenizer, lora_config
+    from edgetune.engine.models.export import write_adapter
+    from edgetune.engine.models.model import load_tokenizer, lora_config
 
     cfg = S.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none"},
                        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj"]}, "run": {"runs_dir": str(tmp_path)}})
@@ -471,8 +471,8 @@ def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, ti
                             str(tiny_model_dir), {})
     code = textwrap.dedent(f"""
         import sys
-        from edgetune.engine import api
-        from edgetune.engine.errors import RunError
+        from edgetune.engine.run import api
+        from edgetune.engine.core.errors import RunError
         print("OUT", api.export({str(adapter)!r}, {str(tmp_path / 'out')!r}, merged=True, isolated=True))
         try:
             api.export({str(adapter)!r}, {str(tmp_path / 'out')!r}, merged=True, isolated=True)
@@ -502,8 +502,8 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.chat import _Chat
-    from edgetune.engine.model import lora_config
+    from edgetune.engine.generation.chat import _Chat
+    from edgetune.engine.models.model import lora_config
 
     system = "You answer with one number."
     cfg = S.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none",
@@ -546,8 +546,8 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
 
 def test_the_train_tab_shows_what_start_would_decide(page):
     """Before Start, the Train tab says what the run would decide for its `auto` settings,
-    from the form as it stands (engine/effective.decide, through the planner)."""
-    from edgetune.engine.effective import decide
+    from the form as it stands (engine/planning/effective.decide, through the planner)."""
+    from edgetune.engine.planning.effective import decide
 
     cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
     values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}

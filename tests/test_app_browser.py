@@ -69,7 +69,7 @@ def app_server(tmp_path):
         proc.kill()
         pytest.fail("the app did not answer within 180 s")
     yield url, runs, proc
-    from edgetune.engine import api
+    from edgetune.engine.run import api
 
     busy = api.active_run(runs)
     if busy is not None:
@@ -104,8 +104,8 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
     sync_api = pytest.importorskip("playwright.sync_api")
     import psutil
 
-    from edgetune.engine import phases
-    from edgetune.engine.events import read_events
+    from edgetune.engine.core import phases
+    from edgetune.engine.core.events import read_events
 
     url, runs, app_proc = app_server
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.click("#preset-sft-quickstart")
         page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
         # the preset's own values (its sft.steps, lr 1e-3) replaced the defaults (60, 2e-4)
-        from edgetune.engine.settings import SFTSettings, resolve
+        from edgetune.engine.core.settings import SFTSettings, resolve
 
         steps = str(resolve(preset="sft-quickstart").sft.steps)
         assert steps != str(SFTSettings().steps)  # else the fill would not show

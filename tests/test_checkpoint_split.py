@@ -1,5 +1,5 @@
 """gradient_checkpointing: auto. The planner checkpoints the fewest decoder layers that fit
-the memory budget (engine/planner.checkpoint_split), the engine checkpoints exactly those
+the memory budget (engine/planning/planner.checkpoint_split), the engine checkpoints exactly those
 (the first ones), and partial checkpointing computes the same loss and gradients as
 checkpointing all layers or none."""
 
@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from edgetune.engine import effective
-from edgetune.engine import model as model_lib
-from edgetune.engine import planner
-from edgetune.engine.errors import ConfigError
-from edgetune.engine.lm_loss import causal_lm_loss
-from edgetune.engine.settings import LoraSettings, resolve
+from edgetune.engine.planning import effective
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.planning import planner
+from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.training.lm_loss import causal_lm_loss
+from edgetune.engine.core.settings import LoraSettings, resolve
 
 GiB = 1024**3
 QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from edgetune.engine.events import read_events
+from edgetune.engine.core.events import read_events
 
 
 def edgetune(*args, cwd=None, timeout=600):
@@ -71,8 +71,8 @@ def test_malformed_json_line_names_file_and_row(tmp_path, tiny_model_dir):
 def _fails_in_the_worker(tmp_path, model_dir, data_path, needle):
     """The worker's side of the failure above, run in this process: the run is marked failed
     with the message the CLI prints (that one line is checked through the CLI above)."""
-    from edgetune.engine import worker
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.run import worker
+    from edgetune.engine.core.settings import resolve
 
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
@@ -222,7 +222,7 @@ def _tiny_sets(tiny_model_dir, steps=2):
 
 
 def test_resume_by_name_says_it_starts_over_without_a_checkpoint(tmp_path, tiny_model_dir):
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     runs = tmp_path / "runs"
     run = runs / "cut"
@@ -287,8 +287,8 @@ def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
 
 def test_sigterm_during_the_initial_eval_is_a_graceful_stop(tmp_path, tiny_model_dir):
     """A plain `kill` of the worker while it evaluates ends the run within seconds, as Stop does."""
-    from edgetune.engine import api
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.run import api
+    from edgetune.engine.core.settings import resolve
 
     cfg = resolve(preset="sft-quickstart", overrides=[
         f"model.name={tiny_model_dir}", "model.quant=none", "data.max_rows=400", "data.eval_fraction=0.5",
@@ -359,7 +359,7 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monk
 def test_library_notices_are_silenced_where_raised():
     """bitsandbytes' `pip install kernels` notice (on AVX512-BF16 CPUs) and transformers' v6
     FutureWarnings stay out of a run's output; other warnings still show."""
-    code = ("import warnings, edgetune.engine.model, bitsandbytes\n"
+    code = ("import warnings, edgetune.engine.models.model, bitsandbytes\n"
             "warnings.warn('`x` is deprecated and will be removed in v6', FutureWarning)\n"
             "warnings.warn('our own warning', UserWarning)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -372,7 +372,8 @@ def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys
     """Without a CUDA GPU each rank is a CPU process: --gpus 1000 would start 1,000."""
     import os
 
-    from edgetune.engine import cli, planner
+    from edgetune.engine import cli
+    from edgetune.engine.planning import planner
 
     monkeypatch.setattr(planner, "gpu_memory", lambda: None)
     runs = tmp_path / "runs"

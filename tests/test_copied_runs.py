@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from edgetune.engine import api
-from edgetune.engine.errors import ConfigError, EdgetuneError, RunError
-from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.settings import resolve
+from edgetune.engine.run import api
+from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError
+from edgetune.engine.core.events import EventWriter, read_events
+from edgetune.engine.core.settings import resolve
 
 
 def edgetune(*args, cwd=None, timeout=300):
@@ -162,7 +162,7 @@ def test_the_apps_chat_does_not_run_a_run_folders_model_code(tmp_path, tiny_mode
 
 
 def test_a_reward_calling_sys_exit_while_scoring_is_the_files_error(tmp_path):
-    from edgetune.engine.rewards import RewardFailing, load_user_reward
+    from edgetune.engine.training.rewards import RewardFailing, load_user_reward
 
     f = tmp_path / "reward.py"
     f.write_text("import sys\n\ndef reward(completion, answer, row):\n    sys.exit(0)\n")

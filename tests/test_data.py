@@ -1,4 +1,4 @@
-"""engine/data.py: formats from each file type, exact prompt masking, truncation, the
+"""engine/data/__init__.py: formats from each file type, exact prompt masking, truncation, the
 embedded sets (no eval leakage), and one-line errors for bad input."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from edgetune.engine import data as D
-from edgetune.engine.errors import DataError
-from edgetune.engine.settings import DataSettings
+from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.settings import DataSettings
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from edgetune.engine.model import embedded_model_dir, load_tokenizer
+    from edgetune.engine.models.model import embedded_model_dir, load_tokenizer
 
     return load_tokenizer(str(embedded_model_dir()))
 
@@ -177,7 +177,7 @@ def test_system_prompt_replaces_the_template_default(tok, tmp_path):
 
 
 def test_rl_prompt_lengths_match_what_rollouts_render(tok):
-    from edgetune.engine.rollouts import render_prompts
+    from edgetune.engine.generation.rollouts import render_prompts
 
     for system in ("", "Only digits."):
         r = D.load_rl(DataSettings(path="embedded:arith-rl", system_prompt=system), seed=0, tokenizer=tok)
@@ -418,7 +418,7 @@ def test_nothing_left_after_length_limits_is_an_error(tok, tmp_path):
 def test_a_line_over_the_limit_is_refused_naming_file_row_and_limit(tmp_path, monkeypatch):
     """A JSONL file is read line by line, and a line beyond MAX_LINE_BYTES stops the read
     before it is held whole (a file that is not rows: a dump, a binary)."""
-    from edgetune.engine import data_files
+    from edgetune.engine.data import files as data_files
 
     monkeypatch.setattr(data_files, "MAX_LINE_BYTES", 2**20)
     f = tmp_path / "rows.jsonl"
@@ -436,7 +436,7 @@ def test_a_device_or_pipe_is_refused(tmp_path):
 
 
 def test_a_long_file_reports_progress(tok, tmp_path, monkeypatch):
-    from edgetune.engine import data_files, data_sft
+    from edgetune.engine.data import files as data_files, sft as data_sft
 
     monkeypatch.setattr(data_files, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.setattr(data_files, "CHUNK_ROWS", 4)

@@ -1,4 +1,4 @@
-"""Training on several ranks (engine/distributed.py), on the CPU: two processes over gloo
+"""Training on several ranks (engine/core/distributed.py), on the CPU: two processes over gloo
 under torchrun, on the tiny random Llama (conftest.py).
 
 - SFT on 2 ranks (edgetune's own launcher) takes the same steps as one process with the
@@ -24,9 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edgetune.engine import api, settings
-from edgetune.engine import distributed as dist
-from edgetune.engine.events import read_events
+from edgetune.engine.run import api
+from edgetune.engine.core import settings
+from edgetune.engine.core import distributed as dist
+from edgetune.engine.core.events import read_events
 from inline_run import run_inline
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -55,7 +56,7 @@ def sft_cfg(model_dir, runs, **sft):
 
 def one_process_sft(model_dir, root: Path, **sft):
     """The one-process run (in this process, as the worker would run it): its events and adapter."""
-    from edgetune.engine import sft as sft_recipe
+    from edgetune.engine.methods import sft as sft_recipe
 
     _, _, events = run_inline(sft_recipe.train, sft_cfg(model_dir, root, **sft), root / "one")
     return events, root / "one" / "adapter" / "adapter_model.safetensors"
@@ -150,7 +151,7 @@ def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_
     """A plain `torchrun ... -m edgetune.engine.cli train` (no launcher of ours): rank 0
     makes the run folder; population 5 is split 3 + 2; greedy fitness per candidate and
     generation equals the one-process run's."""
-    from edgetune.engine import essa
+    from edgetune.engine.methods import essa
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -214,7 +215,7 @@ def _ranks(launcher_pid: int) -> dict:
     for p in psutil.Process(launcher_pid).children(recursive=True):
         try:
             env = p.environ()
-            if "edgetune.engine.worker" in " ".join(p.cmdline()) and "RANK" in env:
+            if "edgetune.engine.run.worker" in " ".join(p.cmdline()) and "RANK" in env:
                 out[int(env["RANK"])] = p
         except psutil.Error:
             pass
@@ -262,10 +263,10 @@ def test_rank_death_is_read_from_torchruns_own_summary(tmp_path):
     and only from this attempt's part of worker.log."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     def summary(rank, pid, code):
-        return ChildFailedError("edgetune.engine.worker", {
+        return ChildFailedError("edgetune.engine.run.worker", {
             rank: ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file=str(tmp_path / "none")),
             rank + 1: ProcessFailure(local_rank=rank + 1, pid=pid + 1, exitcode=1, error_file=str(tmp_path / "none")),
         }).format_msg()
@@ -342,7 +343,7 @@ def test_planner_gives_the_peak_of_each_gpu(tiny_model_dir):
     """Data-parallel: each GPU holds the whole base; SFT's and F-GRPO's batches are split
     (an SFT step of 8 x 1 rows: 4 rows a GPU; F-GRPO's 8 prompts: 4 a GPU); the flat
     gradient buffer and NCCL's are added; ESSA's per-GPU work is one process's."""
-    from edgetune.engine import planner
+    from edgetune.engine.planning import planner
 
     def est(method, gpus, **over):
         cfg = settings.resolve(overrides={"method": method, "model": {"name": str(tiny_model_dir)}, **over})

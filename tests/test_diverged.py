@@ -6,15 +6,15 @@ import signal
 
 import pytest
 
-from edgetune.engine import api
-from edgetune.engine.errors import RunError
-from edgetune.engine.events import read_events
+from edgetune.engine.run import api
+from edgetune.engine.core.errors import RunError
+from edgetune.engine.core.events import read_events
 from inline_run import sft_config
 
 
 def _worker_run(cfg, path):
     """The worker's own run of a run folder, in this process (so a monkeypatch reaches it)."""
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(cfg.to_yaml())
@@ -28,7 +28,7 @@ def _worker_run(cfg, path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_sft_loss_fails_the_run_at_that_step(tiny_model_dir, tmp_path, monkeypatch, bad):
-    from edgetune.engine import sft
+    from edgetune.engine.methods import sft
 
     loss_fn, calls = sft.causal_lm_loss, [0]
 
@@ -51,8 +51,8 @@ def test_a_non_finite_sft_loss_fails_the_run_at_that_step(tiny_model_dir, tmp_pa
 
 def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_dir, tmp_path_factory, tmp_path,
                                                                      monkeypatch):
-    from edgetune.engine import essa
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.methods import essa
+    from edgetune.engine.core.settings import resolve
     from inline_run import essa_start, run_inline
 
     root = essa_start(tmp_path_factory.mktemp("essa-nan"), tiny_model_dir)
@@ -78,8 +78,8 @@ def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_d
 
 
 def test_a_non_finite_fgrpo_update_fails_the_run_at_that_step(tiny_model_dir, tmp_path, monkeypatch):
-    from edgetune.engine import fgrpo
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.core.settings import resolve
     from inline_run import run_inline
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]

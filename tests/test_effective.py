@@ -1,4 +1,4 @@
-"""Every `auto` setting is decided once (engine/effective.py): the planner (what the app
+"""Every `auto` setting is decided once (engine/planning/effective.py): the planner (what the app
 shows before Start) and the engine (what a run does, recorded in its config.yaml) agree."""
 
 import importlib.util
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from edgetune.engine import effective, planner, settings
+from edgetune.engine.planning import effective, planner
+from edgetune.engine.core import settings
 
 GiB = 2**30
 LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -62,7 +63,7 @@ def test_planner_and_engine_decide_the_same(device, size, method):
     ctx, _ = planner.make_ctx(cfg, device, "auto")
     # the engine measures the free memory once its model is loaded; the planner predicts it
     after_load = planner.essa_free_after_load(ctx, free) if device == "cuda" else None
-    # the layers the engine checkpoints are chosen before the weights load (engine/model.checkpointing_for)
+    # the layers the engine checkpoints are chosen before the weights load (engine/models/model.checkpointing_for)
     split = planner.checkpoint_split(cfg, device=device, gpu_free=free)["checkpointed"]
     engine = effective.decide(cfg, device, _engine_arch(MODELS[size]), gpu_free=after_load, checkpointed=split)
     assert plan["effective"] == engine.to_dict()
@@ -100,7 +101,7 @@ def test_rollout_copies_stay_inside_the_runs_memory_budget():
 
 
 def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
-    from edgetune.engine import sft
+    from edgetune.engine.methods import sft
     from inline_run import run_inline
 
     cfg = settings.from_dict({
@@ -121,7 +122,7 @@ def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
 
 
 def test_a_family_without_sdpa_gets_eager_attention_and_liger_off_names_why():
-    from edgetune.engine.planner import Arch
+    from edgetune.engine.planning.planner import Arch
 
     assert effective.attention("auto", False, "cuda", "gemma2") == "eager"
     assert effective.attention("auto", True, "cuda", "gemma2") == "flex_attention"  # flex soft-caps

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from edgetune.engine import essa
-from edgetune.engine.loop import RunContext
-from edgetune.engine.settings import resolve
+from edgetune.engine.methods import essa
+from edgetune.engine.training.loop import RunContext
+from edgetune.engine.core.settings import resolve
 from inline_run import essa_start, run_inline
 
 # A reward that depends on every character of the completion, so that equal fitness
@@ -49,7 +49,7 @@ def run_essa(cfg, path, stop_after=0, resume=False):
 
 def evaluator_parts(tiny, tmp_path):
     """(settings, model, tokenizer, space, reward, rows) for scoring candidates directly."""
-    from edgetune.engine.rewards import build_reward
+    from edgetune.engine.training.rewards import build_reward
 
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
@@ -166,7 +166,7 @@ def test_sft_warm_start_runs_first_and_is_kept_on_resume(tiny, tmp_path):
 
 
 def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.core.errors import ConfigError
 
     cfg = config(tiny, tmp_path, warm_start=str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="essa.warm_start"):
@@ -182,7 +182,7 @@ def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):
     ("essa.population=2", "essa.population must be >= 3"),
 ])
 def test_bad_essa_settings_name_the_setting(override, message):
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         resolve(preset="essa-quickstart", overrides=[override])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from edgetune.engine import essa, essa_fitness
-from edgetune.engine.rewards import build_reward
-from edgetune.engine.settings import resolve
+from edgetune.engine.methods import essa, essa_fitness
+from edgetune.engine.training.rewards import build_reward
+from edgetune.engine.core.settings import resolve
 from inline_run import essa_start, run_inline
 
 ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
@@ -43,7 +43,7 @@ def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
     batch = essa_fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
     got = essa_fitness.gold_logprob(model, batch)
-    from edgetune.engine.rollouts import render_prompts
+    from edgetune.engine.generation.rollouts import render_prompts
 
     for row, g in zip(ROWS, got):
         prompt = render_prompts(tok, [row["prompt"]])[0]
@@ -58,7 +58,7 @@ def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
 
 
 def test_gold_margin_is_positive_exactly_where_greedy_writes_the_gold_tokens(tiny, tmp_path):
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.generation.rollouts import generate
 
     model, tok, _ = essa.load_model(config(tiny, tmp_path), tiny / "warm")
     roll = generate(model, tok, [r["prompt"] for r in ROWS], max_new_tokens=5, greedy=True, fast=False)
@@ -169,7 +169,7 @@ def test_a_run_ranks_by_gold_logprob_and_evaluates_the_reward(tiny, tmp_path):
     ("essa.gold_template=Answer:", "essa.gold_template"),
 ])
 def test_bad_fitness_settings_name_the_setting(override, message):
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.core.errors import ConfigError
 
     sets = [override] if "fitness" in override else [override, "essa.fitness=gold_logprob"]
     with pytest.raises(ConfigError, match=message):
@@ -194,7 +194,7 @@ class SlowTokenizer:
 
 
 def test_gold_logprob_needs_no_offsets_and_gold_margin_refuses_a_slow_tokenizer(tiny, tmp_path, monkeypatch):
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.core.errors import ConfigError
 
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")

@@ -16,9 +16,9 @@ import pytest
 from safetensors.numpy import save
 
 from edgetune.engine import cli
-from edgetune.engine import export as export_mod
-from edgetune.engine.errors import EdgetuneError, ModelError
-from edgetune.engine.export import EXPORT_MARKER, TEMP_OWNER, TEMP_PREFIX, export
+from edgetune.engine.models import export as export_mod
+from edgetune.engine.core.errors import EdgetuneError, ModelError
+from edgetune.engine.models.export import EXPORT_MARKER, TEMP_OWNER, TEMP_PREFIX, export
 
 
 def _weights(value: float) -> bytes:
@@ -206,7 +206,7 @@ def test_half_precision_non_finite_weights_are_found(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from edgetune.engine.export import check_finite
+    from edgetune.engine.models.export import check_finite
 
     def write(t):
         save_file({"a": torch.zeros(3, dtype=t.dtype), "b": t}, str(tmp_path / "w.safetensors"))
@@ -227,8 +227,8 @@ class _RunsCode:
 def test_an_unsafe_pickled_adapter_is_one_line(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.model import add_lora
-    from edgetune.engine.settings import LoraSettings
+    from edgetune.engine.models.model import add_lora
+    from edgetune.engine.core.settings import LoraSettings
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

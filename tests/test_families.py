@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from bench_script import load
-from edgetune.engine import essa, export, fgrpo, planner, sft
-from edgetune.engine import model as model_lib
-from edgetune.engine.settings import resolve
+from edgetune.engine.methods import essa, fgrpo, sft
+from edgetune.engine.models import export
+from edgetune.engine.planning import planner
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.core.settings import resolve
 from inline_run import run_inline
 
 support = load("support_table")
@@ -76,9 +78,9 @@ def test_sft_export_reload_and_plan(family, family_root, family_dirs, tmp_path):
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert (got - base).abs().max() > 1e-4  # the step changed the adapter: the comparison means something
 
-    # Packed rows (engine/packing.py) give each row's own logits with the family's attention
+    # Packed rows (engine/data/packing.py) give each row's own logits with the family's attention
     # (up to fp32 rounding: 3e-7 on the tiny models, 8e-4 of logits near 20 over SmolLM2's 30 layers).
-    from edgetune.engine.packing import collate_packed
+    from edgetune.engine.data.packing import collate_packed
 
     rows = [SimpleNamespace(input_ids=list(range(5, 12)), labels=list(range(5, 12))),
             SimpleNamespace(input_ids=list(range(20, 25)), labels=list(range(20, 25)))]

@@ -1,4 +1,4 @@
-"""The fast rollout loop (engine/fast_decode.py) on a tiny NF4 model on the CPU: which
+"""The fast rollout loop (engine/generation/fast_decode.py) on a tiny NF4 model on the CPU: which
 base path it takes for the memory free, the bf16 copy of some layers giving the tokens of
 bitsandbytes' own layers, and the memory it reserves for a decode being the planner's."""
 
@@ -66,13 +66,13 @@ def nf4_model():
 
 
 def greedy(model, n=5):
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.generation.rollouts import generate
 
     return generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=n, fast=True)
 
 
 def test_base_path_choice(nf4_model):
-    from edgetune.engine.fast_decode import base_path
+    from edgetune.engine.generation.fast_decode import base_path
 
     cpu = torch.device("cpu")
     assert base_path(nf4_model, cpu, None, 0) == "module"
@@ -82,7 +82,7 @@ def test_base_path_choice(nf4_model):
 
 
 def greedy_mixed(model, dense_layers, n=5):
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.generation.rollouts import generate
 
     return generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=n, fast=True,
                     dense_layers=dense_layers)
@@ -103,7 +103,7 @@ def test_mixed_copy_gives_the_module_paths_tokens(nf4_model):
 
 
 def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch):
-    from edgetune.engine import fast_decode as fd
+    from edgetune.engine.generation import fast_decode as fd
 
     per_layer = fd.layer_copy_bytes(nf4_model)
     assert len(per_layer) == 2 and per_layer[0] == per_layer[1] > 0
@@ -137,8 +137,8 @@ def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch)
 
 
 def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_model, monkeypatch):
-    from edgetune.engine import fast_decode as fd
-    from edgetune.engine import planner
+    from edgetune.engine.generation import fast_decode as fd
+    from edgetune.engine.planning import planner
 
     seen, buffers = {}, []
     real, real_buffers = fd.Decoder.for_model, fd.Decoder._buffers
@@ -154,7 +154,7 @@ def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_
 
     monkeypatch.setattr(fd.Decoder, "for_model", spy)
     monkeypatch.setattr(fd.Decoder, "_buffers", spy_buffers)
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.generation.rollouts import generate
 
     generate(nf4_model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=2, fast=True, memory_budget=123)
     rows, longest = len(PROMPTS), max(map(len, PROMPTS))

@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
-from edgetune.engine import api, settings
-from edgetune.engine.errors import CheckpointError, ConfigError
-from edgetune.engine.events import EventWriter, read_events, scan_events
-from edgetune.engine.loop import pick_checkpoint
-from edgetune.engine.runfolder import RunDir
+from edgetune.engine.run import api
+from edgetune.engine.core import settings
+from edgetune.engine.core.errors import CheckpointError, ConfigError
+from edgetune.engine.core.events import EventWriter, read_events, scan_events
+from edgetune.engine.training.loop import pick_checkpoint
+from edgetune.engine.core.runfolder import RunDir
 from inline_run import run_inline, sft_config
 
 
@@ -31,7 +32,7 @@ def _losses(events):
 
 
 def _sft(cfg, path, **kw):
-    from edgetune.engine import sft
+    from edgetune.engine.methods import sft
 
     return run_inline(sft.train, cfg, path, **kw)[2]
 
@@ -69,7 +70,7 @@ def _resume_here(run_path):
     """What the worker process does on resume (the checkpoint it picks, its warnings as
     events, the training), run in this process: a worker's start costs the imports of
     torch, transformers and PEFT again; the resume through a real worker is tested below."""
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own: stop gracefully
     try:
@@ -119,7 +120,7 @@ def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir
     expected = f"{path / 'config.yaml'}: lora.r is 4, but checkpoint step-4 was trained with 8"
     with pytest.raises(ConfigError, match=expected):
         api.resume(path)
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
     try:
@@ -201,7 +202,7 @@ def test_damaged_event_lines_are_skipped_and_counted(tmp_path):
 
 
 def test_leftovers_of_a_killed_write_are_removed_on_start(tiny_model_dir, tmp_path):
-    from edgetune.engine.runfolder import clean_temporaries
+    from edgetune.engine.core.runfolder import clean_temporaries
 
     run = tmp_path / "r"
     (run / "checkpoints" / ".step-3.abc.tmp").mkdir(parents=True)
@@ -220,7 +221,7 @@ def test_leftovers_of_a_killed_write_are_removed_on_start(tiny_model_dir, tmp_pa
 
 
 def _user_reward(tmp_path, body):
-    from edgetune.engine.rewards import build_reward
+    from edgetune.engine.training.rewards import build_reward
 
     f = tmp_path / "reward.py"
     f.write_text("import math, time\n\ndef reward(completion, answer, row):\n" + body)
@@ -228,7 +229,7 @@ def _user_reward(tmp_path, body):
 
 
 def test_user_reward_that_raises_hangs_or_returns_nan_costs_only_that_completion(tmp_path, monkeypatch):
-    from edgetune.engine import rewards
+    from edgetune.engine.training import rewards
 
     monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 0.5)
     r = _user_reward(tmp_path, "    if completion == 'raise': raise KeyError('no such key')\n"
@@ -248,7 +249,7 @@ def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeyp
     """The limit is a kill of the reward's process: a function that swallows every
     exception and retries forever costs its completion reward 0 within the limit, and
     the next completion is scored by a fresh process."""
-    from edgetune.engine import rewards
+    from edgetune.engine.training import rewards
 
     monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 0.5)
     r = _user_reward(tmp_path, "    print('scoring', completion)  # prints go to the log, not the scores\n"
@@ -268,8 +269,8 @@ def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeyp
 
 
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
-    from edgetune.engine import rewards
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.training import rewards
+    from edgetune.engine.core.errors import ConfigError
 
     r = _user_reward(tmp_path, "    import sys\n    sys.exit(3)\n")
     with pytest.raises(rewards.RewardFailing) as e:
@@ -282,7 +283,7 @@ def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path
 
 
 def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatch):
-    from edgetune.engine import rewards
+    from edgetune.engine.training import rewards
 
     monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 3)
     r = _user_reward(tmp_path, "    return 1.0 if completion == 'ok' else 1 / 0\n")
@@ -294,7 +295,8 @@ def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatc
 
 
 def test_fgrpo_run_with_a_broken_reward_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
-    from edgetune.engine import fgrpo, rewards
+    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.training import rewards
 
     monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 5)
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
@@ -447,7 +449,7 @@ def test_app_killed_while_a_run_trains_the_run_goes_on(tiny_model_dir, tmp_path)
     (tmp_path / "cfg.yaml").write_text(cfg.to_yaml())
     app = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from edgetune.engine import api\n"
+        "from edgetune.engine.run import api\n"
         f"run = api.start(api.resolve(config={str(tmp_path / 'cfg.yaml')!r}), name='r')\n"
         "print(run.path, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
@@ -475,7 +477,7 @@ def test_app_killed_while_a_run_trains_the_run_goes_on(tiny_model_dir, tmp_path)
 def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_path):
     import torch.nn.modules.module as module_lib
 
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2})
     path = tmp_path / "r"
@@ -505,7 +507,7 @@ def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_pat
 
 
 def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, tmp_path):
-    from edgetune.engine import fgrpo
+    from edgetune.engine.methods import fgrpo
     from test_fgrpo import config
 
     files = tmp_path / "files"
@@ -533,7 +535,8 @@ def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, t
 def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
     """sft.batch_size=1e9 and lora.r=1e6 on the CPU: one line naming the settings, before
     the data check or the model load starts (no phase event), not gigabytes later."""
-    from edgetune.engine import planner, worker
+    from edgetune.engine.planning import planner
+    from edgetune.engine.run import worker
 
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
@@ -559,15 +562,15 @@ def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
 
 def test_the_quickstarts_are_not_refused_on_a_small_machine():
     """The refusal is for settings typed wrong: every quick start passes on a 4 GiB machine."""
-    from edgetune.engine import planner
+    from edgetune.engine.planning import planner
 
     for preset in ("sft-quickstart", "fgrpo-quickstart", "essa-quickstart"):
         planner.refuse_far_beyond(settings.resolve(preset=preset), "cpu", memory=4 * 2**30)
 
 
 def test_a_seed_beyond_numpy_and_torch_is_one_line():
-    from edgetune.engine.errors import ConfigError
-    from edgetune.engine.loop import MAX_SEED, micro_batch_indices, seed_everything
+    from edgetune.engine.core.errors import ConfigError
+    from edgetune.engine.training.loop import MAX_SEED, micro_batch_indices, seed_everything
 
     with pytest.raises(ConfigError) as e:
         seed_everything(2**70)

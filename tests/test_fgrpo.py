@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from edgetune.engine import fgrpo
-from edgetune.engine.settings import resolve
+from edgetune.engine.methods import fgrpo
+from edgetune.engine.core.settings import resolve
 from inline_run import run_inline
 
 # Depends on every character, so rewards differ within groups even for a random model.
@@ -45,8 +45,8 @@ def run_fgrpo(cfg, path, stop_after=0, resume=False):
 
 
 def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp_path):
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.generation.rollouts import generate
 
     cfg = config(tiny_model_dir, rl_files, tmp_path)
     model, tok, _ = model_lib.load(cfg)
@@ -166,8 +166,8 @@ ADV = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
 def fixed_rollouts(cfg, lengths):
     """The tiny model with random LoRA B factors, and 8 sampled completions cut to `lengths`,
     whose old log-probs are a little off (the ratio is not 1)."""
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.rollouts import generate
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.generation.rollouts import generate
 
     model, tok, _ = model_lib.load(cfg)
     with torch.no_grad():
@@ -301,7 +301,7 @@ def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
     out = fgrpo.evaluate_adapter(cfg, str(run.adapter))
     assert out["prompts"] == 3 and {"success_rate", "pass@1", "pass@2"} <= out.keys()
     assert out["pass@1"] == pytest.approx(metrics["pass@1_end"])  # same seed, same adapter
-    from edgetune.engine.errors import ConfigError
+    from edgetune.engine.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="adapter_config.json"):
         fgrpo.evaluate_adapter(cfg, str(tmp_path))

@@ -9,10 +9,10 @@ from pathlib import Path
 import yaml
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from edgetune.engine import config_files
+from edgetune.engine.core import config_files
 from edgetune.engine import data as data_lib
-from edgetune.engine import settings as S
-from edgetune.engine.errors import EdgetuneError
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
 
 FUZZ = hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

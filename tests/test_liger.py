@@ -1,4 +1,4 @@
-"""engine/liger.py: Liger's fused RMSNorm / SwiGLU / RoPE give the same loss and the same
+"""engine/models/liger.py: Liger's fused RMSNorm / SwiGLU / RoPE give the same loss and the same
 LoRA gradients as the transformers code, with PEFT LoRA on all 7 projections.
 
 The Triton kernels run on the CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it).
@@ -14,10 +14,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from edgetune.engine import liger  # noqa: E402
-from edgetune.engine.errors import ModelError  # noqa: E402
-from edgetune.engine.model import add_lora  # noqa: E402
-from edgetune.engine.settings import LoraSettings  # noqa: E402
+from edgetune.engine.models import liger  # noqa: E402
+from edgetune.engine.core.errors import ModelError  # noqa: E402
+from edgetune.engine.models.model import add_lora  # noqa: E402
+from edgetune.engine.core.settings import LoraSettings  # noqa: E402
 
 pytest.importorskip("liger_kernel", reason="liger-kernel is a Linux dependency of edgetune")
 
@@ -238,7 +238,7 @@ def test_planner_counts_what_a_liger_layer_saves(tmp_path, embedded_dir, restore
 
     from layer_probe import saved_bytes_of_first_layer, tiny_nf4_qwen2
 
-    from edgetune.engine import planner
+    from edgetune.engine.planning import planner
 
     model, c = tiny_nf4_qwen2(tmp_path, embedded_dir)
     assert liger.apply(model, "on") == "applied: rms_norm, swiglu, rope"

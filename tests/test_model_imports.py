@@ -1,4 +1,4 @@
-"""engine/model.import_bitsandbytes: bitsandbytes without its import-time compiler cost."""
+"""engine/models/model.import_bitsandbytes: bitsandbytes without its import-time compiler cost."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from edgetune.engine import model as model_lib
+from edgetune.engine.models import model as model_lib
 
 
 def test_deferred_compile_compiles_on_first_call_only():
@@ -42,7 +42,7 @@ def test_bitsandbytes_import_leaves_the_compiler_unimported():
     code = (
         "import sys, torch\n"
         "real = torch.compile\n"
-        "from edgetune.engine import model\n"
+        "from edgetune.engine.models import model\n"
         "bnb = model.import_bitsandbytes()\n"
         "print(bnb.__name__, torch.compile is real, 'torch._inductor.compile_fx' in sys.modules)\n"
     )

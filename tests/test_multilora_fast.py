@@ -1,5 +1,5 @@
-"""K ESSA candidates in one fast-loop generate call (engine/fast_decode.py with
-engine/multilora.py): the same tokens and log-probs as each candidate decoded alone, on
+"""K ESSA candidates in one fast-loop generate call (engine/generation/fast_decode.py with
+engine/training/multilora.py): the same tokens and log-probs as each candidate decoded alone, on
 the module path and on the packed step, and the same ESSA fitness as sequential
 evaluation. Tiny random Llama / Qwen2 in fp32 on the CPU (the fast step runs eagerly)."""
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgetune.engine import essa
-from edgetune.engine.essa_space import SVDSpace
-from edgetune.engine.multilora import batched_lora
-from edgetune.engine.rollouts import generate
-from edgetune.engine.settings import ESSASettings
+from edgetune.engine.methods import essa
+from edgetune.engine.methods.essa_space import SVDSpace
+from edgetune.engine.training.multilora import batched_lora
+from edgetune.engine.generation.rollouts import generate
+from edgetune.engine.core.settings import ESSASettings
 
 K, P, NEW = 3, 2, 8
 

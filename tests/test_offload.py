@@ -1,11 +1,11 @@
-"""Activation offload (engine/offload.py): the offloading checkpoint gives the same loss
+"""Activation offload (engine/models/offload.py): the offloading checkpoint gives the same loss
 and LoRA gradients as transformers' own gradient checkpointing, dropout included."""
 
 import pytest
 import torch
 
-from edgetune.engine import offload
-from edgetune.engine.lm_loss import causal_lm_loss
+from edgetune.engine.models import offload
+from edgetune.engine.training.lm_loss import causal_lm_loss
 
 
 def _lora_model(dropout):

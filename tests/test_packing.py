@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from edgetune.engine.data import collate
-from edgetune.engine.lm_loss import backbone_and_head, causal_lm_loss
-from edgetune.engine.packing import collate_packed
+from edgetune.engine.training.lm_loss import backbone_and_head, causal_lm_loss
+from edgetune.engine.data.packing import collate_packed
 
 
 @dataclass
@@ -92,10 +92,11 @@ def test_packed_loss_and_gradients_equal_padded(sparse_head):
 
 
 def _first_losses(model_dir, path, packing):
-    from edgetune.engine import settings, sft
-    from edgetune.engine.events import EventWriter, read_events
-    from edgetune.engine.loop import RunContext
-    from edgetune.engine.runfolder import RunDir
+    from edgetune.engine.core import settings
+    from edgetune.engine.methods import sft
+    from edgetune.engine.core.events import EventWriter, read_events
+    from edgetune.engine.training.loop import RunContext
+    from edgetune.engine.core.runfolder import RunDir
 
     cfg = settings.from_dict({
         "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": True},

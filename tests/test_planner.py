@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from edgetune.engine import planner
-from edgetune.engine.errors import ModelError
-from edgetune.engine.settings import resolve
+from edgetune.engine.planning import planner
+from edgetune.engine.core.errors import ModelError
+from edgetune.engine.core.settings import resolve
 
 GiB = 1024**3
 QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -84,7 +84,7 @@ def test_unknown_hub_id_says_so():
 
 
 def test_import_loads_no_torch():
-    code = "import sys, edgetune.engine.planner as p; print('torch' in sys.modules)"
+    code = "import sys, edgetune.engine.planning.planner as p; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -99,8 +99,8 @@ def test_static_part_matches_a_loaded_nf4_model(tmp_path, embedded_dir):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.loop import make_optimizer
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.training.loop import make_optimizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,

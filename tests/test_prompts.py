@@ -1,4 +1,4 @@
-"""One prompt renderer (engine/prompts.py): SFT data, RL rows, the rollouts and the chat
+"""One prompt renderer (engine/data/prompts.py): SFT data, RL rows, the rollouts and the chat
 panel give the model the same tokens for the same messages, with and without a chat
 template, with and without data.system_prompt."""
 
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from edgetune.engine import data as D
-from edgetune.engine import prompts
-from edgetune.engine.chat import _Chat
-from edgetune.engine.rollouts import render_prompts
-from edgetune.engine.settings import DataSettings
+from edgetune.engine.data import prompts
+from edgetune.engine.generation.chat import _Chat
+from edgetune.engine.generation.rollouts import render_prompts
+from edgetune.engine.core.settings import DataSettings
 
 CONVERSATIONS = [
     "What is 2 plus 3?",
@@ -23,7 +23,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module", params=["template", "plain"])
 def tok(request):
-    from edgetune.engine.model import embedded_model_dir, load_tokenizer
+    from edgetune.engine.models.model import embedded_model_dir, load_tokenizer
 
     t = load_tokenizer(str(embedded_model_dir()))
     if request.param == "plain":  # a base model's tokenizer: no chat template

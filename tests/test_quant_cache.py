@@ -1,4 +1,4 @@
-"""The quantised-base cache (engine/quant_cache.py): the first NF4 load of a local folder
+"""The quantised-base cache (engine/models/quant_cache.py): the first NF4 load of a local folder
 stores the 4-bit weights, the second loads them without quantising and computes the same
 logits; a changed source file or quantisation setting gives another entry; a failed store
 leaves none."""
@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from edgetune.engine import model as model_lib
-from edgetune.engine import quant_cache
-from edgetune.engine.settings import ModelSettings
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.models import quant_cache
+from edgetune.engine.core.settings import ModelSettings
 
 
 @pytest.fixture()
@@ -181,8 +181,8 @@ def test_a_gguf_met_by_several_processes_at_once_is_dequantised_once(tmp_path, m
     gguf.write_bytes(b"GGUF")
     code = textwrap.dedent(f"""
         import time
-        from edgetune.engine import model
-        from edgetune.engine.runfolder import atomic_dir
+        from edgetune.engine.models import model
+        from edgetune.engine.core.runfolder import atomic_dir
 
         def dequantise(gguf, out):  # the real one takes 10-30 CPU-seconds
             with open({str(tmp_path / 'calls')!r}, "a") as f:

@@ -1,7 +1,7 @@
 import pytest
 
-from edgetune.engine.errors import ConfigError
-from edgetune.engine.rewards import build_reward, extract_for_grader, numbers
+from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.training.rewards import build_reward, extract_for_grader, numbers
 
 
 def rows(*answers, **extra):

@@ -9,10 +9,10 @@ tokens differ by up to ~0.1 in log-prob there (measured), whatever the decode lo
 import pytest
 import torch
 
-from edgetune.engine.decoding import top_p_filter
-from edgetune.engine.model import add_lora, load_base
-from edgetune.engine.rollouts import generate, left_pad, render_prompts
-from edgetune.engine.settings import LoraSettings, ModelSettings
+from edgetune.engine.generation.decoding import top_p_filter
+from edgetune.engine.models.model import add_lora, load_base
+from edgetune.engine.generation.rollouts import generate, left_pad, render_prompts
+from edgetune.engine.core.settings import LoraSettings, ModelSettings
 
 PROMPTS = ["What is 3 plus 4?", "Hi", "Name a colour. Answer in one word only please, and be quick about it."]
 
@@ -193,7 +193,7 @@ def test_static_loop_through_lora_and_chunks(lora):
 def test_packed_step_through_lora(lora):
     # bf16_weights=True on a plain fp32 model packs fp32 copies (q|k|v, gate|up, stacked
     # LoRA factors): the packed step must reproduce the module path's tokens and log-probs.
-    from edgetune.engine.multilora import batched_lora
+    from edgetune.engine.training.multilora import batched_lora
 
     model, tok = lora
     kw = dict(num_generations=2, max_new_tokens=10, temperature=0.9, seed=11)

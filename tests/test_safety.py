@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from edgetune.engine.errors import EdgetuneError
-from edgetune.engine.export import EXPORT_MARKER, export
+from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.models.export import EXPORT_MARKER, export
 
 
 def edgetune(*args, cwd=None, timeout=300):
@@ -122,7 +122,7 @@ def _train_args(runs, model_dir, *extra):
 
 
 def test_two_trains_started_together_one_is_refused(tmp_path, tiny_model_dir):
-    from edgetune.engine import api
+    from edgetune.engine.run import api
 
     runs = tmp_path / "runs"  # does not exist yet
     cmd = [sys.executable, "-m", "edgetune.engine.cli", *_train_args(runs, tiny_model_dir)]
@@ -150,8 +150,8 @@ def test_two_trains_started_together_one_is_refused(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["..", "../escape", "/tmp/abs", "a/b", ".hidden", "", " ", "a\\b"])
 def test_run_names_are_one_path_component(tmp_path, name):
-    from edgetune.engine import api
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.run import api
+    from edgetune.engine.core.settings import resolve
 
     runs = tmp_path / "deep" / "runs"
     p = edgetune("train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--name", name, timeout=60)
@@ -168,7 +168,7 @@ def test_run_names_are_one_path_component(tmp_path, name):
 
 
 def test_nul_in_run_name_is_refused():
-    from edgetune.engine.runfolder import check_run_name
+    from edgetune.engine.core.runfolder import check_run_name
 
     with pytest.raises(EdgetuneError, match="run.name"):
         check_run_name("a\0b")
@@ -333,7 +333,8 @@ def test_a_reward_file_in_an_upload_folder_is_never_run(served, capsys):
     """However a start arrives (the app's Start, the API, the CLI), a reward_file that lies
     in the app's upload folders is refused in one line and no run folder is made."""
     from edgetune.app import form
-    from edgetune.engine import api, cli
+    from edgetune.engine.run import api
+    from edgetune.engine import cli
 
     demo, _, _, root = served
     page, runs = demo.edgetune_page, root / "runs"
@@ -440,7 +441,7 @@ def other_base_adapter(tmp_path_factory, tiny_model_dir):
 
 
 def test_adapter_of_another_base_names_the_base_it_expects(other_base_adapter, tiny_model_dir):
-    from edgetune.engine.chat import _Chat
+    from edgetune.engine.generation.chat import _Chat
 
     adapter, base = other_base_adapter / "adapter", other_base_adapter / "base"
     p = edgetune("eval", "--preset", "fgrpo-quickstart", "--set", f"model.name={tiny_model_dir}",
@@ -457,8 +458,8 @@ def test_two_starts_in_one_app_process_one_is_refused(tmp_path, tiny_model_dir):
     """Two browser tabs pressing Start reach api.start on two threads of the one app process."""
     import threading
 
-    from edgetune.engine import api
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.run import api
+    from edgetune.engine.core.settings import resolve
 
     runs = tmp_path / "runs"
     cfg = [resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}", f"model.name={tiny_model_dir}",

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from edgetune.engine.lm_loss import causal_lm_loss  # noqa: E402
+from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
 from edgetune.kernels import sebp  # noqa: E402
 
 torch.set_num_threads(1)
@@ -453,7 +453,7 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
 # Triton: a whole model in the interpreter
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 def test_whole_model_under_bf16_autocast(tiny_dir, backend):
-    """The engine's CUDA training forward runs under bf16 autocast (engine/model.autocast);
+    """The engine's CUDA training forward runs under bf16 autocast (engine/models/model.autocast);
     SEBP must take its sparse backward there too and agree with autograd of the same
     autocast forward to bf16 rounding. (CPU autocast stands in for CUDA's here.)"""
     model = load_nf4_lora(tiny_dir, checkpointing=True)

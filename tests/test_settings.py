@@ -2,9 +2,9 @@
 
 import pytest
 
-from edgetune.engine import settings
-from edgetune.engine.config_files import list_presets
-from edgetune.engine.errors import ConfigError
+from edgetune.engine.core import settings
+from edgetune.engine.core.config_files import list_presets
+from edgetune.engine.core.errors import ConfigError
 
 DECLARED = settings.declared()
 CHOICES = {k: f.metadata["choices"] for k, f in DECLARED.items() if f.metadata["choices"]}
@@ -142,7 +142,7 @@ def test_sebp_reads_old_spellings_as_words():
 
 
 def test_reward_names_are_the_ones_rewards_implements():
-    from edgetune.engine import rewards
+    from edgetune.engine.training import rewards
 
     assert sorted(rewards.KNOWN) == sorted(settings.REWARD_NAMES)
     for name in ("math", "length_penalty:200", "rg:basic_arithmetic", "file"):
@@ -189,12 +189,12 @@ def test_numbers_that_would_break_a_run_are_refused_in_one_line(override, messag
 def test_the_largest_seed_is_one_every_consumer_takes():
     import numpy as np
 
-    from edgetune.engine.essa import make_es
-    from edgetune.engine.loop import seed_everything
+    from edgetune.engine.methods.essa import make_es
+    from edgetune.engine.training.loop import seed_everything
 
     top = settings.resolve(overrides=["run.seed=4294967294"]).run.seed
     seed_everything(top)
-    np.random.seed(top + 1)  # CMA-ES is handed seed + 1 (engine/essa.py)
+    np.random.seed(top + 1)  # CMA-ES is handed seed + 1 (engine/methods/essa.py)
     make_es(4, settings.ESSASettings(population=4), top)
     with pytest.raises(ConfigError, match="run.seed must be in"):
         settings.resolve(overrides=[f"run.seed={top + 1}"])

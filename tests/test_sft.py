@@ -7,13 +7,13 @@ import sys
 import pytest
 import torch
 
-from edgetune.engine.events import read_events
-from edgetune.engine.runfolder import RunDir
+from edgetune.engine.core.events import read_events
+from edgetune.engine.core.runfolder import RunDir
 from inline_run import run_inline, sft_config
 
 
 def _run(cfg, path, stop_after=0, resume=False):
-    from edgetune.engine import sft
+    from edgetune.engine.methods import sft
 
     return run_inline(sft.train, cfg, path, stop_after=stop_after, resume=resume)[2]
 
@@ -41,8 +41,8 @@ def test_resume_continues_with_identical_losses(tiny_model_dir, tmp_path):
 def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
     from peft import PeftModel
 
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.export import write_adapter
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.models.export import write_adapter
 
     cfg = sft_config(tiny_model_dir, tmp_path)
     model, tok, base_path = model_lib.load(cfg)
@@ -72,8 +72,8 @@ def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
 
 def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
     """Our sparse-head loss equals transformers' own loss on the same batch."""
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.lm_loss import causal_lm_loss
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.training.lm_loss import causal_lm_loss
 
     cfg = sft_config(tiny_model_dir, tmp_path)
     model, tok, _ = model_lib.load(cfg)
@@ -97,9 +97,9 @@ def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
 def test_gradient_accumulation_weighs_every_label_token_the_same(tiny_model_dir, tmp_path):
     """batch 8 == 4 x grad_accum 2 == 2 x grad_accum 4, on rows of very different lengths."""
     from edgetune.engine import data as data_lib
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.lm_loss import causal_lm_loss
-    from edgetune.engine.sft import accumulate
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.training.lm_loss import causal_lm_loss
+    from edgetune.engine.methods.sft import accumulate
 
     cfg = sft_config(tiny_model_dir, tmp_path, model={"quant": "none"})
     model, tok, _ = model_lib.load(cfg)

@@ -1,4 +1,4 @@
-"""engine/startup.py and its use in engine/model.load: the garbage collector comes back on
+"""engine/models/startup.py and its use in engine/models/model.load: the garbage collector comes back on
 after start-up whatever happens, and an error of the side-thread import reaches the caller."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import textwrap
 
 import pytest
 
-from edgetune.engine import model as model_lib
-from edgetune.engine import startup
-from edgetune.engine.errors import ModelError
-from edgetune.engine.settings import from_dict
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.models import startup
+from edgetune.engine.core.errors import ModelError
+from edgetune.engine.core.settings import from_dict
 
 
 @pytest.fixture(autouse=True)
@@ -130,7 +130,7 @@ def test_load_raises_the_side_import_error_with_gc_on(bad_module, tmp_path, monk
 
 
 def _run_folder(tmp_path, model: str):
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.core.settings import resolve
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1 plus 2?", "completion": "3"}\n')
@@ -145,7 +145,7 @@ def _run_folder(tmp_path, model: str):
 def _worker_run(run) -> int:
     import signal
 
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     term = signal.getsignal(signal.SIGTERM)
     try:
@@ -157,7 +157,8 @@ def _worker_run(run) -> int:
 def test_worker_imports_with_gc_off_and_trains_with_it_on(tmp_path, monkeypatch):
     """The worker's imports run with the collector off; the method's train (which loads the
     model, here a missing one) starts with it on again; the run fails as an input error."""
-    from edgetune.engine import sft, worker
+    from edgetune.engine.methods import sft
+    from edgetune.engine.run import worker
 
     seen = {}
     real_module, real_train = worker.method_module, sft.train
@@ -182,7 +183,7 @@ def test_worker_imports_with_gc_off_and_trains_with_it_on(tmp_path, monkeypatch)
 
 
 def test_worker_gc_back_on_when_its_imports_fail(tmp_path, monkeypatch):
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     def broken(method):
         assert not gc.isenabled()

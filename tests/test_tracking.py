@@ -10,10 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from edgetune.engine import api, sft, worker
-from edgetune.engine.errors import ConfigError
-from edgetune.engine.events import read_events
-from edgetune.engine.settings import resolve
+from edgetune.engine.run import api, worker
+from edgetune.engine.methods import sft
+from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.events import read_events
+from edgetune.engine.core.settings import resolve
 from inline_run import sft_config
 
 SFT_TAGS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/host_rss",
@@ -176,7 +177,7 @@ def test_fgrpo_scalars_in_tensorboard_equal_the_events(tiny_model_dir, tmp_path)
 
 
 def test_essa_tags_and_its_warm_start_run_under_their_own_steps():
-    from edgetune.engine.tracking import scalars
+    from edgetune.engine.run.tracking import scalars
 
     gen = {"i": 9, "time": 1.0, "type": "step", "step": 3, "total": 8, "elapsed": 2.0, "eta": None, "best": 0.75,
            "mean": 0.5, "std": 0.1, "sigma": 0.2, "best_so_far": 0.75, "seconds": 1.5, "host_rss": 10,

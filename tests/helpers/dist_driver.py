@@ -22,8 +22,8 @@ def inputs(tok_pad: int):
 def rollouts(model, pad: int, P: int = 4, G: int = 4):
     """A fixed rollout batch of P prompts x G completions, left-padded prompts, completions
     of different lengths, and sampling log-probs near the model's own."""
-    from edgetune.engine.fgrpo import completion_logprobs
-    from edgetune.engine.rollouts import RolloutBatch
+    from edgetune.engine.methods.fgrpo import completion_logprobs
+    from edgetune.engine.generation.rollouts import RolloutBatch
 
     g = torch.Generator().manual_seed(2)
     B, Lp, Lc = P * G, 7, 9
@@ -50,13 +50,13 @@ def rollouts(model, pad: int, P: int = 4, G: int = 4):
 
 
 def main(out: str, model_dir: str) -> None:
-    from edgetune.engine import distributed as dist
+    from edgetune.engine.core import distributed as dist
     from edgetune.engine import data as data_lib
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.fgrpo import policy_update
-    from edgetune.engine.loop import make_optimizer, make_scheduler, seed_everything
-    from edgetune.engine.settings import FGRPOSettings, resolve
-    from edgetune.engine.sft import accumulate
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.engine.training.loop import make_optimizer, make_scheduler, seed_everything
+    from edgetune.engine.core.settings import FGRPOSettings, resolve
+    from edgetune.engine.methods.sft import accumulate
 
     dist.init()
     seed_everything(0)

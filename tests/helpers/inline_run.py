@@ -3,10 +3,10 @@ does, with an optional stop request once step `stop_after` has been reported; an
 small SFT config the method tests train the tiny model with; the tiny model with a
 warm-start adapter and an addition task that the ESSA tests start from."""
 
-from edgetune.engine import settings
-from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.loop import RunContext
-from edgetune.engine.runfolder import RunDir
+from edgetune.engine.core import settings
+from edgetune.engine.core.events import EventWriter, read_events
+from edgetune.engine.training.loop import RunContext
+from edgetune.engine.core.runfolder import RunDir
 
 
 def run_inline(train, cfg, path, stop_after=0, resume=False):

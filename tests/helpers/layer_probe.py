@@ -1,5 +1,5 @@
 """What one decoder layer keeps for its backward: the bytes autograd saves inside it,
-for checking engine/planner.py's layer_activation_bytes against a real model
+for checking engine/planning/planner.py's layer_activation_bytes against a real model
 (tests/test_planner.py without Liger, tests/test_liger.py with it)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ def tiny_nf4_qwen2(folder, embedded_dir):
     engine in NF4 with bf16 compute on the CPU and LoRA r=16 on all 7 projections."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from edgetune.engine import model as model_lib
-    from edgetune.engine.settings import resolve
+    from edgetune.engine.models import model as model_lib
+    from edgetune.engine.core.settings import resolve
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,

@@ -1,0 +1,47 @@
+"""User data -> validated token rows (SFT) or prompt/answer rows (RL), with a report.
+
+Three modules by concern, gathered here (callers import `engine.data`):
+
+    engine/data/files.py   reading files: formats, encodings, embedded sets, row errors,
+                           the train / held-out split and the ValidationReport
+    engine/data/sft.py     SFT: conversations rendered (engine/data/prompts.py), tokenised,
+                           prompts masked out of the labels; `collate`
+    engine/data/rl.py      RL: prompt/answer rows, prompt lengths as the rollouts render them
+
+Every row is checked before any training starts: a bad row is a one-line `DataError`
+naming the file, the row and the problem; `bad_rows` names every bad row, not only the
+first (the app's data check).
+"""
+
+from __future__ import annotations
+
+from edgetune.engine.data.files import (EMBEDDED, EMBEDDED_EVAL, EXPECTED_COLUMNS, FORMATS, ValidationReport,
+                                        detect_format, format_for, iter_rows, preview, read_rows, report_dict,
+                                        resolve_data_path)
+from edgetune.engine.data.rl import DROP_LONG_PROMPT, RLData, load_rl, rl_rows
+from edgetune.engine.data.sft import (DROP_LONG, DROP_NO_TARGET, IGNORE, SFTData, SFTExample, collate,
+                                      load_sft, tokenize_rows)
+from edgetune.engine.core.errors import DataError
+
+__all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE", "DROP_LONG", "DROP_NO_TARGET",
+           "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
+           "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
+           "collate", "tokenize_rows", "rl_rows", "bad_rows"]
+
+
+def bad_rows(rows, fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list[dict]:
+    """Check rows (a list or an iterator) one at a time with the loaders' own row checks, so
+    that every bad row is named (with its 1-based number), not only the first:
+    [{"row": n, "problem": ...}], at most `limit` of them (0 = all)."""
+    bad = []
+    for n, row in enumerate(rows, start=1):
+        try:
+            if method == "sft":
+                tokenize_rows([row], fmt, tokenizer, ds, ds.path, {"total": 0, "dropped": {}, "truncated": 0})
+            else:
+                rl_rows([row], fmt, ds, ds.path)
+        except DataError as e:
+            bad.append({"row": n, "problem": e.problem})
+            if limit and len(bad) >= limit:
+                break
+    return bad

@@ -1,0 +1,1 @@
+"""Making text: sampling, the plain and the CUDA-graph decode loops, rollouts, chat."""

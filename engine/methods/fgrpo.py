@@ -1,0 +1,443 @@
+"""F-GRPO: group-relative RL with verifiable rewards and focal group weights (docs/methods.md).
+
+    each step:
+        rows   = prompts_per_step prompts (a pure function of seed and step)
+        roll   = rollouts.generate(rows, G each)           adapter on, eval mode, no grad
+        r, ok  = reward.score(roll.texts, rows, roll.truncated)
+        A      = group_advantages(r) * (1 - p̂) ** gamma    p̂ = share of the group that succeeds
+        (focal_normalize: g / its mean over the groups whose rewards differ)
+        (mask_truncated: completions cut at max_new_tokens get A = 0 and leave the loss)
+        num_iterations times:                             one optimizer step each
+            for each micro-batch of the rows with A != 0:
+                logp = log-probs of the completion tokens under the current policy
+                loss = policy_loss(logp, roll.logprobs, A, ...)  ratio against sampling log-probs
+                loss.backward()
+            clip, optimizer.step()
+
+Memory/speed trade-offs:
+- Rollouts decode with a KV cache at inference memory; the backward batch is rebuilt from
+  the sampled ids in `micro_batch_size` rows, each trimmed to its own longest prompt and
+  completion, so activation memory is bounded by the micro-batch, not the rollout batch.
+- Rows whose advantage is exactly zero (groups all right or all wrong) are dropped from
+  the backward when beta = 0: their gradient is exactly zero, and the loss normalisers
+  still count them (grpo_loss.py), so the update equals the full-batch one. With beta > 0
+  they stay (the KL term still pulls them).
+- Log-probs come from the decoder's hidden states projected through lm_head only at
+  completion tokens, in checkpointed chunks: never the [rows, length, vocab] logits.
+- The KL reference is the same model with the adapter switched off
+  (`model.disable_adapter()`): no second copy of the base.
+- Old log-probs are the sampling-time ones (temperature applied, as here); with top_p < 1
+  those are of the truncated nucleus distribution, so ratios start a little below 1.
+
+Determinism: prompts and sampling seeds are functions of (seed, step) and checkpoints hold
+optimizer, scheduler and RNG state, so a resumed run continues as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from edgetune.kernels import sebp as sebp_lib
+
+from edgetune.engine import data as data_lib
+from edgetune.engine.core import distributed as dist
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.core import phases
+from edgetune.engine.planning.effective import LOSS_CHUNK_ROWS, copy_budget, decide, record
+from edgetune.engine.core.errors import ConfigError, DataError
+from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
+from edgetune.engine.training.lm_loss import backbone_and_head
+from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, every, finish,
+                                           load_checkpoint, make_optimizer, make_scheduler,
+                                           micro_batch_indices, save_checkpoint, save_stop_checkpoint,
+                                           seed_everything)
+from edgetune.engine.training.passk import mean_pass_at_k
+from edgetune.engine.planning.planner import arch_of
+from edgetune.engine.training.rewards import Reward, build_reward
+from edgetune.engine.generation.rollouts import RolloutBatch, generate
+from edgetune.engine.core.settings import Config, FGRPOSettings
+
+# Distinct streams for the seeds of training rollouts and held-out evaluation, and for
+# the rollouts of each rank (rank 0's seed is that of a one-process run).
+_TRAIN_STREAM, _EVAL_STREAM, _RANK_STREAM = 1_000_003, 7_919, 1_000_000_007
+
+# Completions cut at max_new_tokens rarely hold their answer, earn no reward and, once a whole
+# group is cut, teach nothing: a run whose rollouts stay cut has stopped learning. On the learning
+# benchmark such runs lost their held-out success (gcd) or gained little (count_bits): warn once
+# when CUT_SHARE or more of every one of the last CUT_STEPS steps' completions were cut.
+CUT_STEPS, CUT_SHARE = 4, 0.9
+
+
+def cut_warning(cut_shares: list[float], cap: int) -> str | None:
+    """The warning for a run whose recent rollouts hit the cap; cut_shares: one per step so far."""
+    last = cut_shares[-CUT_STEPS:]
+    if len(last) < CUT_STEPS or min(last) < CUT_SHARE:
+        return None
+    return (f"{100 * sum(last) / len(last):.0f}% of the completions of the last {CUT_STEPS} steps hit "
+            f"fgrpo.max_new_tokens={cap} and earn no reward, so these steps teach little: raise "
+            f"fgrpo.max_new_tokens, or ask for a shorter answer in the prompt or data.system_prompt")
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(h, weight).float() / temperature
+    return logits.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp=None):
+    """The last hidden state that predicts each completion token: (hs [tokens, H], ys
+    [tokens], keep [B, last], head), the tokens being those of completion_mask in row-major
+    order and `last` the longest completion. Prompts are left-padded, so positions come
+    from the attention mask, as during decoding. With `sebp` (the handle of
+    kernels/sebp.enabled) the backward skips the padding rows of the trimmed batch."""
+    P = prompt_ids.shape[1]
+    # Trim columns that are padding in every row of this batch: less work, same values.
+    first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else P
+    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 0
+    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
+    attn = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    if sebp is not None:  # the rows of the batch as trimmed here: SEBP matches them by shape
+        sebp.set_active_rows(attn.bool())
+    _, decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    p = P - first
+    h = hidden[:, p - 1 : p - 1 + last]  # position t predicts completion token t
+    keep = completion_mask[:, :last].bool()
+    return h[keep], completion_ids[:, :last][keep], keep, head
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
+    """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
+    logits divided by `temperature` as at sampling time (see completion_hidden)."""
+    B, T = completion_ids.shape
+    hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp)
+    parts = []
+    for s in range(0, hs.shape[0], chunk_rows):
+        args = (hs[s : s + chunk_rows], head.weight, ys[s : s + chunk_rows], temperature)
+        # Recompute each chunk's logits in the backward instead of storing [tokens, vocab].
+        parts.append(checkpoint(_chunk_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _chunk_logp(*args))
+    out = torch.zeros(keep.shape, dtype=torch.float32, device=hs.device)
+    if parts:
+        out = out.masked_scatter(keep, torch.cat(parts))
+    return F.pad(out, (0, T - keep.shape[1]))
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+class _Stopped(Exception):
+    pass
+
+
+def eval_passes(s: FGRPOSettings, greedy: bool = True) -> int:
+    return int(greedy) + int(s.eval_k > 0)
+
+
+@torch.no_grad()
+def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
+             seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None) -> dict | None:
+    """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
+    pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
+    The sampling seed is fixed, so before/after compare on the same random numbers.
+
+    Rows are decoded in chunks of one training rollout batch (a size the run already
+    fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
+    when it returns True: a stop asked for during a long evaluation ends it there.
+    memory_budget: rollouts.generate's (effective.copy_budget)."""
+    out: dict = {"prompts": len(rows)}
+    prompts = [r["prompt"] for r in rows]
+    chunk_rows = max(1, s.prompts_per_step * s.num_generations)
+
+    def chunks(per_prompt: int, offset: int) -> dict:
+        # The same chunks with or without progress: sampled metrics depend on them.
+        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "memory_budget": memory_budget}
+        if tick is None:
+            return size
+
+        def on_chunk(idx):
+            if tick(offset + idx[0] // per_prompt):
+                raise _Stopped
+        return {**size, "on_chunk": on_chunk}
+
+    try:
+        return _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick)
+    except _Stopped:
+        return None
+
+
+def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick):
+    done = 0
+    if greedy:
+        roll = generate(model, tok, prompts, max_new_tokens=s.max_new_tokens, greedy=True,
+                        system_prompt=system_prompt, **chunks(1, 0))
+        done = len(rows)
+        sc = reward.score(roll.texts, rows, roll.truncated, threshold=s.success_threshold)
+        out["success_rate"] = sum(sc.success) / len(rows)
+        out["reward"] = sum(sc.rewards) / len(rows)
+    if s.eval_k > 0:
+        n = 2 * s.eval_k
+        roll = generate(model, tok, prompts, num_generations=n, max_new_tokens=s.max_new_tokens,
+                        temperature=s.temperature, top_p=s.top_p, seed=seed * _EVAL_STREAM + 1,
+                        system_prompt=system_prompt, **chunks(n, done))
+        sc = reward.score(roll.texts, [rows[i] for i in roll.prompt_index], roll.truncated,
+                          threshold=s.success_threshold)
+        counts = [(n, sum(sc.success[i * n : (i + 1) * n])) for i in range(len(rows))]
+        out["pass@1"] = mean_pass_at_k(counts, 1)
+        out[f"pass@{s.eval_k}"] = mean_pass_at_k(counts, s.eval_k)
+        done += len(rows)
+    if tick is not None:
+        tick(done)
+    return out
+
+
+def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
+    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
+    ("" = the base alone, for a before/after comparison in the same precision).
+    `progress(prompts_done, total)` as the evaluation advances."""
+    cfg = copy.deepcopy(cfg)
+    check_seed(cfg.run.seed)  # its sampling streams come from it
+    if adapter_path:
+        if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
+            adapter_path = str(Path(adapter_path) / "adapter")
+        if not (Path(adapter_path) / "adapter_config.json").is_file():
+            raise ConfigError(f"not an adapter folder (no adapter_config.json): {adapter_path}")
+        cfg.lora = replace(cfg.lora, init_from=str(adapter_path))
+    cfg.model = replace(cfg.model, gradient_checkpointing=False)
+    model, tok, _ = model_lib.load(cfg)
+    model.eval()
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
+    rows = data.eval[: cfg.fgrpo.eval_prompts] if cfg.fgrpo.eval_prompts else data.eval
+    if not rows:
+        raise DataError("no held-out rows to evaluate on (set data.eval_fraction or data.eval_path)",
+                        file=cfg.data.path)
+    reward = build_reward(cfg.fgrpo.reward, cfg.fgrpo.reward_file)
+    total = len(rows) * eval_passes(cfg.fgrpo)
+    tick = (lambda done: progress(done, total)) if progress is not None else None
+    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed, tick=tick,
+                       memory_budget=copy_budget(cfg))
+    return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _rows_of(roll: RolloutBatch, idx: torch.Tensor) -> tuple:
+    return (roll.prompt_ids[idx], roll.prompt_mask[idx], roll.completion_ids[idx], roll.completion_mask[idx])
+
+
+def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings, optimizer, scheduler,
+                  sebp=None) -> dict:
+    """num_iterations optimizer steps on one rollout batch; returns token-weighted metrics.
+
+    On several ranks `roll` and `adv` are this rank's rows: the loss is normalised by the
+    rows and completion tokens of all ranks, and the gradients are summed over the ranks
+    before each optimizer step, so the update is the one of the whole batch."""
+    N_here = adv.numel()
+    N = int(dist.all_reduce_sum(N_here))
+    mask = roll.completion_mask
+    if s.mask_truncated:  # cut rows: no tokens in the loss nor in its normaliser, no advantage
+        cut = torch.tensor(roll.truncated, dtype=torch.bool, device=mask.device)
+        mask = mask * (~cut).to(mask.dtype)[:, None]
+        adv = adv.masked_fill(cut.to(adv.device), 0.0)
+    num_tokens = dist.all_reduce_sum(float(mask.sum()))
+    # beta = 0: zero-advantage rows give exactly zero gradient (see the module docstring).
+    keep = (adv != 0).nonzero().view(-1) if s.beta == 0 else torch.arange(N_here, device=adv.device)
+    kept = int(dist.all_reduce_sum(keep.numel()))
+    out = {"dropped": N - kept, "loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "ratio": 1.0,
+           "grad_norm": 0.0, "train_tokens": 0, "train_s": 0.0}
+    if kept == 0:  # nothing to learn from: no update, but the schedule keeps time
+        for _ in range(s.num_iterations):
+            scheduler.step()
+        return out
+    t = time.time()
+    mb = s.micro_batch_size if s.micro_batch_size > 0 else max(N_here, 1)
+    chunks = [keep[i : i + mb] for i in range(0, keep.numel(), mb)]
+    ref = {}
+    if s.beta != 0:
+        with torch.no_grad(), model.disable_adapter():
+            for c in chunks:
+                with model_lib.autocast(model):
+                    ref[int(c[0])] = completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    sums = {"kl": 0.0, "clip_ratio": 0.0, "ratio": 0.0, "tokens": 0.0}
+    loss_total, norms = 0.0, []
+    for _ in range(s.num_iterations):
+        for c in chunks:
+            rows = _rows_of(roll, c)
+            with model_lib.autocast(model):
+                logp = completion_logprobs(model, *rows, temperature=s.temperature, sebp=sebp)
+            loss, m = policy_loss(logp, roll.logprobs[c].float(), adv[c], mask[c].float(), s.loss_type,
+                                  s.epsilon, s.epsilon_high, ref_logp=ref.get(int(c[0])), beta=s.beta,
+                                  max_completion_length=s.max_new_tokens, num_sequences=N,
+                                  num_tokens=num_tokens)
+            loss.backward()
+            loss_total += float(loss.detach())
+            for k in ("kl", "clip_ratio", "ratio"):
+                sums[k] += m[k] * m["tokens"]
+            sums["tokens"] += m["tokens"]
+            out["train_tokens"] += int(rows[1].sum() + rows[3].sum())
+        dist.all_reduce_grads(params)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm or float("inf"))))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    if dist.enabled():  # each rank's loss is its share of the whole batch's: they add up
+        parts = dist.all_gather_object([loss_total, out["train_tokens"], *sums.values()])
+        loss_total, out["train_tokens"], *rest = [sum(v) for v in zip(*parts)]
+        sums = dict(zip(sums, rest))
+    denom = max(sums["tokens"], 1.0)
+    out.update(loss=loss_total / s.num_iterations, kl=sums["kl"] / denom, clip_ratio=sums["clip_ratio"] / denom,
+               ratio=sums["ratio"] / denom, grad_norm=sum(norms) / len(norms), train_s=time.time() - t)
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.fgrpo
+    seed_everything(cfg.run.seed)
+    t0 = time.time()
+    if s.loss_type == "cispo" and s.epsilon_high < 1:
+        ctx.emit("warning", message=f"cispo caps the ratio at fgrpo.epsilon_high={s.epsilon_high} (an absolute "
+                                    "value, e.g. 5.0, not a clip width): most tokens will be capped")
+
+    if s.prompts_per_step < dist.world():
+        raise ConfigError(f"fgrpo.prompts_per_step ({s.prompts_per_step}) must be at least the number of ranks "
+                          f"({dist.world()}): each rank samples whole groups of its own prompts")
+    reward = build_reward(s.reward, s.reward_file)  # a bad reward fails before the model loads
+    phases.emit(ctx.emit, "loading")
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
+    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
+    record(ctx.run, cfg, eff)
+    phases.emit(ctx.emit, "data_check")
+    data = data_lib.load_rl(cfg.data, cfg.run.seed, tok, phases.data_progress(ctx.emit))
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        raise DataError("no training rows left after validation", file=cfg.data.path)
+    held_out = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
+    G, sys_prompt = s.num_generations, cfg.data.system_prompt
+
+    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, 0.0, device)
+    scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
+    start_step = 0
+    metrics: dict = {}
+    if ctx.resume is not None:
+        state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
+        start_step, metrics = state["step"], dict(state.get("metrics", {}))
+
+    def held_out_eval(step: int, key: str, phase: str | None = None) -> None:
+        tick = None
+        if phase is not None:
+            unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
+            tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
+        with sebp.lifted():  # generation: the model's own forwards (fast_decode)
+            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick,
+                         memory_budget=copy_budget(cfg))
+        if m is None:  # stopped during the evaluation
+            return
+        for k, v in m.items():
+            if k != "prompts":
+                metrics[f"{k}_{key}"] = v
+        ctx.emit("eval", step=step, **m)
+
+    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+        if start_step == 0 and held_out:
+            held_out_eval(0, "start", "initial_eval")
+
+        phases.emit(ctx.emit, "training")
+        progress = Progress(s.steps, start_step)
+        step, stopped, warned = start_step, False, 0
+        cut_shares: list[float] = []  # per step, for cut_warning (once a run)
+        cut_warned = False
+        while step < s.steps:
+            if ctx.should_stop():
+                stopped = True
+                break
+            t_step = time.time()
+            rows = [data.train[i] for i in micro_batch_indices(len(data.train), s.prompts_per_step, step, cfg.run.seed)]
+            rows = [rows[i] for i in dist.shard(len(rows))]  # this rank's prompts (all of them on one)
+            with sebp.lifted():  # generation: the model's own forwards (fast_decode)
+                roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G,
+                                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                seed=cfg.run.seed * _TRAIN_STREAM + step + dist.rank() * _RANK_STREAM,
+                                system_prompt=sys_prompt, memory_budget=copy_budget(cfg))
+            gen_s = time.time() - t_step
+            row_of = [rows[i] for i in roll.prompt_index]
+            sc = reward.score(roll.texts, row_of, roll.truncated, threshold=s.success_threshold)
+            # Every rank gets the whole step's scores (a few numbers per completion): the
+            # advantages are computed over all of them, then each rank takes its rows.
+            parts = dist.all_gather_object((sc.rewards, sc.success, roll.truncated, sc.errors))
+            first = sum(len(p[0]) for p in parts[:dist.rank()])
+            all_rewards, all_success, all_truncated, all_errors = (sum((list(p[k]) for p in parts), [])
+                                                                   for k in range(4))
+            bad = [e for e in all_errors if e]
+            if bad and warned < 3:
+                warned += 1
+                more = " (further reward warnings are not shown)" if warned == 3 else ""
+                ctx.emit("warning", message=f"reward failed on {len(bad)} of {len(all_errors)} completions: "
+                                            f"{bad[0]}{more}")
+            r = torch.tensor(all_rewards, dtype=torch.float32, device=roll.logprobs.device)
+            ok = torch.tensor(all_success, device=r.device)
+            g = focal_weights(r, G, s.gamma, success=ok, normalize=s.focal_normalize)
+            adv = group_advantages(r, G, s.scale_rewards) * g
+            upd = policy_update(model, roll, adv[first:first + len(sc.rewards)], s, optimizer, scheduler, sebp)
+            check_finite(step + 1, {"loss": upd["loss"], "gradient norm": upd["grad_norm"]},
+                         f"lower fgrpo.lr (now {s.lr:g}) or lora.alpha (now {cfg.lora.alpha:g})"
+                         + ("" if s.max_grad_norm else ", or set fgrpo.max_grad_norm"))
+            step += 1
+
+            p_hat = success_share(ok, G)
+            cut_shares.append(sum(all_truncated) / max(len(all_truncated), 1))  # the step event's truncated
+            if not cut_warned and (msg := cut_warning(cut_shares, s.max_new_tokens)):
+                ctx.emit("warning", message=msg)
+                cut_warned = True
+            gen_tokens = int(dist.all_reduce_sum(int(roll.completion_mask.sum())))
+            metrics.update(reward_mean=float(r.mean()), success_rate=float(ok.float().mean()))
+            if every(cfg.run.log_every, step) or step == s.steps:
+                ctx.emit("step", **progress.fields(step), reward_mean=float(r.mean()),
+                         reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
+                         all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
+                         focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
+                         loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
+                         grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
+                         completion_len=gen_tokens / max(len(all_rewards), 1),
+                         truncated=cut_shares[-1],
+                         gen_tokens_per_s=round(gen_tokens / max(gen_s, 1e-9), 1),
+                         train_tokens_per_s=round(upd["train_tokens"] / max(upd["train_s"], 1e-9), 1),
+                         tokens_per_s=round(gen_tokens / (time.time() - t_step), 1),
+                         gen_s=round(gen_s, 2), train_s=round(upd["train_s"], 2))
+            if every(s.sample_every, step):
+                ctx.emit("sample", step=step, prompt=_prompt_text(rows[0]["prompt"]), completion=roll.texts[0],
+                         reward=sc.rewards[0], answer=str(rows[0].get("answer", "")))
+            if held_out and every(s.eval_every, step) and step < s.steps:
+                held_out_eval(step, "last")
+            if every(cfg.run.checkpoint_every, step) and step < s.steps:
+                save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
+        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
+        if held_out and not stopped:
+            held_out_eval(step, "end", "final_eval")
+    model.eval()
+    phases.emit(ctx.emit, "export")
+    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)

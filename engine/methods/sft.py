@@ -1,0 +1,210 @@
+"""SFT: supervised fine-tuning of a LoRA adapter on a 4-bit base. One loop, top to bottom.
+
+Why our own loop and not TRL's SFTTrainer: a run must resume with bit-identical losses,
+stream our events, stop gracefully between steps, and switch SEBP on per step; the loop
+is 100 lines, which is less than the glue those would take around a Trainer.
+
+Memory/speed trade-offs, each a setting:
+- `model.quant: nf4` stores the base in 4 bits (~0.55 byte/param with double quant);
+  compute happens in bf16 after dequantising each layer's weight on the fly.
+- `model.gradient_checkpointing`: recompute each block's activations in the backward
+  (about a third more compute) instead of storing them.
+- Precision: on CUDA the forward runs under bf16 autocast (engine/models/model.autocast): LoRA
+  factors are kept and updated in fp32, their products run in bf16.
+- `sft.optimizer: auto`: fused AdamW (8 bytes of fp32 state per trainable parameter; one
+  kernel for all of them). `paged_adamw_8bit` keeps 2 bytes per parameter paged out
+  under memory pressure, and slows every step in its per-tensor kernels.
+- Loss: logits are computed only at positions with a label (engine/training/lm_loss.py), never
+  the full [tokens x vocab] matrix.
+- `model.liger`: Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (less activation
+  memory, fewer elementwise kernels, same math).
+- `sft.packing`: rows laid end to end, no padding (engine/data/packing.py); on CUDA attention
+  then runs through flex_attention with a block-diagonal mask (`model.attn_implementation`).
+- `sft.sebp`: the exact sparsity-exploiting backward (kernels/sebp.py) skips the rows of
+  padding tokens in every linear layer's backward; on by default with CUDA.
+
+Determinism: the order of examples is a pure function of (seed, micro-batch index), and
+checkpoints hold optimizer, scheduler and RNG state, so a resumed run continues with the
+same losses as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from edgetune.kernels import sebp as sebp_lib
+
+from edgetune.engine import data as data_lib
+from edgetune.engine.core import distributed as dist
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.core import phases
+from edgetune.engine.planning.effective import decide, liger_off_reason, record
+from edgetune.engine.models.liger import apply as apply_liger
+from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
+from edgetune.engine.training.loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint,
+                                           make_optimizer, make_scheduler, micro_batch_indices,
+                                           save_checkpoint, save_stop_checkpoint, seed_everything)
+from edgetune.engine.data.packing import collate_packed
+from edgetune.engine.planning.planner import arch_of
+
+
+def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
+    """Backward of one optimizer step's micro-batches: every label token of the step weighs
+    the same, so the gradient is that of the mean loss over the step's label tokens whatever
+    the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
+    different numbers of tokens; dividing each micro-batch's mean by grad_accum would
+    over-weigh the tokens of a short one). Returns (that mean loss, label tokens).
+    `sebp`: the handle of kernels/sebp.enabled (or None).
+
+    On several ranks `batches` are this rank's share of the step: the label tokens are
+    counted over all ranks (one all_reduce) and the gradients summed over them (one more),
+    so every rank ends with the gradient of the whole step, as one process would."""
+    total = int(dist.all_reduce_sum(sum(label_count(b["labels"]) for b in batches)))
+    loss_sum = 0.0
+    for batch in batches:
+        if sebp is not None:
+            sebp.set_active_rows(batch["attention_mask"].bool())
+        with model_lib.autocast(model):
+            loss, n = causal_lm_loss(model, batch)
+        (loss * (n / max(total, 1))).backward()
+        loss_sum += loss.item() * n
+    dist.all_reduce_grads(model.parameters())
+    return dist.all_reduce_sum(loss_sum) / max(total, 1), total
+
+
+def step_rows(n: int, batch_size: int, grad_accum: int, step: int, seed: int) -> list[list[int]]:
+    """This rank's micro-batches of optimizer step `step`: the step's rows (grad_accum
+    micro-batches of batch_size, as one process takes them) split evenly across ranks,
+    then cut into micro-batches of at most batch_size. One process gets the original
+    micro-batches back."""
+    rows = [i for j in range(grad_accum) for i in micro_batch_indices(n, batch_size, step * grad_accum + j, seed)]
+    mine = [rows[i] for i in dist.shard(len(rows))]
+    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
+    n = -(-n_examples // batch_size)
+    return min(n, max_batches) if max_batches else n
+
+
+@torch.no_grad()
+def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0,
+             tick=None) -> float | None:
+    """Token-weighted mean loss over the held-out examples; `tick(batches_done)` after each
+    batch, and None when it returns True (a stop was asked for between batches)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for b, s in enumerate(range(0, len(examples), batch_size)):
+        if max_batches and b >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
+        with model_lib.autocast(model):
+            loss, n = causal_lm_loss(model, batch)
+        total += loss.item() * n
+        count += n
+        if tick is not None and tick(b + 1):
+            model.train(was_training)
+            return None
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.sft
+    seed_everything(cfg.run.seed)
+    t0 = time.time()
+
+    # Validate the data (needs only the tokenizer) before spending time on the model.
+    phases.emit(ctx.emit, "data_check")
+    tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
+    data = data_lib.load_sft(cfg.data, tok, cfg.run.seed, phases.data_progress(ctx.emit))
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        from edgetune.engine.core.errors import DataError
+
+        raise DataError("no training rows left after validation", file=cfg.data.path)
+    phases.emit(ctx.emit, "loading")
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
+    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
+    record(ctx.run, cfg, eff)
+    liger = apply_liger(model, "on") if eff.liger else \
+        f"off ({liger_off_reason(cfg.model.liger, device, cfg.method, arch_of(model))})"
+    print(f"liger: {liger}", file=sys.stderr, flush=True)  # -> worker.log
+    base = model.get_base_model()
+    if base.config._attn_implementation != eff.attn_implementation:
+        # packed rows on CUDA: flex_attention (its first step compiles the kernel)
+        base.set_attn_implementation(eff.attn_implementation)
+    if cfg.model.offload_activations:
+        from edgetune.engine.models.offload import enable as offload_activations
+
+        offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
+
+    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
+    scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
+    start_step = 0
+    if ctx.resume is not None:
+        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
+
+    pad_id = tok.pad_token_id
+    collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
+    progress = Progress(s.steps, start_step)
+    metrics: dict = {}
+    n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
+
+    def held_out(phase: str) -> float | None:
+        tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
+        return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
+
+    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+        if start_step == 0 and data.eval and s.eval_every:
+            loss0 = held_out("initial_eval")
+            if loss0 is not None:  # None: stopped during the evaluation
+                metrics["eval_loss_start"] = loss0
+                ctx.emit("eval", step=0, eval_loss=loss0)
+
+        phases.emit(ctx.emit, "training")
+        model.train()
+        step, stopped = start_step, False
+        while step < s.steps:
+            if ctx.should_stop():
+                stopped = True
+                break
+            t_step = time.time()
+            batches = []
+            for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed):
+                rows = [data.train[i] for i in idx]
+                batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
+            step_loss, _ = accumulate(model, batches, sebp)
+            tokens = int(dist.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches)))
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
+            check_finite(step + 1, {"loss": step_loss, "gradient norm": float(grad_norm)},
+                         f"lower sft.lr (now {s.lr:g}) or lora.alpha (now {cfg.lora.alpha:g})"
+                         + ("" if s.max_grad_norm else ", or set sft.max_grad_norm"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            metrics["loss"] = step_loss
+            if every(cfg.run.log_every, step) or step == s.steps:
+                ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
+                         grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
+            final = bool(data.eval and s.eval_every and step == s.steps)
+            if data.eval and every(s.eval_every, step) or final:
+                loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,
+                                                                     s.eval_batches)
+                if loss is not None:
+                    metrics["eval_loss"] = loss
+                    ctx.emit("eval", step=step, eval_loss=loss)
+            if every(cfg.run.checkpoint_every, step) and step < s.steps:
+                save_checkpoint(ctx, step, model, optimizer, scheduler)
+        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
+    model.eval()
+    phases.emit(ctx.emit, "export")
+    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

@@ -1,0 +1,84 @@
+"""What to tell the user when the GPU runs out of memory in a step: the setting to lower
+first, and what the planner (engine/planning/planner.py) predicts with it lowered.
+
+The levers, per method, in the order worth trying (each changes memory, not the maths of
+the update, except a shorter max_seq_len / max_new_tokens, which is why they come last);
+the one named first is the one the planner says saves most.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from edgetune.engine.core.settings import Config
+
+
+def _levers(cfg: Config) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    if cfg.method == "sft":
+        if cfg.model.gradient_checkpointing is not True:
+            out.append(("model.gradient_checkpointing", True))
+        if cfg.sft.batch_size > 1:
+            out.append(("sft.batch_size", max(1, cfg.sft.batch_size // 2)))
+        if cfg.data.max_seq_len > 256:
+            out.append(("data.max_seq_len", cfg.data.max_seq_len // 2))
+    elif cfg.method == "fgrpo":
+        mb = cfg.fgrpo.micro_batch_size
+        full = cfg.fgrpo.prompts_per_step * cfg.fgrpo.num_generations
+        if mb == 0 or mb > 1:
+            out.append(("fgrpo.micro_batch_size", max(1, (mb or full) // 2)))
+        if cfg.model.gradient_checkpointing is not True:
+            out.append(("model.gradient_checkpointing", True))
+        if cfg.fgrpo.max_new_tokens > 64:
+            out.append(("fgrpo.max_new_tokens", cfg.fgrpo.max_new_tokens // 2))
+    elif cfg.method == "essa":
+        if cfg.essa.evaluation == "batched":
+            out.append(("essa.evaluation", "sequential"))
+        if cfg.essa.max_new_tokens > 64:
+            out.append(("essa.max_new_tokens", cfg.essa.max_new_tokens // 2))
+    return out
+
+
+def _set(cfg: Config, key: str, value) -> Config:
+    c = copy.deepcopy(cfg)
+    group, name = key.split(".")
+    setattr(getattr(c, group), name, value)
+    return c
+
+
+def _peak(cfg: Config) -> float | None:
+    from edgetune.engine.planning.planner import estimate
+
+    try:
+        return estimate(cfg, device="cuda")["total"] / 2**30
+    except Exception:  # noqa: BLE001 - the advice stands without the numbers
+        return None
+
+
+def advice(cfg: Config, step: int | None, last_checkpoint: int | None) -> str:
+    """One line: where it ran out, what to lower (with the planner's numbers), what is kept."""
+    where = f"in step {step + 1}" if step is not None else "while training"
+    kept = f"checkpoints up to step {last_checkpoint} are kept" if last_checkpoint else "no checkpoint was written yet"
+    levers = _levers(cfg)
+    if not levers:
+        return f"out of GPU memory {where}: the planner's estimate is {_fmt(_peak(cfg))}; choose a smaller model " \
+               f"or a card with more memory ({kept})"
+    now = _peak(cfg)
+    # The lever the planner says saves most; ties keep the order above.
+    peaks = [_peak(_set(cfg, k, v)) for k, v in levers]
+    best = min(range(len(levers)), key=lambda i: (peaks[i] if peaks[i] is not None else float("inf"), i))
+    key, value = levers[best]
+    lowered = peaks[best]
+    numbers = f" (the planner estimates {_fmt(lowered)} peak, against {_fmt(now)} now)" if lowered and now else ""
+    others = ", ".join(k for i, (k, _) in enumerate(levers) if i != best)
+    more = f"; then {others}" if others else ""
+    return (f"out of GPU memory {where}: set {key}={_value(value)}{numbers}{more}, and train again "
+            f"(edgetune estimate checks a setting before a run; {kept})")
+
+
+def _fmt(gib: float | None) -> str:
+    return f"{gib:.1f} GiB" if gib is not None else "unknown"
+
+
+def _value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)

@@ -1,0 +1,428 @@
+"""The engine's public API: what the app and the CLI call. Light on purpose: importing
+it loads no torch; the training stack lives in the worker process it starts.
+
+    cfg = resolve(preset="sft-quickstart", overrides=["lora.r=32"])
+    run = start(cfg)                      # spawns the worker, returns at once
+    for ev in run.events(follow=True):   # replay from any index, then live
+        ...
+    run.stop()                            # graceful: finishes the step, saves the adapter
+    run.kill()                            # immediate; the run is marked failed
+    export(run.path, "my-adapter/")       # PEFT folder (or .zip)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+from edgetune.engine.core.config_files import read_run_yaml
+from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
+from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
+                                            lock_runs_folder, open_append, pid_alive)
+from edgetune.engine.core.settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
+
+ACTIVE = ("starting", "running")
+UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
+
+
+class Run:
+    """A handle on a run folder; works the same for a run this process started and for
+    one found on disk after a restart."""
+
+    def __init__(self, path: str | os.PathLike, process: subprocess.Popen | None = None):
+        self.dir = RunDir(path)
+        self.process = process
+
+    @property
+    def path(self) -> Path:
+        return self.dir.path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, status={self.status()!r})"
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return pid_alive(self.dir.read_pid())
+
+    def status(self) -> str:
+        """starting | running | finished | stopped | failed | crashed"""
+        events = read_events(self.dir.events_path)
+        last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        started = [e for e in events if e["type"] == "started"]
+        # A resumed run appends a new `started` after an old terminal event.
+        if last is not None and (not started or started[-1]["i"] < last["i"]):
+            return {"finished": "finished", "stopped": "stopped"}.get(last["type"], "failed")
+        if self.alive():
+            return "running" if started else "starting"
+        return "crashed" if events or self.dir.pid_path.exists() else "failed"
+
+    def events(self, start: int = 0, follow_live: bool = False, timeout: float | None = None) -> Iterator[dict]:
+        """Events from index `start`; with `follow_live`, keep yielding new ones until the
+        run ends (or `timeout` seconds pass)."""
+        if not follow_live:
+            yield from read_events(self.dir.events_path, start)
+            return
+        yield from follow(self.dir.events_path, start, alive=self.alive, timeout=timeout)
+
+    def stop(self) -> None:
+        """Graceful: the worker finishes its current step, saves the adapter, ends with `stopped`."""
+        self.dir.request_stop()
+
+    def kill(self) -> None:
+        """Immediate. The worker cannot write, so the run is marked failed here."""
+        pid = self.process.pid if self.process is not None else self.dir.read_pid()
+        if pid and self.alive():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            self.wait(10)
+        if self.status() in ("running", "starting", "crashed"):
+            from edgetune.engine.core.events import EventWriter
+
+            w = EventWriter(self.dir.events_path)
+            w.emit("error", message="killed by the user", kind="killed")
+            w.close()
+        try:
+            self.dir.pid_path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> str:
+        t0 = time.time()
+        while self.alive():
+            if timeout is not None and time.time() - t0 > timeout:
+                break
+            time.sleep(0.1)
+        return self.status()
+
+    def config(self) -> dict:
+        """The run's settings as its config.yaml holds them; a damaged file is a ConfigError
+        naming it (and the line)."""
+        return read_run_yaml(self.dir.config_path)
+
+    def summary(self) -> dict:
+        """The run as `edgetune runs` and the app's Runs table show it. A damaged run folder
+        (its config.yaml or events.jsonl unreadable) is status `damaged`, and `message` names
+        the file and the problem: one damaged folder never hides the others."""
+        problem = None
+        try:
+            events, damaged = scan_events(self.dir.events_path)
+        except OSError as e:
+            (events, damaged), problem = ([], 0), f"{self.dir.events_path}: cannot read ({e.strerror})"
+        try:
+            cfg = self.config()
+        except ConfigError as e:
+            cfg, problem = {}, problem or str(e)
+        last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
+        end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        model = cfg.get("model")
+        return {
+            "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
+            "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
+            "model": model.get("name") if isinstance(model, dict) else None,
+            "created": events[0]["time"] if events else None,
+            "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
+            "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
+            "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
+            "damaged_event_lines": damaged,
+        }
+
+
+def _unique_name(runs_dir: Path, base: str) -> str:
+    name, n = base, 1
+    while (runs_dir / name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def list_runs(runs_dir: str | os.PathLike = "runs") -> list[Run]:
+    d = Path(runs_dir)
+    if not d.is_dir():
+        return []
+    runs = [Run(p) for p in d.iterdir() if (p / "config.yaml").is_file()]
+    return sorted(runs, key=lambda r: r.dir.config_path.stat().st_mtime, reverse=True)
+
+
+def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
+    return next((r for r in list_runs(runs_dir) if r.status() in ACTIVE), None)
+
+
+def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess.Popen:
+    """gpus > 1: the worker is a launcher that runs torchrun with one rank a GPU (on a
+    machine without CUDA, that many CPU processes over gloo: for tests)."""
+    log = open_append(run.log_path)  # never through a symbolic link
+    cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
+        (["--nproc", str(gpus)] if gpus > 1 else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
+    # kill() can take the whole process group (data loader children included).
+    # The worker inherits the runs folder's lock and holds it until it exits.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, env=env, cwd=os.getcwd(), pass_fds=(lock_fd,))
+    log.close()
+    atomic_write_text(run.pid_path, str(proc.pid))
+    return proc
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need no model or data loading, so that a typo fails before a run
+    folder exists: the model path and the data files must be there, and no reward file
+    may come from an upload."""
+    from edgetune.engine.core.errors import DataError
+    from edgetune.engine.models.model import looks_like_path
+    from edgetune.engine.core.errors import ModelError
+
+    if not cfg.model.name.startswith("embedded:") and looks_like_path(cfg.model.name) \
+            and not Path(cfg.model.name).expanduser().exists():
+        raise ModelError(f"model path does not exist: {cfg.model.name}")
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value and not value.startswith("embedded:") and not Path(value).expanduser().exists():
+            raise DataError(f"data.{key}: file not found", file=value)
+    check_reward_files(cfg)
+    check_report_to(cfg.run.report_to)
+
+
+def upload_folders(runs_dir: str | os.PathLike) -> list[Path]:
+    """Where files sent through the app's page are kept: the app's copies in
+    <runs_dir>/.uploads and Gradio's upload cache ($GRADIO_TEMP_DIR, else <tmp>/gradio, as
+    gradio.utils.get_upload_folder has it; the engine does not import Gradio)."""
+    gradio_cache = os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio"
+    return [Path(runs_dir) / UPLOADS, Path(gradio_cache)]
+
+
+def check_reward_files(cfg: Config) -> None:
+    """A reward file is Python that the worker runs with the user's rights, so it is taken
+    only from a path the user typed, never from a file someone sent through the app's
+    upload: none may lie in an upload folder (as typed, or once links are followed)."""
+    for section in ("fgrpo", "essa"):
+        value = getattr(cfg, section).reward_file
+        if not value:
+            continue
+        p = Path(value).expanduser()
+        for folder in upload_folders(cfg.run.runs_dir):
+            if Path(os.path.abspath(p)).is_relative_to(os.path.abspath(folder)) or \
+                    p.resolve().is_relative_to(folder.resolve()):
+                raise ConfigError(f"{section}.reward_file {value}: lies in {folder}, where the app keeps uploaded "
+                                  "files; a reward file runs as Python, so it is never taken from an upload: "
+                                  "save it elsewhere and give that path")
+
+
+# What brings each run.report_to backend's library (engine/run/tracking.py uses them).
+REPORT_TO_INSTALL = {"tensorboard": "tensorboard", "mlflow": "edgetune[mlflow]", "wandb": "edgetune[wandb]"}
+
+
+def check_report_to(backend: str) -> None:
+    """One line when the library of `backend` is missing (a look-up: nothing is imported)."""
+    import importlib.util
+
+    from edgetune.engine.core.errors import ConfigError
+
+    if backend in REPORT_TO_INSTALL and importlib.util.find_spec(backend) is None:
+        raise ConfigError(f"run.report_to: {backend} is not installed (pip install {REPORT_TO_INSTALL[backend]})")
+
+
+def _locked(runs_dir: Path) -> int:
+    """The runs folder's lock (one active run per runs folder), or a one-line refusal."""
+    fd = lock_runs_folder(runs_dir)
+    if fd is None:
+        busy = active_run(runs_dir)
+        who = f"run '{busy.name}' is still training" if busy else "another run is starting"
+        raise RunError(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
+    return fd
+
+
+def start(cfg: Config, name: str | None = None, gpus: int = 1) -> Run:
+    """Create `runs/<name>/` with the resolved config and start its worker; `gpus` > 1
+    trains data-parallel on that many GPUs of this machine (engine/core/distributed.py)."""
+    run, fd = create(cfg, name)
+    try:
+        return Run(run.path, _spawn(run, resume=False, lock_fd=fd, gpus=gpus))
+    finally:
+        os.close(fd)
+
+
+def create(cfg: Config, name: str | None = None) -> tuple[RunDir, int]:
+    """The new run folder with its config, and the runs folder's lock (an fd the caller
+    closes once the worker holds it). `start` is this and a worker; under torchrun the
+    CLI's rank 0 calls it and trains in its own process."""
+    preflight(cfg)
+    runs_dir = Path(cfg.run.runs_dir)
+    auto = f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    base = check_run_name(name if name is not None else (cfg.run.name or auto))  # a given name may not be empty
+    fd = _locked(runs_dir)
+    try:
+        busy = active_run(runs_dir)  # a worker of a version that did not hold the lock
+        if busy is not None:
+            raise RunError(f"run '{busy.name}' is still training in {runs_dir} (one run at a time per runs "
+                           "folder): stop it first")
+        run = RunDir(runs_dir / _unique_name(runs_dir, base))
+        try:
+            run.path.mkdir(parents=True)
+            cfg.run.name = run.name
+            atomic_write_text(run.config_path, cfg.to_yaml())
+        except OSError as e:
+            raise RunError(f"{run.path}: cannot create the run folder ({e.strerror})") from None
+        return run, fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def code_it_runs(cfg: Config) -> list[tuple[str, str]]:
+    """(setting, file or model) for each setting of `cfg` that makes its worker run Python
+    that is not edgetune's: the method's reward_file (imported, then called on every
+    completion) and model.trust_remote_code (the modelling code the model ships)."""
+    out = []
+    group = getattr(cfg, cfg.method, None)
+    if cfg.method in ("fgrpo", "essa") and group.reward_file:
+        out.append((f"{cfg.method}.reward_file", group.reward_file))
+    if cfg.model.trust_remote_code:
+        out.append(("model.trust_remote_code", cfg.model.name))
+    return out
+
+
+def _names_the_same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] = ()) -> None:
+    """A run folder may come from anywhere, and resuming it must not run Python it names
+    unless the user named that same file (or model) too: refuse in one line otherwise."""
+    import shlex
+
+    for setting, what in code_it_runs(cfg):
+        if any(_names_the_same(what, allowed) for allowed in allow_code):
+            continue
+        code = f"the Python file {what}" if setting.endswith("reward_file") else \
+            f"the Python code that model {what} ships"
+        raise RunError(f"{run.dir.config_path}: {setting} runs {code} when this run resumes; if you trust it, "
+                       f"resume on the command line with: edgetune resume {shlex.quote(str(run.path))} "
+                       f"--allow-code {shlex.quote(what)}")
+
+
+def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[str] | tuple[str, ...] = ()) -> Run:
+    """Continue a stopped, failed or crashed run from its last intact checkpoint (or from
+    the start when it has none); new events are appended to the same events.jsonl.
+    `gpus`: ranks to continue on (checkpoints hold nothing rank-specific); None = as many
+    as the run's last start had. `allow_code`: the reward files and models (as config.yaml
+    names them) whose Python the user agrees to run; any other is refused (confirm_code).
+    A run folder holding a symbolic link, a damaged config.yaml, or settings its newest
+    checkpoint was not trained with is refused in one line before a worker starts."""
+    r = Run(path)
+    r.dir.require().refuse_links()
+    cfg = load_run_config(r.dir.config_path)
+    confirm_code(r, cfg, allow_code)
+    last = r.dir.last_checkpoint()
+    mismatch = checkpoint_mismatch(cfg, last[1], r.dir.config_path) if last else None
+    if mismatch:
+        raise ConfigError(mismatch)
+    fd = _locked(r.path.parent)
+    try:
+        status = r.status()
+        if status in ACTIVE:
+            raise RunError(f"run '{r.name}' is still {status}")
+        if status == "finished":
+            raise RunError(f"run '{r.name}' already finished; start a new run to train further")
+        busy = active_run(r.path.parent)
+        if busy is not None:
+            raise RunError(f"run '{busy.name}' is still training (one run at a time per runs folder): stop it first")
+        if gpus is None:
+            started = [e for e in read_events(r.dir.events_path) if e["type"] == "started"]
+            gpus = int(started[-1].get("world_size", 1)) if started else 1
+        return Run(r.path, _spawn(r.dir, resume=True, lock_fd=fd, gpus=gpus))
+    finally:
+        os.close(fd)
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    r = Run(path)
+    r.dir.require()
+    return r
+
+
+def _refuse_a_training_run(p: Path) -> None:
+    """A run that trains (a resumed one, too) holds the previous attempt's adapter, if any,
+    until it ends: exporting it now would hand out a stale adapter under the run's name."""
+    for run in (p, p.parent) if p.name == "adapter" else (p,):
+        if (run / "config.yaml").is_file():
+            status = Run(run).status()
+            if status in ACTIVE:
+                raise RunError(f"{run}: the run is {status}: its adapter is written when it ends (until then "
+                               "adapter/ is missing or a previous attempt's); export after it stops or finishes")
+
+
+def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
+           as_zip: bool = False, force: bool = False, isolated: bool = False) -> Path:
+    """`out` must be new or an empty folder; `force` replaces only a previous export.
+    `isolated`: export in a fresh Python process, so that a merge (which loads torch and
+    the full base model) leaves the caller torch-free and its memory as it was; errors
+    come back as the same one-line errors."""
+    from edgetune.engine.models.export import export as _export
+    from edgetune.engine.models.export import export_isolated
+
+    _refuse_a_training_run(Path(run_or_adapter))
+    fn = export_isolated if isolated else _export
+    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
+
+
+def gpu_count() -> int:
+    """CUDA devices this machine shows (nvidia-smi, honouring CUDA_VISIBLE_DEVICES); no
+    torch in the calling process. 0 without a GPU."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def estimate(cfg: Config, gpus: int = 1) -> dict:
+    """Predicted peak memory of a configuration (engine/planning/planner.py); `gpus` > 1: of each
+    GPU of a data-parallel run on that many."""
+    from edgetune.engine.planning.planner import estimate as _estimate
+
+    return _estimate(cfg, gpus=gpus)
+
+
+def check_data(cfg: Config) -> dict:
+    """Preview, detected format, validation report and every bad row of `cfg.data`,
+    computed in a subprocess (it needs the model's tokenizer). See engine/run/checks.py."""
+    from edgetune.engine.run.checks import isolated
+
+    return isolated("data", cfg.to_dict())
+
+
+def chat_session(log_path: str | os.PathLike | None = None):
+    """A handle on a chat worker process: base vs adapter replies (engine/generation/chat.py)."""
+    from edgetune.engine.generation.chat import ChatSession
+
+    return ChatSession(log_path)
