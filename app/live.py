@@ -80,11 +80,10 @@ def progress(events: list[dict]) -> dict:
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
     total = (last_step or {}).get("total")
     if total is None and started and method:
-        group = started.get("config", {}).get(method.key, {})
-        total = group.get("generations" if method.key == "essa" else "steps")
+        total = method.record.total(started.get("config", {}))
     out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": (last_step or {}).get("elapsed"),
            "eta": (last_step or {}).get("eta"), "phase": "", "values": {},
-           "unit": "generation" if method and method.key == "essa" else "step"}
+           "unit": method.record.unit if method else "step"}
     if last_step and method:
         out["values"] = {k: last_step[k] for k in method.headline if isinstance(last_step.get(k), (int, float))}
     out["phase_done"] = out["phase_total"] = None

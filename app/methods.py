@@ -1,10 +1,13 @@
-"""The training methods the app offers, one table entry each: adding a method is adding
-an entry here (plus its settings dataclass in engine/core/settings.py), never a special case
-in the page code."""
+"""The training methods the app offers, one table entry each: what the page plots and
+shows for a method. Its name, description and step unit are the engine's record
+(engine/core/methods.py); adding a method is a record there plus an entry here, never a
+special case in the page code."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from edgetune.engine.core.methods import METHODS as RECORDS
 
 
 @dataclass(frozen=True)
@@ -25,21 +28,32 @@ class Plot:
 @dataclass(frozen=True)
 class Method:
     key: str  # Config.method and the settings group
-    label: str
-    blurb: str
     plots: tuple[Plot, ...]
     samples: bool  # shows sample completions (RL methods)
     headline: tuple[str, ...]  # step-event fields the progress line shows
 
+    @property
+    def record(self):
+        """The engine's record of the method (engine/core/methods.py): label, description, unit."""
+        return RECORDS[self.key]
+
+    @property
+    def label(self) -> str:
+        return self.record.label
+
+    @property
+    def blurb(self) -> str:
+        return self.record.description
+
 
 METHODS = (
     Method(
-        "sft", "SFT", "Supervised fine-tuning on demonstrations (prompt tokens masked).",
+        "sft",
         plots=(Plot("Loss", "loss", (Series("step", "loss", "train loss"), Series("eval", "eval_loss", "eval loss"))),),
         samples=False, headline=("loss",),
     ),
     Method(
-        "fgrpo", "F-GRPO", "RL with verifiable rewards: group-relative advantages with focal group weights.",
+        "fgrpo",
         plots=(
             # Two plots: with a 0/1 reward, the reward mean equals the success rate and one
             # line would hide the other.
@@ -51,7 +65,7 @@ METHODS = (
         samples=True, headline=("reward_mean", "success_rate"),
     ),
     Method(
-        "essa", "ESSA", "CMA-ES over the singular values of a warm-start LoRA (inference-only memory).",
+        "essa",
         plots=(
             Plot("Fitness per generation", "fitness", (Series("step", "best", "best"), Series("step", "mean", "mean"),
                                                        Series("eval", "reward", "held-out reward")), "generation"),

@@ -18,6 +18,7 @@ import json
 import sys
 
 from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.core.methods import METHODS as RECORDS
 
 
 def _config(a):
@@ -46,9 +47,8 @@ def _duration(seconds) -> str:
 
 def _step_total(ev: dict) -> int | None:
     """Steps (ESSA: generations) of a run, from its `started` event's config."""
-    cfg = ev.get("config") or {}
-    group = cfg.get(ev.get("method") or "", {})
-    return group.get("generations" if ev.get("method") == "essa" else "steps")
+    method = RECORDS.get(ev.get("method") or "")
+    return method.total(ev.get("config") or {}) if method else None
 
 
 def _resumed_line(run, ev: dict) -> str:
@@ -411,7 +411,7 @@ def decided_rows(est: dict) -> list[tuple[str, str]]:
             ("dtype", eff["dtype"] + (" (autocast)" if eff["autocast"] else "")),
             ("attention", eff["attn_implementation"]),
             ("gradient checkpointing", checkpointing)]
-    if est.get("method") == "essa":
+    if not RECORDS[est["method"]].gradients:
         rows.append(("candidates per batch", str(eff["candidates_per_batch"])))
     else:
         rows += [("optimizer", eff["optimizer"] + (" (fused)" if eff["fused_optimizer"] else "")),

@@ -26,11 +26,12 @@ import yaml
 
 from edgetune.engine.core.config_files import list_presets, load_yaml, read_run_yaml
 from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.methods import METHODS as RECORDS
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 EMBEDDED_SFT_DATA = "embedded:arith-sft"
 EMBEDDED_RL_DATA = "embedded:arith-rl"
-METHODS = ("sft", "fgrpo", "essa")
+METHODS = tuple(RECORDS)
 
 
 def cache_dir() -> Path:

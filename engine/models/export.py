@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import atomic_dir, atomic_write_text, disk_full, pid_alive
 from edgetune.engine.core.settings import Config
 
@@ -36,8 +37,8 @@ def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
     from edgetune.engine.models.model import base_model_id
 
     base_id, note = base_model_id(cfg.model.name, base_path)
-    method = {"sft": "SFT (supervised fine-tuning)", "fgrpo": "F-GRPO (focal group-relative RL)",
-              "essa": "ESSA (evolution strategies over LoRA singular values)"}[cfg.method]
+    record = RECORDS[cfg.method]
+    method = f"{record.label} ({record.title})"
     lines = [
         "---", "library_name: peft", f"base_model: {base_id}", "tags: [edgetune, lora]", "---", "",
         f"# LoRA adapter trained with edgetune ({cfg.method})", "",

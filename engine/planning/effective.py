@@ -22,6 +22,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import atomic_write_text
 
 # Rows of the labelled-rows-only loss projected through lm_head at once (engine/training/lm_loss.py):
@@ -226,7 +227,7 @@ def checkpointed_layers(cfg, arch, checkpointed: int | None) -> int | None:
     is an SFT run of its own); else `checkpointed`, the split already made (the planner's,
     or what the engine loaded the model with); else what `checkpoint_split` decides with
     no memory known (auto: all)."""
-    if cfg.method == "essa":
+    if not RECORDS[cfg.method].gradients:
         return 0
     if checkpointed is not None:
         return checkpointed
@@ -246,7 +247,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
     m = cfg.model
     cuda = device.startswith("cuda")
     dtype = compute_dtype(m.dtype, device)
-    method_settings = {"sft": cfg.sft, "fgrpo": cfg.fgrpo}.get(cfg.method)
+    method_settings = getattr(cfg, cfg.method) if RECORDS[cfg.method].gradients else None
     packing = cfg.method == "sft" and bool(cfg.sft.packing)
     optimizer = optimizer_name(method_settings.optimizer) if method_settings else "none"  # ESSA: no gradients
     return Effective(

@@ -10,32 +10,31 @@ from __future__ import annotations
 
 import copy
 
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import Config
+
+
+# How far each lever goes in one piece of advice: a switch, or half of a number above its floor.
+SWITCHES = {"model.gradient_checkpointing": (lambda v: v is not True, True),
+            "essa.evaluation": (lambda v: v == "batched", "sequential")}
+FLOORS = {"sft.batch_size": 1, "data.max_seq_len": 256, "fgrpo.max_new_tokens": 64, "essa.max_new_tokens": 64}
 
 
 def _levers(cfg: Config) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
-    if cfg.method == "sft":
-        if cfg.model.gradient_checkpointing is not True:
-            out.append(("model.gradient_checkpointing", True))
-        if cfg.sft.batch_size > 1:
-            out.append(("sft.batch_size", max(1, cfg.sft.batch_size // 2)))
-        if cfg.data.max_seq_len > 256:
-            out.append(("data.max_seq_len", cfg.data.max_seq_len // 2))
-    elif cfg.method == "fgrpo":
-        mb = cfg.fgrpo.micro_batch_size
-        full = cfg.fgrpo.prompts_per_step * cfg.fgrpo.num_generations
-        if mb == 0 or mb > 1:
-            out.append(("fgrpo.micro_batch_size", max(1, (mb or full) // 2)))
-        if cfg.model.gradient_checkpointing is not True:
-            out.append(("model.gradient_checkpointing", True))
-        if cfg.fgrpo.max_new_tokens > 64:
-            out.append(("fgrpo.max_new_tokens", cfg.fgrpo.max_new_tokens // 2))
-    elif cfg.method == "essa":
-        if cfg.essa.evaluation == "batched":
-            out.append(("essa.evaluation", "sequential"))
-        if cfg.essa.max_new_tokens > 64:
-            out.append(("essa.max_new_tokens", cfg.essa.max_new_tokens // 2))
+    for key in RECORDS[cfg.method].oom_levers:
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if key in SWITCHES:
+            applies, to = SWITCHES[key]
+            if applies(value):
+                out.append((key, to))
+        elif key == "fgrpo.micro_batch_size":  # 0 = the whole step in one micro-batch
+            if value == 0 or value > 1:
+                full = cfg.fgrpo.prompts_per_step * cfg.fgrpo.num_generations
+                out.append((key, max(1, (value or full) // 2)))
+        elif value > FLOORS[key]:
+            out.append((key, max(1, value // 2)))
     return out
 
 

@@ -52,6 +52,7 @@ from edgetune.engine.planning.effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PR
                                                 essa_candidates_per_batch, optimizer_name)
 from edgetune.engine.planning.effective import checkpoint_split as effective_checkpoint_split
 from edgetune.engine.core.errors import ModelError
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 
 GiB = 1024**3
@@ -549,7 +550,7 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
 
 
 def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: list) -> tuple[dict, Ctx, list]:
-    if cfg.method != "sft" and ctx.quant != "none" and device.startswith("cuda"):
+    if RECORDS[cfg.method].rollouts and ctx.quant != "none" and device.startswith("cuda"):
         linear = sum(i * o * cp for i, o, cp in ctx.arch.projections().values()) * ctx.arch.layers
         notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
                      "or of as many layers as fit; engine/generation/fast_decode.py) for speed, only from free memory "
@@ -626,7 +627,7 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
         c = copy.deepcopy(cfg)
         c.model.quant = "nf4"
         out.append(("quant nf4", c))
-    if not cfg.model.gradient_checkpointing and cfg.method != "essa":
+    if not cfg.model.gradient_checkpointing and RECORDS[cfg.method].gradients:
         c = copy.deepcopy(cfg)
         c.model.gradient_checkpointing = True
         out.append(("gradient checkpointing", c))
@@ -714,7 +715,7 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
             gpu_free, gpu_total = got
     plan, ctx, notes = _plan(cfg, device, gpu_free)
     if gpus > 1:
-        flat = lora_params(ctx) * 4 if cfg.method != "essa" else 0  # the flattened gradients all-reduced
+        flat = lora_params(ctx) * 4 if RECORDS[cfg.method].gradients else 0  # the flattened gradients all-reduced
         plan["lora_grads"] += flat
         plan["allocated_peak"] += flat
         plan["cuda_context"] += NCCL_BUFFERS if device.startswith("cuda") else 0

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from edgetune.engine.core.errors import DataError, EdgetuneError
+from edgetune.engine.core.methods import METHODS as RECORDS
 
 MAX_BAD_ROWS = 20
 
@@ -83,11 +84,11 @@ def check_data(cfg) -> dict:
             out["bad_rows"] = _bad_json_lines(p)
         return out
     tokenizer = None
-    needs_tokenizer = cfg.method == "sft" or not ds.path.startswith("embedded:")
+    needs_tokenizer = RECORDS[cfg.method].data == "sft" or not ds.path.startswith("embedded:")
     if needs_tokenizer:
         tokenizer = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
     try:
-        if cfg.method == "sft":
+        if RECORDS[cfg.method].data == "sft":
             report = d.load_sft(ds, tokenizer, cfg.run.seed).report
         else:
             report = d.load_rl(ds, cfg.run.seed, tokenizer).report
