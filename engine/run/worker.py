@@ -16,7 +16,6 @@ status torchrun reports as the first failure.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -33,7 +32,6 @@ from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoin
                                             disk_full)
 from edgetune.engine.core.settings import from_dict, load_run_config
 
-METHOD_MODULES = {"sft": "sft", "fgrpo": "fgrpo", "essa": "essa"}
 HEARTBEAT_SECONDS = 1.0
 
 
@@ -57,7 +55,16 @@ def start_heartbeat(run: RunDir) -> threading.Event:
 
 
 def method_module(method: str):
-    return importlib.import_module(f"edgetune.engine.methods.{METHOD_MODULES[method]}")
+    """The module whose `train(ctx)` trains `method` (engine/core/methods.py lists them)."""
+    if method == "sft":
+        from edgetune.engine.methods import sft as module
+    elif method == "fgrpo":
+        from edgetune.engine.methods import fgrpo as module
+    elif method == "essa":
+        from edgetune.engine.methods import essa as module
+    else:
+        raise KeyError(method)  # settings.resolve refuses an unknown method before this
+    return module
 
 
 class _NoEvents:
