@@ -11,6 +11,7 @@ import torch
 
 from edgetune.engine.methods import fgrpo
 from edgetune.engine.core.settings import resolve
+from edgetune.engine.training.lm_loss import completion_logprobs
 from inline_run import run_inline
 
 # Depends on every character, so rewards differ within groups even for a random model.
@@ -59,10 +60,10 @@ def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp
     assert roll.prompt_mask[:, 0].min() == 0  # prompts of different lengths: left padding is exercised
     model.eval()
     with torch.no_grad():
-        full = fgrpo.completion_logprobs(model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
+        full = completion_logprobs(model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids,
                                          roll.completion_mask, temperature=0.7)
         idx = torch.tensor([1, 4])  # a sub-batch is trimmed to its own padding
-        part = fgrpo.completion_logprobs(model, *fgrpo._rows_of(roll, idx), temperature=0.7)
+        part = completion_logprobs(model, *fgrpo._rows_of(roll, idx), temperature=0.7)
     m = roll.completion_mask.bool()
     assert (full[~m] == 0).all()
     assert torch.allclose(full[m], roll.logprobs[m], atol=1e-4)

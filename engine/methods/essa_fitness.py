@@ -46,6 +46,7 @@ import math
 import torch
 
 from edgetune.engine.planning.effective import LOSS_CHUNK_ROWS
+from edgetune.engine.training.lm_loss import completion_hidden, completion_logprobs
 from edgetune.engine.generation.rollouts import left_pad, render_prompts
 
 
@@ -105,8 +106,6 @@ def gold_logprob(model, batch, copies: int = 1) -> list[float]:
     """Mean per-token log-prob of the gold text of every row, for `copies` blocks of the
     batch's rows in one forward (copy j = candidate j under engine/training/multilora.py), as
     [copies * rows] floats, candidate-major."""
-    from edgetune.engine.methods.fgrpo import completion_logprobs
-
     prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
     lp = completion_logprobs(model, prompt_ids, prompt_mask, ids, mask)
     per_row = (lp * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -119,8 +118,6 @@ def gold_margin(model, batch, copies: int = 1, chunk_rows: int = LOSS_CHUNK_ROWS
     the best other token's (> 0: greedy writes them), [copies * rows] floats,
     candidate-major as gold_logprob. The scored tokens: the batch's fifth tensor (the
     answer's tokens, from gold_batch), or every completion token of a 4-tensor batch."""
-    from edgetune.engine.methods.fgrpo import completion_hidden
-
     prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
     scored = (batch[4] if len(batch) > 4 else batch[3].bool()).repeat(copies, 1)
     hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, ids, mask)

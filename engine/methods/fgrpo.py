@@ -41,8 +41,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from edgetune.kernels import sebp as sebp_lib
 
@@ -50,10 +48,10 @@ from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.core import phases
-from edgetune.engine.planning.effective import LOSS_CHUNK_ROWS, copy_budget, decide, record
+from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
-from edgetune.engine.training.lm_loss import backbone_and_head
+from edgetune.engine.training.lm_loss import completion_logprobs
 from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, every, finish,
                                            load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_stop_checkpoint,
@@ -83,55 +81,6 @@ def cut_warning(cut_shares: list[float], cap: int) -> str | None:
     return (f"{100 * sum(last) / len(last):.0f}% of the completions of the last {CUT_STEPS} steps hit "
             f"fgrpo.max_new_tokens={cap} and earn no reward, so these steps teach little: raise "
             f"fgrpo.max_new_tokens, or ask for a shorter answer in the prompt or data.system_prompt")
-
-
-# --------------------------------------------------------------------------- log-probs
-
-
-def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = F.linear(h, weight).float() / temperature
-    return logits.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp=None):
-    """The last hidden state that predicts each completion token: (hs [tokens, H], ys
-    [tokens], keep [B, last], head), the tokens being those of completion_mask in row-major
-    order and `last` the longest completion. Prompts are left-padded, so positions come
-    from the attention mask, as during decoding. With `sebp` (the handle of
-    kernels/sebp.enabled) the backward skips the padding rows of the trimmed batch."""
-    P = prompt_ids.shape[1]
-    # Trim columns that are padding in every row of this batch: less work, same values.
-    first = int(prompt_mask.any(0).nonzero()[0]) if prompt_mask.any() else P
-    last = int(completion_mask.any(0).nonzero()[-1]) + 1 if completion_mask.any() else 0
-    ids = torch.cat([prompt_ids[:, first:], completion_ids[:, :last]], dim=1)
-    attn = torch.cat([prompt_mask[:, first:], completion_mask[:, :last]], dim=1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    if sebp is not None:  # the rows of the batch as trimmed here: SEBP matches them by shape
-        sebp.set_active_rows(attn.bool())
-    _, decoder, head = backbone_and_head(model)
-    hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    p = P - first
-    h = hidden[:, p - 1 : p - 1 + last]  # position t predicts completion token t
-    keep = completion_mask[:, :last].bool()
-    return h[keep], completion_ids[:, :last][keep], keep, head
-
-
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature: float = 1.0, chunk_rows: int = LOSS_CHUNK_ROWS, sebp=None) -> torch.Tensor:
-    """[B, T] log-probs of the completion tokens (0 where completion_mask is 0), with
-    logits divided by `temperature` as at sampling time (see completion_hidden)."""
-    B, T = completion_ids.shape
-    hs, ys, keep, head = completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, sebp)
-    parts = []
-    for s in range(0, hs.shape[0], chunk_rows):
-        args = (hs[s : s + chunk_rows], head.weight, ys[s : s + chunk_rows], temperature)
-        # Recompute each chunk's logits in the backward instead of storing [tokens, vocab].
-        parts.append(checkpoint(_chunk_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
-                     else _chunk_logp(*args))
-    out = torch.zeros(keep.shape, dtype=torch.float32, device=hs.device)
-    if parts:
-        out = out.masked_scatter(keep, torch.cat(parts))
-    return F.pad(out, (0, T - keep.shape[1]))
 
 
 # --------------------------------------------------------------------------- evaluation

@@ -22,7 +22,7 @@ def inputs(tok_pad: int):
 def rollouts(model, pad: int, P: int = 4, G: int = 4):
     """A fixed rollout batch of P prompts x G completions, left-padded prompts, completions
     of different lengths, and sampling log-probs near the model's own."""
-    from edgetune.engine.methods.fgrpo import completion_logprobs
+    from edgetune.engine.training.lm_loss import completion_logprobs
     from edgetune.engine.generation.rollouts import RolloutBatch
 
     g = torch.Generator().manual_seed(2)
