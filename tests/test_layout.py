@@ -68,13 +68,29 @@ def test_a_real_kernels_package_wins_over_our_folder(tmp_path):
 
 PACKAGES = {"engine": "edgetune.engine", "kernels": "edgetune.kernels", "app": "edgetune.app"}
 
+# engine/'s folders from the bottom up (each one's role is its __init__'s docstring): a module
+# imports from its own layer or lower ones, never from a higher one. cli.py stays on top.
+LAYERS = ("core", "planning", "data", "models", "generation", "training", "methods", "run", "cli")
+# What a module of app/ must never import when it is imported (the page starts without them).
+HEAVY = {"torch", "transformers", "peft", "bitsandbytes", "accelerate", "triton", "liger_kernel", "datasets"}
+
 
 def _modules() -> dict:
     out = {}
     for folder, pkg in PACKAGES.items():
-        for f in sorted((ROOT / folder).glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = (f, pkg)
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel = f.relative_to(ROOT / folder).with_suffix("").parts
+            if "assets" in rel:  # data files and the script that makes them
+                continue
+            package = ".".join([pkg, *rel[:-1]])
+            out[package if rel[-1] == "__init__" else f"{package}.{rel[-1]}"] = (f, package)
     return out
+
+
+def _layer(mod: str) -> int:
+    part = mod.split(".")[2]
+    assert part in LAYERS, f"{mod}: in no layer of LAYERS (engine/'s folders); place it in one"
+    return LAYERS.index(part)
 
 
 def _imports(path: Path, pkg: str, known) -> list[tuple[str, str]]:
@@ -93,7 +109,9 @@ def _imports(path: Path, pkg: str, known) -> list[tuple[str, str]]:
             elif isinstance(ch, ast.ImportFrom):
                 base = pkg.split(".")[: len(pkg.split(".")) - ch.level + 1] if ch.level else []
                 mod = ".".join(base + ([ch.module] if ch.module else []))
-                names = [mod] + [f"{mod}.{a.name}" for a in ch.names]
+                subs = [f"{mod}.{a.name}" for a in ch.names if f"{mod}.{a.name}" in known]
+                # `from package import module` uses the module, not the package's own code
+                names = subs if subs and len(subs) == len(ch.names) else [mod] + subs
             found.extend((n, where) for n in names if n in known)
             visit(ch, inner)
 
@@ -158,21 +176,70 @@ def test_import_graph_has_no_cycle_and_no_upward_import():
             assert up == allowed, (mod, up)
 
 
+def test_engine_layers_import_downward_only():
+    """The folders of engine/ are layers: core, planning, data, models, generation,
+    training, methods, run, then the CLI. A lower one never imports a higher one (lazy
+    imports inside functions included), so each folder can be read knowing only those
+    below it."""
+    graph = _graph()
+    engine = {m: imps for m, imps in graph.items() if m.startswith("edgetune.engine.")}
+    assert {m.split(".")[2] for m in engine} == set(LAYERS)
+    up = [(m, n, where or "top") for m, imps in engine.items() for n, where in imps
+          if n.startswith("edgetune.engine.") and _layer(n) > _layer(m)]
+    assert up == []
+    for folder in LAYERS[:-1]:  # the listing reads as the architecture: each folder says its role
+        init = ROOT / "engine" / folder / "__init__.py"
+        assert init.exists() and (init.read_text().lstrip().startswith('"""')), folder
+
+
+def test_app_imports_nothing_torch_heavy():
+    """What app/ imports at import time, followed through our own modules, never reaches
+    torch, transformers and the like: the page starts in a second and works the engine
+    through engine/run/api.py's light calls and subprocesses."""
+    import ast
+
+    mods = _modules()
+    graph = _graph()
+
+    def heavy(path: Path) -> list[str]:
+        found = []
+        for node in ast.parse(path.read_text()).body:  # module level only (lazy imports are fine)
+            stmts = [node] + [n for n in ast.walk(node) if isinstance(node, (ast.If, ast.Try))]
+            for n in stmts:
+                if isinstance(n, ast.Import):
+                    found += [a.name for a in n.names if a.name.split(".")[0] in HEAVY]
+                elif isinstance(n, ast.ImportFrom) and not n.level and n.module.split(".")[0] in HEAVY:
+                    found.append(n.module)
+        return found
+
+    assert heavy(mods["edgetune.engine.methods.sft"][0]) == ["torch"]  # the check sees them
+    for start in [m for m in mods if m.startswith("edgetune.app")]:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            assert heavy(mods[m][0]) == [], (start, m)
+            todo += [n for n, where in graph[m] if where == ""]
+
+
 def test_engine_modules_use_each_others_public_names_only():
     """`from .model import _x` or `data._x(...)` from another module: a seam that breaks
     when the owner renames its private helper. Each module offers what others need."""
     import ast
 
     found = []
-    for f in sorted((ROOT / "engine").glob("*.py")):
+    known = _modules()
+    for f in sorted((ROOT / "engine").rglob("*.py")):
         tree = ast.parse(f.read_text())
-        modules = set()  # names bound to engine modules: `from . import data as d`
+        modules = set()  # names bound to engine modules: `from edgetune.engine.data import sft as d`
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.level >= 1 or (node.module or "").startswith("edgetune.")):
                 for a in node.names:
                     if a.name.startswith("_") and not a.name.startswith("__"):
                         found.append(f"{f.name}: from {node.module} import {a.name}")
-                    if node.module in (None, "edgetune.engine", "kernels", "edgetune.kernels"):
+                    if node.module in (None, "kernels") or f"{node.module}.{a.name}" in known:
                         modules.add(a.asname or a.name)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
