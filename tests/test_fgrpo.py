@@ -114,6 +114,13 @@ def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     assert {"success_rate", "pass@1", "pass@2"} <= evals[0].keys()
     assert 0 <= evals[0]["pass@1"] <= evals[0]["pass@2"] <= 1
     assert [e["step"] for e in ev_full if e["type"] == "sample"] == [2]
+    # Each evaluation's greedy completions of the first fgrpo.samples (3) held-out prompts,
+    # with their answers, as the Train tab and the CLI show them.
+    samples = [e for e in ev_full if e["type"] == "samples"]
+    assert [e["step"] for e in samples] == [0, 3] and [len(e["samples"]) for e in samples] == [3, 3]
+    for x in samples[-1]["samples"]:
+        a, b = map(int, x["prompt"].removeprefix("What is ").removesuffix("?").split(" plus "))
+        assert x["reference"] == str(a + b) and isinstance(x["completion"], str)
 
 
 def test_sebp_is_lifted_for_generation_and_back_for_the_update(tiny_model_dir, rl_files, tmp_path, monkeypatch):
