@@ -61,10 +61,13 @@ def _resumed_line(run, ev: dict) -> str:
     return resume_words(run.name, (step, None) if step is not None else None)
 
 
-def _one_line(text, n: int) -> str:
-    """`text` on one line, its last `n` characters (a prompt's end is its question)."""
+def _one_line(text, n: int, tail: bool = False) -> str:
+    """`text` on one line, at most `n` characters: its first, or its last with `tail` (a
+    prompt's end is its question)."""
     text = " / ".join(part.strip() for part in str(text).splitlines() if part.strip())
-    return text if len(text) <= n else "…" + text[-(n - 1):]
+    if len(text) <= n:
+        return text
+    return "…" + text[-(n - 1):] if tail else text[: n - 1] + "…"
 
 
 def samples_text(ev: dict) -> str:
@@ -72,7 +75,7 @@ def samples_text(ev: dict) -> str:
     and the reference answer."""
     lines = [f"samples at step {ev.get('step')} (prompt → model | reference):"]
     for x in ev.get("samples") or []:
-        lines.append(f"  {_one_line(x.get('prompt', ''), 60)} → {_one_line(x.get('completion', ''), 80)!r}"
+        lines.append(f"  {_one_line(x.get('prompt', ''), 60, tail=True)} → {_one_line(x.get('completion', ''), 80)!r}"
                      f" | {_one_line(x.get('reference', ''), 80)!r}")
     return "\n".join(lines)
 
