@@ -324,7 +324,7 @@ class SFTSettings:
         section="evaluation", range=NON_NEGATIVE)
     eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=NON_NEGATIVE)
     sample_every: int = _sample_every(0)
-    samples: int = _samples(" (generated greedily, a few short tokens)")
+    samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
     packing: bool = setting(
         False,
@@ -419,7 +419,7 @@ class FGRPOSettings:
     eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation",
                           range=NON_NEGATIVE)
     sample_every: int = _sample_every(5)
-    samples: int = _samples(" (taken from its greedy completions, no extra generation)")
+    samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
 
 
