@@ -176,6 +176,11 @@ def _fmt_event(ev: dict) -> str:
         return f"{t} phase: {phases.describe(ev)}"
     if kind in ("warning", "error"):
         return f"{t} {kind}: {ev.get('message')}"
+    if kind == "samples":  # the table beside the plots shows them
+        return f"{t} samples at step {ev.get('step')}: {len(ev.get('samples') or [])} held-out completions"
+    if kind == "more_steps":
+        return (f"{t} more steps: {ev.get('setting')} {ev.get('from')} → {ev.get('to')} (learning rate flat past "
+                f"step {ev.get('schedule')})")
     if kind in ("finished", "stopped"):
         m = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.get("metrics", {}).items())
         return f"{t} {kind} at step {ev.get('step')}: {m}"
@@ -219,6 +224,27 @@ def samples_markdown(events: list[dict], n: int = 4) -> str:
         out.append(f"**step {e.get('step')}**{reward}{answer}\n\n> {html.escape(str(e.get('prompt', '')))[:300]}\n\n"
                    f"```\n{str(e.get('completion', ''))[:600]}\n```")
     return "\n\n".join(out)
+
+
+def _cell(text, n: int, tail: bool = False) -> str:
+    """Text for one markdown table cell: escaped, lines joined, at most `n` characters
+    (its end when `tail`: a prompt's end is its question)."""
+    text = " ".join(str(text).split())
+    if len(text) > n:
+        text = "…" + text[-(n - 1):] if tail else text[: n - 1] + "…"
+    return html.escape(text).replace("|", "\\|") or "–"
+
+
+def eval_samples_markdown(events: list[dict]) -> str:
+    """The latest `samples` event as a table: held-out prompt, the model's greedy
+    completion, the reference answer. "" before the first evaluation."""
+    ev = next((e for e in reversed(events) if e["type"] == "samples"), None)
+    if ev is None or not ev.get("samples"):
+        return ""
+    rows = [f"| {_cell(x.get('prompt', ''), 200, tail=True)} | {_cell(x.get('completion', ''), 300)} | "
+            f"{_cell(x.get('reference', ''), 300)} |" for x in ev["samples"]]
+    return (f"**Held-out samples at step {ev.get('step')}** (greedy)\n\n| prompt | model | reference |\n"
+            "|---|---|---|\n" + "\n".join(rows))
 
 
 def _bar(label: str, used: float, total: float, extra: str = "") -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.run import api
 
 from . import panels
@@ -24,6 +25,11 @@ class RunsTab:
             self.select = gr.Dropdown(choices=[], label="Run", elem_id="run-select", scale=3)
             self.open_btn = gr.Button("Open in the Train tab", elem_id="open-run-btn", scale=1)
             self.refresh_btn = gr.Button("Refresh", elem_id="refresh-runs-btn", scale=1)
+        # `edgetune resume --more-steps`: a finished or stopped run trains further from its last
+        # checkpoint, optimizer state included, at the learning-rate schedule's final value.
+        with gr.Row():
+            self.more = gr.Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
+            self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
 
     def frame(self):
         return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
@@ -51,8 +57,23 @@ class RunsTab:
         return {p.attached: path, p.train_tab.msg: message(said, "ok"),
                 p.tabs: gr.Tabs(selected="train"), p.msg_at: p.said(path)}
 
+    def do_more(self, name: str, n) -> dict:
+        """Train the picked run `n` steps further (api.resume with more), shown in the Train tab."""
+        p = self.page
+        if not name:
+            return {p.train_tab.msg: message("Pick a run.", "error")}
+        path = str(p.runs_dir / name)
+        try:
+            run = p.adopt(api.resume(path, more=int(n or 0)))
+        except EdgetuneError as e:
+            return {p.train_tab.msg: message(str(e), "error"), p.attached: path, p.msg_at: p.said(path)}
+        return {p.train_tab.msg: message(f"Training **{run.name}** {int(n)} more steps.", "ok"), p.attached: path,
+                p.tabs: gr.Tabs(selected="train"), p.msg_at: {"path": path, "status": "starting"}}
+
     def wire(self) -> None:
         p = self.page
         self.refresh_btn.click(self.refresh, p.attached, self.outputs)
         self.open_btn.click(self.do_open, self.select, [p.attached, p.train_tab.msg, p.tabs, p.msg_at]) \
+            .then(p.train_tab.draw, p.train_tab.live_inputs, p.train_tab.live_outputs)
+        self.more_btn.click(self.do_more, [self.select, self.more], [p.attached, p.train_tab.msg, p.tabs, p.msg_at]) \
             .then(p.train_tab.draw, p.train_tab.live_inputs, p.train_tab.live_outputs)

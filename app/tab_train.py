@@ -87,7 +87,8 @@ class TrainTab:
             out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
                         if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
             out[self.logs] = live.log_lines(events)
-            out[self.samples] = live.samples_markdown(events) if method.samples else ""
+            shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]
+            out[self.samples] = "\n\n".join(part for part in shown if part)
             # The runs table follows every event (its step column moves with the run).
             out[p.runs_tab.table] = p.runs_tab.frame()
         if status != last.get("status") or path != last.get("path"):

@@ -3,6 +3,7 @@
     edgetune train --preset sft-quickstart            # embedded default model + data, offline
     edgetune train --config my.yaml --set lora.r=32   # any setting overridable
     edgetune resume runs/<run>                        # continue from the last checkpoint
+    edgetune resume runs/<run> --more-steps 50        # train a finished run further
     edgetune export runs/<run> --out my-adapter/      # PEFT adapter (--zip, --merged)
     edgetune runs | presets | data FILE | estimate --preset X
     edgetune ui                                       # the Gradio app
@@ -58,6 +59,30 @@ def _resumed_line(run, ev: dict) -> str:
 
     step = ev.get("resumed_from")
     return resume_words(run.name, (step, None) if step is not None else None)
+
+
+def _one_line(text, n: int, tail: bool = False) -> str:
+    """`text` on one line, at most `n` characters: its first, or its last with `tail` (a
+    prompt's end is its question)."""
+    text = " / ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(text) <= n:
+        return text
+    return "…" + text[-(n - 1):] if tail else text[: n - 1] + "…"
+
+
+def samples_text(ev: dict) -> str:
+    """A `samples` event as a few lines: prompt (its end), the model's greedy completion
+    and the reference answer."""
+    lines = [f"samples at step {ev.get('step')} (prompt → model | reference):"]
+    for x in ev.get("samples") or []:
+        lines.append(f"  {_one_line(x.get('prompt', ''), 60, tail=True)} → {_one_line(x.get('completion', ''), 80)!r}"
+                     f" | {_one_line(x.get('reference', ''), 80)!r}")
+    return "\n".join(lines)
+
+
+def more_steps_text(ev: dict) -> str:
+    return (f"more steps: {ev.get('setting')} {ev.get('from')} → {ev.get('to')}; the learning rate keeps the "
+            f"schedule of {ev.get('schedule')} steps, then stays at its final value")
 
 
 def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> int:
@@ -128,6 +153,10 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
             tqdm.write(f"warning: {ev['message']}")
         elif t == "sample" and not quiet:
             tqdm.write(f"sample (step {ev.get('step')}): {ev.get('completion', '')[:200]!r}")
+        elif t == "samples" and not quiet:
+            tqdm.write(samples_text(ev))
+        elif t == "more_steps" and not quiet:
+            tqdm.write(more_steps_text(ev))
         elif t == "error":
             tqdm.write(f"error: {ev['message']}", file=sys.stderr)
             seen["status"] = 2 if ev.get("kind") == "input" else 1
@@ -308,7 +337,7 @@ def cmd_resume(a) -> int:
     check_gpus(a.gpus)
     before = list(api.open_run(a.run).events())
     start = before[-1]["i"] + 1 if before else 0  # counted before the worker starts writing
-    run = api.resume(a.run, gpus=a.gpus, allow_code=a.allow_code or ())
+    run = api.resume(a.run, gpus=a.gpus, allow_code=a.allow_code or (), more=a.more_steps)
     if not a.detach:
         return watch(run, start=start, resuming=True)
     # Detached: wait only for the worker's choice of checkpoint (or its refusal).
@@ -539,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-id", default="edgetune", help="a name shared by the machines of one run")
     t.set_defaults(fn=cmd_train)
 
-    r = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
+    r = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint (--more-steps: "
+                                      "train a run further)")
     r.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--runs-dir", default="runs", help="where run names are looked up")
@@ -551,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, exactly as the run's config.yaml names it (repeat for both). Without it, a run "
                         "whose settings run Python other than edgetune's is refused: a run folder may come "
                         "from anyone")
+    r.add_argument("--more-steps", type=int, metavar="N",
+                   help="train N steps past the run's step count, a finished run too (from its final checkpoint, "
+                        "with its optimizer state); the learning rate stays at the schedule's final value for them")
     r.set_defaults(fn=cmd_resume)
 
     e = sub.add_parser("export", help="copy a run's adapter (PEFT format) to a new or empty folder")

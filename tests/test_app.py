@@ -447,6 +447,16 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     assert f"tensorboard --logdir {run / 'tensorboard'}" in page.runs_tab.do_open("sft-by-hand")[train.msg]
     assert page.export_tab.do_folder({page.attached: str(run), page.export_tab.out_dir: "",
                                       page.export_tab.merged: False})[page.export_tab.msg].startswith("✗")
+    with open(run / "events.jsonl", "a") as f:  # an evaluation's samples (an SFT run's too)
+        f.write(json.dumps({"i": len(SFT_EVENTS), "time": 0, "type": "samples", "step": 2, "samples": [
+            {"prompt": "user\nWhat is 2 + 3?\nassistant", "completion": "2 + 3 = 6", "reference": "2 + 3 = 5"}]})
+                + "\n")
+    drawn = train.draw(str(run), first[page.seen], {})
+    assert "**Held-out samples at step 2**" in drawn[train.samples]
+    assert "| user What is 2 + 3? assistant | 2 + 3 = 6 | 2 + 3 = 5 |" in drawn[train.samples]
+    more = page.runs_tab.do_more("sft-by-hand", 0)  # the button's refusal, one line; nothing starts
+    assert "--more-steps 0: give a number of steps of at least 1" in more[train.msg]
+    assert not (run / "worker.pid").exists()
 
 
 def test_merged_export_through_the_api_leaves_the_caller_torch_free(tmp_path, tiny_model_dir):

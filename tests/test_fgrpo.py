@@ -115,6 +115,13 @@ def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     assert {"success_rate", "pass@1", "pass@2"} <= evals[0].keys()
     assert 0 <= evals[0]["pass@1"] <= evals[0]["pass@2"] <= 1
     assert [e["step"] for e in ev_full if e["type"] == "sample"] == [2]
+    # Each evaluation's greedy completions of the first fgrpo.samples (3) held-out prompts,
+    # with their answers, as the Train tab and the CLI show them.
+    samples = [e for e in ev_full if e["type"] == "samples"]
+    assert [e["step"] for e in samples] == [0, 3] and [len(e["samples"]) for e in samples] == [3, 3]
+    for x in samples[-1]["samples"]:
+        a, b = map(int, x["prompt"].removeprefix("What is ").removesuffix("?").split(" plus "))
+        assert x["reference"] == str(a + b) and isinstance(x["completion"], str)
 
 
 def test_sebp_is_lifted_for_generation_and_back_for_the_update(tiny_model_dir, rl_files, tmp_path, monkeypatch):
@@ -326,3 +333,31 @@ def test_quickstart_raises_held_out_success(tmp_path):
     steps = [e for e in events if e["type"] == "step"]
     first, last = steps[: len(steps) // 2], steps[len(steps) // 2 :]
     assert sum(e["reward_mean"] for e in last) / len(last) > sum(e["reward_mean"] for e in first) / len(first)
+
+
+def test_finished_run_trains_more_steps_at_the_final_learning_rate(tiny_model_dir, rl_files, tmp_path):
+    """`resume --more-steps` on an F-GRPO run: from its final checkpoint to the new step
+    count in config.yaml, the added step at the schedule's final rate (0.1 x fgrpo.lr)."""
+    import signal
+
+    from edgetune.engine import api, worker
+    from edgetune.engine.events import read_events
+    from edgetune.engine.settings import load_run_config
+
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=2, eval_k=0)
+    path = tmp_path / "r"
+    run_fgrpo(cfg, path)
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    api.more_steps(api.Run(path), load_run_config(path / "config.yaml"), 1)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    events = read_events(path / "events.jsonl")
+    assert load_run_config(path / "config.yaml").fgrpo.steps == 3
+    assert [e["resumed_from"] for e in events if e["type"] == "started"] == [2]
+    assert events[-1]["type"] == "finished" and events[-1]["step"] == 3
+    lrs = {e["step"]: e["lr"] for e in events if e["type"] == "step"}
+    assert lrs == pytest.approx({1: lrs[1], 2: 0.1 * cfg.fgrpo.lr, 3: 0.1 * cfg.fgrpo.lr}) and lrs[1] > lrs[2]
+    assert [e["step"] for e in events if e["type"] == "samples"] == [0, 2, 3]

@@ -23,6 +23,12 @@ Types and their fields (fields a method does not have are left out):
               its own type in `event`, its other fields unchanged
 - `checkpoint` step, path
 - `sample`    step, prompt, completion, reward (optional)
+- `samples`   step, samples: [{prompt, completion, reference}, ...]: held-out prompts with
+              the model's greedy completion and the reference answer, at each evaluation
+              (sft.samples / fgrpo.samples of them)
+- `more_steps` setting (sft.steps or fgrpo.steps), from, to, schedule: the run was given
+              more steps (`edgetune resume --more-steps`; config.yaml holds `to`); its
+              learning-rate schedule keeps decaying over `schedule` steps, then stays flat
 - `warning`   message
 - `error`     message (one line for the user), kind ("input" = bad input, "bug",
               "killed"); a traceback, if any, is in worker.log
@@ -83,6 +89,13 @@ def _jsonable(x):
     if isinstance(x, Path):
         return str(x)
     return str(x)
+
+
+def schedule_steps(events: list[dict]) -> int | None:
+    """The steps a run's learning-rate schedule decays over when it was given more steps
+    (its last `more_steps` event), else None (its configured steps)."""
+    more = [e for e in events if e["type"] == "more_steps" and isinstance(e.get("schedule"), int)]
+    return more[-1]["schedule"] if more else None
 
 
 def scan_events(path: str | os.PathLike, start: int = 0) -> tuple[list[dict], int]:

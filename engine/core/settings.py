@@ -153,6 +153,11 @@ def _sample_every(default: int) -> Any:
                    range=NON_NEGATIVE)
 
 
+def _samples(where: str) -> Any:
+    return setting(3, f"Held-out prompts shown with the model's greedy completion and the reference at each "
+                      f"evaluation{where} (0 = none).", section="evaluation", range=Range(0, 20))
+
+
 REWARD_HELP = ("math | exact | normalized | last_number | answer_format | length_penalty[:chars] | "
                "rg:<task> | file (the function in reward_file), or {name: weight, ...} summed")
 REWARD_FILE_HELP = ("A local .py file with `def reward(completion, answer, row) -> float`. It runs as ordinary "
@@ -321,6 +326,7 @@ class SFTSettings:
         section="evaluation", range=NON_NEGATIVE)
     eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=NON_NEGATIVE)
     sample_every: int = _sample_every(0)
+    samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
     packing: bool = setting(
         False,
@@ -415,6 +421,7 @@ class FGRPOSettings:
     eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation",
                           range=NON_NEGATIVE)
     sample_every: int = _sample_every(5)
+    samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
 
 

@@ -249,7 +249,7 @@ def warm_start(ctx: RunContext) -> Path | None:
     last = dist.broadcast_object(pick_checkpoint(sub, lambda m: ctx.emit("warning", message=m))
                                  if dist.is_main() else None)
     sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=dist.share_folder(last[1]) if last else None,
-                         stop_flag=ctx.stop_flag))
+                         stop_flag=ctx.stop_flag, final_checkpoint=False))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -52,9 +52,9 @@ from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, every, finish,
-                                           load_checkpoint, make_optimizer, make_scheduler,
-                                           micro_batch_indices, save_checkpoint, save_stop_checkpoint,
+from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, emit_samples, every,
+                                           finish, load_checkpoint, make_optimizer, make_scheduler,
+                                           micro_batch_indices, save_checkpoint, save_last_checkpoint,
                                            seed_everything)
 from edgetune.engine.training.passk import mean_pass_at_k
 from edgetune.engine.planning.planner import arch_of
@@ -96,7 +96,8 @@ def eval_passes(s: FGRPOSettings, greedy: bool = True) -> int:
 
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
-             seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None) -> dict | None:
+             seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None,
+             samples: int = 0) -> dict | None:
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
     pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
     The sampling seed is fixed, so before/after compare on the same random numbers.
@@ -104,7 +105,8 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
     Rows are decoded in chunks of one training rollout batch (a size the run already
     fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
     when it returns True: a stop asked for during a long evaluation ends it there.
-    memory_budget: rollouts.generate's (effective.copy_budget)."""
+    memory_budget: rollouts.generate's (effective.copy_budget). samples: out["samples"] holds
+    the first that many prompts with their greedy completion and answer (emit_samples)."""
     out: dict = {"prompts": len(rows)}
     prompts = [r["prompt"] for r in rows]
     chunk_rows = max(1, s.prompts_per_step * s.num_generations)
@@ -121,12 +123,13 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
         return {**size, "on_chunk": on_chunk}
 
     try:
-        return _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick)
+        return _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick,
+                         samples)
     except _Stopped:
         return None
 
 
-def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick):
+def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick, samples):
     done = 0
     if greedy:
         roll = generate(model, tok, prompts, max_new_tokens=s.max_new_tokens, greedy=True,
@@ -135,6 +138,9 @@ def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy,
         sc = reward.score(roll.texts, rows, roll.truncated, threshold=s.success_threshold)
         out["success_rate"] = sum(sc.success) / len(rows)
         out["reward"] = sum(sc.rewards) / len(rows)
+        if samples:
+            out["samples"] = ([_prompt_text(p) for p in prompts[:samples]], roll.texts[:samples],
+                              [str(r.get("answer", "")) for r in rows[:samples]])
     if s.eval_k > 0:
         n = 2 * s.eval_k
         roll = generate(model, tok, prompts, num_generations=n, max_new_tokens=s.max_new_tokens,
@@ -283,7 +289,8 @@ def train(ctx: RunContext) -> dict:
 
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, 0.0, device)
-    scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
+    scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations,
+                               (ctx.schedule_steps or s.steps) * s.num_iterations)
     start_step = 0
     metrics: dict = {}
     if ctx.resume is not None:
@@ -297,13 +304,16 @@ def train(ctx: RunContext) -> dict:
             tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
         with sebp.lifted():  # generation: the model's own forwards (fast_decode)
             m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick,
-                         memory_budget=copy_budget(cfg))
+                         memory_budget=copy_budget(cfg), samples=s.samples)
         if m is None:  # stopped during the evaluation
             return
+        shown = m.pop("samples", None)
         for k, v in m.items():
             if k != "prompts":
                 metrics[f"{k}_{key}"] = v
         ctx.emit("eval", step=step, **m)
+        if shown:  # the greedy completions the evaluation made
+            emit_samples(ctx, step, *shown)
 
     with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
         if start_step == 0 and held_out:
@@ -378,7 +388,7 @@ def train(ctx: RunContext) -> dict:
                 held_out_eval(step, "last")
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
-        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
+        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
         if held_out and not stopped:
             held_out_eval(step, "end", "final_eval")
     model.eval()

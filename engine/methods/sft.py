@@ -44,11 +44,17 @@ from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import decide, liger_off_reason, record
 from edgetune.engine.models.liger import apply as apply_liger
 from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, every, finish, load_checkpoint,
-                                           make_optimizer, make_scheduler, micro_batch_indices,
-                                           save_checkpoint, save_stop_checkpoint, seed_everything)
+from edgetune.engine.training.loop import (Progress, RunContext, check_finite, emit_samples, every, finish,
+                                           load_checkpoint, make_optimizer, make_scheduler, micro_batch_indices,
+                                           save_checkpoint, save_last_checkpoint, seed_everything)
 from edgetune.engine.data.packing import collate_packed
 from edgetune.engine.planning.planner import arch_of
+from edgetune.engine.generation.rollouts import generate
+
+# Samples at each evaluation complete at most this many tokens past the reference's
+# length, and never more than SAMPLE_MAX_TOKENS: a few short greedy completions, so they
+# stay cheap beside the held-out loss, even on the CPU.
+SAMPLE_SLACK_TOKENS, SAMPLE_MAX_TOKENS = 8, 64
 
 
 def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
@@ -113,6 +119,34 @@ def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_bat
     return total / max(count, 1)
 
 
+def sample_prompts(examples, n: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reference ids) of the first `n` held-out examples that have a prompt:
+    the tokens before the first target token, and that first run of target tokens (the
+    first reply). Plain-text rows (every token a target) have no prompt and are skipped."""
+    out = []
+    for ex in examples:
+        first = next((i for i, v in enumerate(ex.labels) if v != data_lib.IGNORE), None)
+        if not first:  # no target, or no prompt before it
+            continue
+        end = next((i for i in range(first, len(ex.labels)) if ex.labels[i] == data_lib.IGNORE), len(ex.labels))
+        out.append((ex.input_ids[:first], ex.input_ids[first:end]))
+        if len(out) == n:
+            break
+    return out
+
+
+@torch.no_grad()
+def complete_samples(model, tok, picks: list[tuple[list[int], list[int]]]) -> tuple[list[str], list[str], list[str]]:
+    """(prompts, greedy completions, references) as text. The plain decode loop: no
+    CUDA-graph capture nor bf16 copy of the base for a handful of short completions."""
+    cap = min(SAMPLE_MAX_TOKENS, max(len(ref) for _, ref in picks) + SAMPLE_SLACK_TOKENS)
+    roll = generate(model, tok, [p for p, _ in picks], max_new_tokens=cap, greedy=True, fast=False)
+
+    def text(ids):
+        return tok.decode(ids, skip_special_tokens=True).strip()
+    return [text(p) for p, _ in picks], [t.strip() for t in roll.texts], [text(r) for _, r in picks]
+
+
 def train(ctx: RunContext) -> dict:
     cfg, s = ctx.cfg, ctx.cfg.sft
     seed_everything(cfg.run.seed)
@@ -146,7 +180,7 @@ def train(ctx: RunContext) -> dict:
 
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
-    scheduler = make_scheduler(optimizer, s.warmup_steps, s.steps)
+    scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
     start_step = 0
     if ctx.resume is not None:
         start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
@@ -157,9 +191,16 @@ def train(ctx: RunContext) -> dict:
     metrics: dict = {}
     n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
 
+    picks = sample_prompts(data.eval, s.samples) if s.samples else []
+
     def held_out(phase: str) -> float | None:
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
         return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
+
+    def show_samples(step: int) -> None:
+        if picks and dist.is_main():  # one process writes the events
+            with sebp.lifted():  # generation: the model's own forwards
+                emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
     with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
         if start_step == 0 and data.eval and s.eval_every:
@@ -167,6 +208,7 @@ def train(ctx: RunContext) -> dict:
             if loss0 is not None:  # None: stopped during the evaluation
                 metrics["eval_loss_start"] = loss0
                 ctx.emit("eval", step=0, eval_loss=loss0)
+                show_samples(0)
 
         phases.emit(ctx.emit, "training")
         model.train()
@@ -202,9 +244,10 @@ def train(ctx: RunContext) -> dict:
                 if loss is not None:
                     metrics["eval_loss"] = loss
                     ctx.emit("eval", step=step, eval_loss=loss)
+                    show_samples(step)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler)
-        save_stop_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
+        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

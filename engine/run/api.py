@@ -321,9 +321,42 @@ def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] 
                        f"--allow-code {shlex.quote(what)}")
 
 
-def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[str] | tuple[str, ...] = ()) -> Run:
+def more_steps(run: Run, cfg: Config, n: int) -> None:
+    """Train a run `n` steps further: its config.yaml gets the new step count and the events
+    a `more_steps` event (setting, from, to, schedule). The learning-rate schedule keeps the
+    length it had before the first extension (`schedule`; engine/loop.make_scheduler), so the
+    added steps train at its final rate. A finished run continues from its final checkpoint,
+    which holds its optimizer state; one without it is refused. Call with the runs folder
+    locked and the run not active."""
+    from .events import EventWriter, schedule_steps
+
+    if n < 1:
+        raise ConfigError(f"--more-steps {n}: give a number of steps of at least 1")
+    if cfg.method == "essa":
+        raise ConfigError(f"run '{run.name}' is an ESSA run: its search is not continued past essa.generations "
+                          "(a finished ESSA run keeps no checkpoint of it); start a new run with more generations")
+    events = read_events(run.dir.events_path)
+    end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+    if run.status() == "finished" and not run.dir.checkpoint(end["step"]).is_dir():
+        raise RunError(f"run '{run.name}' finished without a checkpoint of its step {end['step']} (an older edgetune "
+                       "kept none at the end), so its optimizer state is gone: start a new run with "
+                       f"lora.init_from={run.dir.adapter} to train its adapter further")
+    group = getattr(cfg, cfg.method)
+    before = group.steps
+    schedule = schedule_steps(events) or before
+    group.steps = before + n
+    atomic_write_text(run.dir.config_path, cfg.to_yaml())
+    w = EventWriter(run.dir.events_path)
+    w.emit("more_steps", setting=f"{cfg.method}.steps", **{"from": before, "to": group.steps}, schedule=schedule)
+    w.close()
+
+
+def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[str] | tuple[str, ...] = (),
+           more: int | None = None) -> Run:
     """Continue a stopped, failed or crashed run from its last intact checkpoint (or from
     the start when it has none); new events are appended to the same events.jsonl.
+    `more`: train that many steps past the run's step count, a finished run too
+    (more_steps).
     `gpus`: ranks to continue on (checkpoints hold nothing rank-specific); None = as many
     as the run's last start had. `allow_code`: the reward files and models (as config.yaml
     names them) whose Python the user agrees to run; any other is refused (confirm_code).
@@ -342,11 +375,14 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
         status = r.status()
         if status in ACTIVE:
             raise RunError(f"run '{r.name}' is still {status}")
-        if status == "finished":
-            raise RunError(f"run '{r.name}' already finished; start a new run to train further")
+        if status == "finished" and more is None:
+            raise RunError(f"run '{r.name}' already finished; edgetune resume {r.path} --more-steps N trains it "
+                           "N steps further")
         busy = active_run(r.path.parent)
         if busy is not None:
             raise RunError(f"run '{busy.name}' is still training (one run at a time per runs folder): stop it first")
+        if more is not None:
+            more_steps(r, cfg, more)
         if gpus is None:
             started = [e for e in read_events(r.dir.events_path) if e["type"] == "started"]
             gpus = int(started[-1].get("world_size", 1)) if started else 1

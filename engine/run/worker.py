@@ -27,7 +27,7 @@ import traceback
 
 from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
-from edgetune.engine.core.events import TERMINAL, EventWriter, read_events
+from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
                                             disk_full)
 from edgetune.engine.core.settings import from_dict, load_run_config
@@ -215,7 +215,9 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
-        ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt)
+        # A run given more steps keeps its learning-rate schedule's length (engine/api.more_steps).
+        schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
+        ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt, schedule_steps=schedule)
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
         from edgetune.engine.models.model import resolve_device
 

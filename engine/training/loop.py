@@ -35,6 +35,10 @@ class RunContext:
     run: RunDir
     emit: EventWriter
     resume: Path | None = None  # checkpoint folder to continue from
+    # Steps the learning-rate schedule decays over when the run was trained further
+    # (engine/api.more_steps); None = the method's steps.
+    schedule_steps: int | None = None
+    final_checkpoint: bool = True  # a checkpoint of the last step when the run finishes
     stop_flag: list = field(default_factory=lambda: [False])  # set by the worker's SIGTERM handler
 
     def should_stop(self) -> bool:
@@ -136,9 +140,14 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float, device: st
 
 
 def make_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup, then cosine decay to `min_ratio` of the peak learning rate."""
+    """Linear warmup, then cosine decay to `min_ratio` of the peak learning rate over
+    `total_steps`; past them the rate stays where the schedule ended. A run trained further
+    (`edgetune resume --more-steps`, schedule_steps) keeps its schedule's length, so its added
+    steps train at that final, low rate: the adapter has settled at it, and a rate
+    climbing back up would first undo some of what the decay had gained."""
 
     def factor(step: int) -> float:
+        step = min(step, total_steps)
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -211,12 +220,14 @@ def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler
     return path
 
 
-def save_stop_checkpoint(ctx: RunContext, stopped: bool, start_step: int, step: int, model, optimizer=None,
+def save_last_checkpoint(ctx: RunContext, stopped: bool, start_step: int, step: int, model, optimizer=None,
                          scheduler=None, **extra) -> None:
-    """A graceful stop keeps every finished step: checkpoint the step it stopped at
-    (unless that step already has one), so resume continues from exactly there."""
+    """Checkpoint the step the loop ended at (unless that step already has one): a graceful
+    stop keeps every finished step, so resume continues from exactly there, and a finished
+    run keeps its optimizer state, so `edgetune resume --more-steps` can train it further
+    (not for ESSA's warm-start SFT: ctx.final_checkpoint)."""
     last = ctx.run.last_checkpoint()
-    if stopped and step > start_step and (last is None or last[0] != step):
+    if (stopped or ctx.final_checkpoint) and step > start_step and (last is None or last[0] != step):
         save_checkpoint(ctx, step, model, optimizer, scheduler, **extra)
 
 
@@ -305,6 +316,21 @@ def check_finite(step: int, values: dict[str, float], advice: str, unit: str = "
     for name, v in values.items():
         if not math.isfinite(v):
             raise RunError(f"{unit} {step}: {name} is {v}; {advice}; no adapter was saved")
+
+
+# Each text of a `samples` event is cut to this many characters: the events stay small.
+SAMPLE_CHARS = 1000
+
+
+def emit_samples(ctx: RunContext, step: int, prompts: list[str], completions: list[str],
+                 references: list[str]) -> None:
+    """One `samples` event: held-out prompts, the model's greedy completion of each, and
+    the reference answer (the Train tab and the CLI show the latest)."""
+    if not prompts:
+        return
+    ctx.emit("samples", step=step, samples=[
+        {"prompt": p[:SAMPLE_CHARS], "completion": c[:SAMPLE_CHARS], "reference": r[:SAMPLE_CHARS]}
+        for p, c, r in zip(prompts, completions, references)])
 
 
 def every(n: int, step: int) -> bool:

@@ -9,13 +9,14 @@ from edgetune.engine.training.loop import RunContext
 from edgetune.engine.core.runfolder import RunDir
 
 
-def run_inline(train, cfg, path, stop_after=0, resume=False):
-    """(RunDir, metrics, events). `resume=True` continues from the last checkpoint."""
+def run_inline(train, cfg, path, stop_after=0, resume=False, schedule_steps=None):
+    """(RunDir, metrics, events). `resume=True` continues from the last checkpoint;
+    `schedule_steps`: the learning-rate schedule's length (RunContext)."""
     run = RunDir(path)
     run.path.mkdir(parents=True, exist_ok=True)
     writer = EventWriter(run.events_path)
     ckpt = run.last_checkpoint()[1] if resume else None
-    ctx = RunContext(cfg=cfg, run=run, emit=writer, resume=ckpt)
+    ctx = RunContext(cfg=cfg, run=run, emit=writer, resume=ckpt, schedule_steps=schedule_steps)
 
     def emit(type, **fields):
         ev = writer(type, **fields)

@@ -1,0 +1,130 @@
+"""Live samples at each evaluation (`samples` events, the Train tab, the CLI) and
+`edgetune resume --more-steps`: a finished run trains further from its final checkpoint."""
+
+import os
+import signal
+
+import pytest
+
+from edgetune.app import live
+from edgetune.engine import api, cli
+from edgetune.engine.errors import ConfigError, RunError
+from edgetune.engine.events import EventWriter, read_events
+from edgetune.engine.settings import load_run_config
+from inline_run import run_inline, sft_config
+
+
+def _sft(cfg, path, **kw):
+    from edgetune.engine import sft
+
+    return run_inline(sft.train, cfg, path, **kw)[2]
+
+
+def test_sft_evaluations_show_greedy_samples_in_the_app_and_the_cli(tiny_model_dir, tmp_path):
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"steps": 4, "eval_every": 2, "samples": 2})
+    events = _sft(cfg, tmp_path / "s")
+    evals = [e["step"] for e in events if e["type"] == "eval"]
+    samples = [e for e in events if e["type"] == "samples"]
+    assert evals == [0, 2, 4] and [e["step"] for e in samples] == evals
+    for ev in samples:
+        assert len(ev["samples"]) == 2
+        for x in ev["samples"]:
+            # the prompt is the held-out row's question, the reference its answer (the embedded
+            # rows ask for a sum): both come from the data, the completion from the model
+            assert x["prompt"] and x["reference"] and isinstance(x["completion"], str)
+            assert x["reference"] not in ("", x["prompt"])
+    last = samples[-1]["samples"]
+    md = live.eval_samples_markdown(events)
+    assert md.startswith("**Held-out samples at step 4**") and md.count("\n| ") == 3  # header + 2 rows
+    assert all(live._cell(x["reference"], 300) in md for x in last)
+    assert "samples at step 4: 2 held-out completions" in live.log_lines(events)
+    text = cli.samples_text(samples[-1])
+    assert text.splitlines()[0].startswith("samples at step 4") and len(text.splitlines()) == 3
+    assert repr(last[0]["reference"]) in text
+
+    off = _sft(sft_config(tiny_model_dir, tmp_path, sft={"steps": 2, "eval_every": 2, "samples": 0}),
+               tmp_path / "off")
+    assert [e["type"] for e in off].count("eval") == 2 and not [e for e in off if e["type"] == "samples"]
+
+
+def _lrs(events):
+    return {e["step"]: e["lr"] for e in events if e["type"] == "step"}
+
+
+def _losses(events):
+    return {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+
+
+def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir, tmp_path):
+    """3 steps, then --more-steps 2: steps 4 and 5 have the losses of an uninterrupted
+    5-step run whose schedule decays over 3 steps (optimizer, RNG and data order
+    restored), at the schedule's final learning rate; config.yaml holds 5 steps."""
+    from edgetune.engine import worker
+
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"steps": 3}, run={"checkpoint_every": 50})
+    path = tmp_path / "r"
+    first = _sft(cfg, path)
+    assert first[-1]["type"] == "finished" and (path / "checkpoints" / "step-3").is_dir()  # the final checkpoint
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    run = api.Run(path)
+
+    with pytest.raises(RunError, match=r"^run 'r' already finished; edgetune resume .* --more-steps N"):
+        api.resume(path)
+    with pytest.raises(ConfigError, match=r"^--more-steps 0: give a number of steps of at least 1$"):
+        api.resume(path, more=0)
+    api.more_steps(run, load_run_config(path / "config.yaml"), 2)
+    assert load_run_config(path / "config.yaml").sft.steps == 5
+    more = read_events(path / "events.jsonl")[-1]
+    assert {k: more[k] for k in ("type", "setting", "from", "to", "schedule")} == \
+        {"type": "more_steps", "setting": "sft.steps", "from": 3, "to": 5, "schedule": 3}
+    assert cli.more_steps_text(more).startswith("more steps: sft.steps 3 → 5")
+    assert "more steps: sft.steps 3 → 5 (learning rate flat past step 3)" in live.log_lines([more])
+
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    events = read_events(path / "events.jsonl")
+    after = events[more["i"] + 1:]
+    assert after[0]["type"] == "started" and after[0]["resumed_from"] == 3
+    assert after[-1]["type"] == "finished" and after[-1]["step"] == 5 and run.status() == "finished"
+
+    ref = _sft(sft_config(tiny_model_dir, tmp_path, sft={"steps": 5}, run={"checkpoint_every": 50}),
+               tmp_path / "ref", schedule_steps=3)
+    assert _losses(after) == {k: v for k, v in _losses(ref).items() if k > 3}  # bit for bit
+    assert _losses(first) == {k: v for k, v in _losses(ref).items() if k <= 3}
+    # The step event's lr is the next step's: the decay ends at step 3 at 0.1 x the peak
+    # (engine/loop.make_scheduler) and the added steps stay there.
+    assert _lrs(first)[3] == pytest.approx(0.1 * cfg.sft.lr)
+    assert list(_lrs(after).values()) == pytest.approx([0.1 * cfg.sft.lr] * 2)
+
+
+def test_more_steps_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"steps": 2}, run={"checkpoint_every": 50})
+    path = tmp_path / "old"
+    _sft(cfg, path)
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    import shutil
+
+    shutil.rmtree(path / "checkpoints" / "step-2")  # as a run of an older edgetune left it
+    capsys.readouterr()  # what the training printed
+    assert cli.main(["resume", str(path), "--more-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "error: run 'old' finished without a checkpoint of its step 2 (an older edgetune kept none at the end), "
+        "so its optimizer state is gone: start a new run with lora.init_from=")
+    assert load_run_config(path / "config.yaml").sft.steps == 2  # nothing was changed
+
+    w = EventWriter(path / "events.jsonl")  # the run trains again: its worker is this process
+    w.emit("started", method="sft")
+    w.close()
+    (path / "worker.pid").write_text(str(os.getpid()))
+    assert cli.main(["resume", str(path), "--more-steps", "2"]) == 2
+    assert capsys.readouterr().err == "error: run 'old' is still running\n"
+
+    essa = tmp_path / "elsewhere" / "e"  # another runs folder: no run trains there
+    essa.mkdir(parents=True)
+    (essa / "config.yaml").write_text(cfg.to_yaml().replace("method: sft", "method: essa"))
+    assert cli.main(["resume", str(essa), "--more-steps", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: run 'e' is an ESSA run: its search is not continued")
