@@ -340,9 +340,9 @@ def test_finished_run_trains_more_steps_at_the_final_learning_rate(tiny_model_di
     count in config.yaml, the added step at the schedule's final rate (0.1 x fgrpo.lr)."""
     import signal
 
-    from edgetune.engine import api, worker
-    from edgetune.engine.events import read_events
-    from edgetune.engine.settings import load_run_config
+    from edgetune.engine.run import api, worker
+    from edgetune.engine.core.events import read_events
+    from edgetune.engine.core.settings import load_run_config
 
     cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=2, eval_k=0)
     path = tmp_path / "r"

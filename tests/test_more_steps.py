@@ -7,15 +7,16 @@ import signal
 import pytest
 
 from edgetune.app import live
-from edgetune.engine import api, cli
-from edgetune.engine.errors import ConfigError, RunError
-from edgetune.engine.events import EventWriter, read_events
-from edgetune.engine.settings import load_run_config
+from edgetune.engine.run import api
+from edgetune.engine import cli
+from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.events import EventWriter, read_events
+from edgetune.engine.core.settings import load_run_config
 from inline_run import run_inline, sft_config
 
 
 def _sft(cfg, path, **kw):
-    from edgetune.engine import sft
+    from edgetune.engine.methods import sft
 
     return run_inline(sft.train, cfg, path, **kw)[2]
 
@@ -59,7 +60,7 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
     """3 steps, then --more-steps 2: steps 4 and 5 have the losses of an uninterrupted
     5-step run whose schedule decays over 3 steps (optimizer, RNG and data order
     restored), at the schedule's final learning rate; config.yaml holds 5 steps."""
-    from edgetune.engine import worker
+    from edgetune.engine.run import worker
 
     cfg = sft_config(tiny_model_dir, tmp_path, sft={"steps": 3}, run={"checkpoint_every": 50})
     path = tmp_path / "r"
@@ -95,7 +96,7 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
     assert _losses(after) == {k: v for k, v in _losses(ref).items() if k > 3}  # bit for bit
     assert _losses(first) == {k: v for k, v in _losses(ref).items() if k <= 3}
     # The step event's lr is the next step's: the decay ends at step 3 at 0.1 x the peak
-    # (engine/loop.make_scheduler) and the added steps stay there.
+    # (engine/training/loop.make_scheduler) and the added steps stay there.
     assert _lrs(first)[3] == pytest.approx(0.1 * cfg.sft.lr)
     assert list(_lrs(after).values()) == pytest.approx([0.1 * cfg.sft.lr] * 2)
 

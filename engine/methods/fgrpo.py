@@ -52,8 +52,8 @@ from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, emit_samples, every,
-                                           finish, load_checkpoint, make_optimizer, make_scheduler,
+from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, emit_samples,
+                                           every, finish, load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_last_checkpoint,
                                            seed_everything)
 from edgetune.engine.training.passk import mean_pass_at_k

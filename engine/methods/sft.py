@@ -45,8 +45,9 @@ from edgetune.engine.planning.effective import decide, liger_off_reason, record
 from edgetune.engine.models.liger import apply as apply_liger
 from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
 from edgetune.engine.training.loop import (Progress, RunContext, check_finite, emit_samples, every, finish,
-                                           load_checkpoint, make_optimizer, make_scheduler, micro_batch_indices,
-                                           save_checkpoint, save_last_checkpoint, seed_everything)
+                                           load_checkpoint, make_optimizer, make_scheduler,
+                                           micro_batch_indices, save_checkpoint, save_last_checkpoint,
+                                           seed_everything)
 from edgetune.engine.data.packing import collate_packed
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.generation.rollouts import generate

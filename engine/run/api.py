@@ -324,11 +324,11 @@ def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] 
 def more_steps(run: Run, cfg: Config, n: int) -> None:
     """Train a run `n` steps further: its config.yaml gets the new step count and the events
     a `more_steps` event (setting, from, to, schedule). The learning-rate schedule keeps the
-    length it had before the first extension (`schedule`; engine/loop.make_scheduler), so the
+    length it had before the first extension (`schedule`; engine/training/loop.make_scheduler), so the
     added steps train at its final rate. A finished run continues from its final checkpoint,
     which holds its optimizer state; one without it is refused. Call with the runs folder
     locked and the run not active."""
-    from .events import EventWriter, schedule_steps
+    from edgetune.engine.core.events import EventWriter, schedule_steps
 
     if n < 1:
         raise ConfigError(f"--more-steps {n}: give a number of steps of at least 1")

@@ -215,7 +215,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
-        # A run given more steps keeps its learning-rate schedule's length (engine/api.more_steps).
+        # A run given more steps keeps its learning-rate schedule's length (engine/run/api.more_steps).
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt, schedule_steps=schedule)
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))

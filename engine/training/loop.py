@@ -36,7 +36,7 @@ class RunContext:
     emit: EventWriter
     resume: Path | None = None  # checkpoint folder to continue from
     # Steps the learning-rate schedule decays over when the run was trained further
-    # (engine/api.more_steps); None = the method's steps.
+    # (engine/run/api.more_steps); None = the method's steps.
     schedule_steps: int | None = None
     final_checkpoint: bool = True  # a checkpoint of the last step when the run finishes
     stop_flag: list = field(default_factory=lambda: [False])  # set by the worker's SIGTERM handler
