@@ -139,6 +139,17 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
+def all_reduce_max(value: float) -> float:
+    if not _STATE["on"]:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on one (a stop asked for on rank 0's machine)."""
     if not _STATE["on"]:
