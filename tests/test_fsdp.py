@@ -71,3 +71,28 @@ def test_fsdp_is_refused_for_rl_methods_in_one_line(method):
     with pytest.raises(ConfigError) as e:
         settings.resolve(overrides={"method": method, "model": {"shard": "fsdp"}, "essa": {"warm_start": "x"}})
     assert "\n" not in str(e.value) and str(e.value).startswith("model.shard: fsdp is built for sft only; " + method)
+
+
+def test_planner_divides_the_sharded_parts_by_the_gpu_count():
+    """`estimate --gpus N --set model.shard=fsdp`: the decoder layers' weights, the adapter,
+    its gradients and optimizer state are 1/N per GPU, plus two whole layers (the running
+    one and the one gathered ahead); embeddings and head stay whole; the batch is split as
+    in the data-parallel run."""
+    from edgetune.engine import planner
+
+    def est(gpus, shard):
+        cfg = settings.resolve(overrides={"method": "sft", "model": {"name": "Qwen/Qwen2.5-72B", "shard": shard},
+                                          "sft": {"batch_size": 4, "grad_accum": 1},
+                                          "data": {"max_seq_len": 1024}})
+        return planner.estimate(cfg, device="cuda", gpu_total=141 * 2**30, detect_gpu=False, gpus=gpus)
+
+    one, dp, four = est(1, "fsdp"), est(4, "none"), est(4, "fsdp")
+    outside = (152064 * 8192 * 2 + 8192) * 2  # untied embeddings + head + final norm, bf16
+    layer = (one["weights"] - outside) / 80
+    assert four["weights"] == pytest.approx((one["weights"] - outside) / 4 + 2 * layer + outside, abs=2)
+    assert four["weights"] < dp["weights"] == one["weights"]
+    assert four["optimizer"] == pytest.approx(one["optimizer"] / 4, abs=1)
+    assert four["lora_grads"] < one["lora_grads"] < dp["lora_grads"]  # no flat all-reduce buffer
+    assert four["activations"] == dp["activations"] and four["shape"] == dp["shape"] == "1 x 1024 tokens"
+    assert sum(four[k] for k in four["parts"]) == four["total"] < dp["total"]
+    assert any("model.shard: fsdp" in n for n in four["notes"])
