@@ -219,7 +219,7 @@ class ModelSettings:
         "How a run on several GPUs (edgetune train --gpus N) holds the base: none = every GPU holds the "
         "whole 4-bit base and the batch is split (data-parallel). fsdp = each GPU holds 1/N of the "
         "decoder layers' 4-bit weights and of the adapter and gathers one layer at a time (FSDP2, "
-        "engine/fsdp.py): for a base that does not fit one GPU; SFT only (docs/multi-gpu.md).",
+        "engine/fsdp.py): for a base that does not fit one GPU; SFT and F-GRPO (docs/multi-gpu.md).",
         choices=("none", "fsdp"))
     trust_remote_code: bool = setting(
         False,
@@ -755,8 +755,6 @@ def _setting(cfg: Config, path: str) -> Any:
 
 # Why model.shard: fsdp is refused for a method (one line each, in validate's message).
 SHARD_REFUSED = {
-    "fgrpo": "would generate with the sharded base (every decode step an all-gather of each layer, "
-             "the ranks kept in step), which is not built yet",
     "essa": "trains no gradients and already splits its population over the GPUs; sharding the base "
             "for generation only is not built yet",
 }
@@ -771,7 +769,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {cfg.model.gradient_checkpointing!r}")
     if cfg.model.shard == "fsdp" and cfg.method in SHARD_REFUSED:
-        raise ConfigError(f"model.shard: fsdp is built for sft only; {cfg.method} {SHARD_REFUSED[cfg.method]}; "
+        raise ConfigError(f"model.shard: fsdp is built for sft and fgrpo; {cfg.method} {SHARD_REFUSED[cfg.method]}; "
                           "use model.shard: none")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise _choice_error("model.device", cfg.model.device, ("auto", "cpu", "cuda", "cuda:0"))

@@ -6,7 +6,10 @@ Llama's decoder layers sharded with FSDP2.
   differ between the ranks (3 rows a step: 2 + 1, micro-batches of one row);
 - its checkpoint is rank-independent: one process resumes from it and ends as the
   one-process run;
-- F-GRPO and ESSA with fsdp are refused in one line; the planner divides the base by N.
+- the SFT gradient and an F-GRPO update on fixed rollouts equal one process's
+  (tests/dist_driver.py), and an F-GRPO run, generation included, equals the
+  data-parallel run;
+- ESSA with fsdp is refused in one line; the planner divides the base by N.
 """
 
 import shutil
@@ -66,11 +69,10 @@ def test_sft_sharded_on_two_ranks_equals_one_process_and_resumes_on_one(tiny_mod
     assert_same_weights(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors", ref_adapter)
 
 
-@pytest.mark.parametrize("method", ["fgrpo", "essa"])
-def test_fsdp_is_refused_for_rl_methods_in_one_line(method):
+def test_fsdp_is_refused_for_essa_in_one_line():
     with pytest.raises(ConfigError) as e:
-        settings.resolve(overrides={"method": method, "model": {"shard": "fsdp"}, "essa": {"warm_start": "x"}})
-    assert "\n" not in str(e.value) and str(e.value).startswith("model.shard: fsdp is built for sft only; " + method)
+        settings.resolve(overrides={"method": "essa", "model": {"shard": "fsdp"}, "essa": {"warm_start": "x"}})
+    assert "\n" not in str(e.value) and str(e.value).startswith("model.shard: fsdp is built for sft and fgrpo; essa")
 
 
 def test_planner_divides_the_sharded_parts_by_the_gpu_count():
@@ -96,3 +98,76 @@ def test_planner_divides_the_sharded_parts_by_the_gpu_count():
     assert four["activations"] == dp["activations"] and four["shape"] == dp["shape"] == "1 x 1024 tokens"
     assert sum(four[k] for k in four["parts"]) == four["total"] < dp["total"]
     assert any("model.shard: fsdp" in n for n in four["notes"])
+
+
+def test_gradients_and_fgrpo_update_sharded_equal_one_process(tiny_model_dir, tmp_path):
+    """tests/dist_driver.py with the base sharded on 2 ranks: the SFT gradient of 8 rows and
+    two F-GRPO optimizer steps on one fixed rollout batch (rank 0 keeps 4 rows, rank 1 8:
+    2 and 3 micro-batches of 3) equal the one-process ones."""
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import TESTS
+
+    sys.path.insert(0, str(TESTS))
+    import dist_driver
+
+    dist_driver.main(str(tmp_path), str(tiny_model_dir))  # one process, in this one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(TESTS / "dist_driver.py"), str(tmp_path), str(tiny_model_dir), "fsdp"],
+                          env=env, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = torch.load(tmp_path / "world-1.pt", weights_only=False)
+    two = torch.load(tmp_path / "world-2-fsdp.pt", weights_only=False)
+    assert two["world"] == 2 and two["sft"]["labels"] == one["sft"]["labels"]
+    assert two["sft"]["loss"] == pytest.approx(one["sft"]["loss"], rel=1e-6)
+    for k, g in one["sft"]["grads"].items():
+        assert float(g.abs().max()) > 0, k
+        assert torch.allclose(two["sft"]["grads"][k], g, atol=1e-5, rtol=0), k
+    for k, w in one["fgrpo"]["weights"].items():
+        assert torch.allclose(two["fgrpo"]["weights"][k], w, atol=1e-5, rtol=0), k
+    m1, m2 = one["fgrpo"]["metrics"], two["fgrpo"]["metrics"]
+    assert m1["dropped"] == m2["dropped"] == 4 and m1["train_tokens"] == m2["train_tokens"]
+    for key in ("loss", "grad_norm", "clip_ratio", "ratio"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+
+
+def test_fgrpo_sharded_on_two_ranks_equals_data_parallel(tiny_model_dir, tmp_path):
+    """F-GRPO end to end, generation included: the sharded ranks decode in step (the plain
+    loop, every rank until all are done) and sample what the data-parallel ranks sample
+    (3 prompts: 2 + 1 groups, so different row and micro-batch counts per rank); steps,
+    held-out evaluations and the final adapter equal the data-parallel run's."""
+    import json
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text("def reward(completion, answer, row):\n"
+                                        "    return (sum(map(ord, completion)) % 7) / 6\n")
+
+    def cfg(shard):
+        return settings.from_dict({
+            "method": "fgrpo",
+            "model": {"name": str(tiny_model_dir), "quant": "nf4", "gradient_checkpointing": False, "shard": shard},
+            "lora": {"r": 4, "alpha": 8},
+            "data": {"path": str(tmp_path / "rl.jsonl"), "eval_fraction": 0.2},
+            "run": {"runs_dir": str(tmp_path / shard), "seed": 1, "checkpoint_every": 1},
+            "fgrpo": {"num_generations": 4, "prompts_per_step": 3, "max_new_tokens": 5, "steps": 2,
+                      "reward": "file", "reward_file": str(tmp_path / "reward.py"), "lr": 5e-3,
+                      "micro_batch_size": 3, "eval_prompts": 2, "eval_k": 1, "temperature": 0.9}})
+
+    runs, events = {}, {}
+    for shard in ("none", "fsdp"):
+        runs[shard] = api.start(cfg(shard), name="two", gpus=2)
+        events[shard] = finish(runs[shard])
+    for ev in events.values():
+        assert ev[-1]["type"] == "finished", ev[-1]
+    assert sorted(steps(events["fsdp"])) == [1, 2]
+    assert_same_steps(steps(events["fsdp"]), steps(events["none"]), keys=("loss", "reward_mean", "grad_norm"))
+    evals = {s: [e for e in ev if e["type"] == "eval"] for s, ev in events.items()}
+    assert evals["fsdp"] and [e.get("success_rate") for e in evals["fsdp"]] == \
+        [e.get("success_rate") for e in evals["none"]]
+    assert (runs["fsdp"].path / "checkpoints" / "step-1").is_dir()
+    assert_same_weights(runs["fsdp"].path / "adapter" / "adapter_model.safetensors",
+                        runs["none"].path / "adapter" / "adapter_model.safetensors")
