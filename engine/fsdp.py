@@ -14,8 +14,10 @@ Checkpoints and the final adapter are written whole (every rank gathers the adap
 the optimizer state, rank 0 writes them), in the same format as a one-process run, so a
 run resumes on any number of ranks, sharded or not.
 
-Ranks must run the same forwards and backwards (each one all-gathers): `accumulate`
-(engine/sft.py) pads a rank with fewer micro-batches with zero-weight ones.
+Ranks must run the same forwards and backwards (each one all-gathers): SFT's `accumulate`
+and F-GRPO's `policy_update` pad a rank with fewer micro-batches with zero-weight ones,
+and rollouts decode with the plain loop until every rank's rows are done
+(engine/decoding.decode_plain, lockstep). ESSA is refused (engine/settings.SHARD_REFUSED).
 """
 
 from __future__ import annotations

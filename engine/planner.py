@@ -735,6 +735,7 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
     plan, ctx, notes = _plan(cfg, device, gpu_free)
     if gpus > 1 and cfg.model.shard == "fsdp":
         _shard_plan(plan, ctx, gpus)
+        notes[:] = [n for n in notes if not n.startswith("rollouts may also take")]  # sharded: the plain loop
         plan["cuda_context"] += NCCL_BUFFERS if device.startswith("cuda") else 0
         plan["total"] = sum(int(plan[k]) for k in plan["parts"])
         notes.append(f"per GPU of {gpus} (model.shard: fsdp): 1/{gpus} of the decoder layers' weights, adapter, "
