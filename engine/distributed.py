@@ -14,7 +14,7 @@ same LoRA adapter; what each method exchanges per step:
 - ESSA: every rank holds the same CMA-ES state and asks the same population; each scores
   its share of the candidates; one all_gather of (index, fitness) per generation.
 
-With `model.shard: fsdp` (SFT) the base and the adapter are sharded instead: engine/fsdp.py.
+With `model.shard: fsdp` (SFT, F-GRPO) the base and the adapter are sharded instead: engine/fsdp.py.
 
 Only rank 0 writes the run folder (events, checkpoints, adapter); the others read what
 they need from rank 0 over the process group (`share_folder`), so on several machines
