@@ -62,7 +62,7 @@ def _full(t):
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        return t.full_tensor().cpu()
+        return t.detach().full_tensor().cpu()
     return t.detach().cpu() if torch.is_tensor(t) else t
 
 
@@ -97,7 +97,7 @@ def load_adapter(model, weights: dict, adapter: str = "default") -> None:
             key = n.replace(f".{adapter}", "")
             if key not in weights:
                 raise CheckpointError(f"adapter_model.safetensors: no tensor {key}")
-            full = weights[key].to(p.dtype)
+            full = weights[key].detach().to(p.dtype)
             p.copy_(distribute_tensor(full.to(p.device), p.device_mesh, p.placements)
                     if isinstance(p, DTensor) else full.to(p.device))
 

@@ -106,6 +106,18 @@ def main(out: str, model_dir: str, shard: str = "none") -> None:
     sched = make_scheduler(opt, 0, 4)
     metrics = policy_update(model, local, adv[rows_here], s, opt, sched)
     result["fgrpo"] = {"metrics": metrics, "weights": {k: whole(p) for k, p in params}}
+    if shard == "fsdp" and dist.enabled():  # what a sharded resume loads: whole tensors back into shards
+        from edgetune.engine import fsdp
+
+        saved, saved_opt = fsdp.adapter_state(model), fsdp.optimizer_state(opt)
+        with torch.no_grad():
+            for _, p in params:
+                p.zero_()
+        fsdp.load_adapter(model, {k.replace(".default", ""): v for k, v in saved.items()})
+        again = make_optimizer(model.parameters(), "adamw", s.lr, 0.0, "cpu")
+        fsdp.load_optimizer_state(again, saved_opt)
+        result["reloaded"] = {"weights": {k: whole(p) for k, p in params},
+                              "optimizer": fsdp.optimizer_state(again)["state"], "saved_optimizer": saved_opt["state"]}
     if dist.is_main():
         torch.save(result, f"{out}/world-{dist.world()}{'-fsdp' if shard == 'fsdp' else ''}.pt")
     dist.shutdown()

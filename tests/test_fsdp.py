@@ -132,6 +132,15 @@ def test_gradients_and_fgrpo_update_sharded_equal_one_process(tiny_model_dir, tm
     assert m1["dropped"] == m2["dropped"] == 4 and m1["train_tokens"] == m2["train_tokens"]
     for key in ("loss", "grad_norm", "clip_ratio", "ratio"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    # a sharded resume: the whole adapter and optimizer state loaded back into the shards
+    back = two["reloaded"]
+    for k, w in two["fgrpo"]["weights"].items():
+        assert torch.equal(back["weights"][k], w), k
+    assert back["optimizer"].keys() == back["saved_optimizer"].keys() and back["optimizer"]
+    for i, st in back["saved_optimizer"].items():
+        assert float(st["exp_avg_sq"].abs().max()) > 0
+        for key, v in st.items():
+            assert torch.equal(back["optimizer"][i][key], v), (i, key)
 
 
 def test_fgrpo_sharded_on_two_ranks_equals_data_parallel(tiny_model_dir, tmp_path):
