@@ -107,16 +107,15 @@ def test_gradients_and_fgrpo_update_sharded_equal_one_process(tiny_model_dir, tm
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    from test_distributed import TESTS
-
-    sys.path.insert(0, str(TESTS))
     import dist_driver
 
+    driver = Path(dist_driver.__file__).resolve()
     dist_driver.main(str(tmp_path), str(tiny_model_dir))  # one process, in this one
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(driver.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(TESTS / "dist_driver.py"), str(tmp_path), str(tiny_model_dir), "fsdp"],
+                           str(driver), str(tmp_path), str(tiny_model_dir), "fsdp"],
                           env=env, timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = torch.load(tmp_path / "world-1.pt", weights_only=False)
