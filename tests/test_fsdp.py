@@ -98,6 +98,14 @@ def test_planner_divides_the_sharded_parts_by_the_gpu_count():
     assert four["activations"] == dp["activations"] and four["shape"] == dp["shape"] == "1 x 1024 tokens"
     assert sum(four[k] for k in four["parts"]) == four["total"] < dp["total"]
     assert any("model.shard: fsdp" in n for n in four["notes"])
+    # F-GRPO: the same division; its rollouts take no bf16 copy of the base (the plain loop)
+    rl = {"method": "fgrpo", "model": {"name": "Qwen/Qwen2.5-72B"}, "fgrpo": {"prompts_per_step": 4}}
+    rl_dp, rl_four = (planner.estimate(settings.resolve(overrides={**rl, "model": {**rl["model"], "shard": sh}}),
+                                       device="cuda", gpu_total=141 * 2**30, detect_gpu=False, gpus=4)
+                      for sh in ("none", "fsdp"))
+    assert rl_four["weights"] == four["weights"] < rl_dp["weights"]
+    assert rl_four["rollout_kv_cache"] == rl_dp["rollout_kv_cache"]
+    assert any("bf16 copy" in n for n in rl_dp["notes"]) and not any("bf16 copy" in n for n in rl_four["notes"])
 
 
 def test_gradients_and_fgrpo_update_sharded_equal_one_process(tiny_model_dir, tmp_path):
