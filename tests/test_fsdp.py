@@ -171,7 +171,7 @@ def test_fgrpo_sharded_on_two_ranks_equals_data_parallel(tiny_model_dir, tmp_pat
             "run": {"runs_dir": str(tmp_path / shard), "seed": 1, "checkpoint_every": 1},
             "fgrpo": {"num_generations": 4, "prompts_per_step": 3, "max_new_tokens": 5, "steps": 2,
                       "reward": "file", "reward_file": str(tmp_path / "reward.py"), "lr": 5e-3,
-                      "micro_batch_size": 3, "eval_prompts": 2, "eval_k": 1, "temperature": 0.9}})
+                      "micro_batch_size": 3, "eval_prompts": 2, "eval_k": 0, "temperature": 0.9}})
 
     runs, events = {}, {}
     for shard in ("none", "fsdp"):
