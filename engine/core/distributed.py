@@ -14,6 +14,8 @@ same LoRA adapter; what each method exchanges per step:
 - ESSA: every rank holds the same CMA-ES state and asks the same population; each scores
   its share of the candidates; one all_gather of (index, fitness) per generation.
 
+With `model.shard: fsdp` (SFT, F-GRPO) the base and the adapter are sharded instead: engine/models/fsdp.py.
+
 Only rank 0 writes the run folder (events, checkpoints, adapter); the others read what
 they need from rank 0 over the process group (`share_folder`), so on several machines
 only the first one needs the runs folder. The model and data paths must exist on every
@@ -136,6 +138,17 @@ def all_reduce_sum(value: float) -> float:
 
     t = torch.tensor([float(value)], dtype=torch.float64)
     dist.all_reduce(t)
+    return float(t.item())
+
+
+def all_reduce_max(value: float) -> float:
+    if not _STATE["on"]:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 

@@ -224,9 +224,10 @@ class ModelSettings:
     shard: str = setting(
         "none",
         "How a run on several GPUs (edgetune train --gpus N) holds the base: none = every GPU holds the "
-        "whole 4-bit base and the batch is split (data-parallel). fsdp (the base sharded across the GPUs) "
-        "is not built yet and is refused.",
-        choices=("none",))
+        "whole 4-bit base and the batch is split (data-parallel). fsdp = each GPU holds 1/N of the "
+        "decoder layers' 4-bit weights and of the adapter and gathers one layer at a time (FSDP2, "
+        "engine/models/fsdp.py): for a base that does not fit one GPU; SFT and F-GRPO (docs/multi-gpu.md).",
+        choices=("none", "fsdp"))
     trust_remote_code: bool = setting(
         False,
         "Run Python code shipped in the model's repository (some architectures need it); only for "
@@ -761,6 +762,13 @@ def _setting(cfg: Config, path: str) -> Any:
     return getattr(getattr(cfg, group), name)
 
 
+# Why model.shard: fsdp is refused for a method (one line each, in validate's message).
+SHARD_REFUSED = {
+    "essa": "trains no gradients and already splits its population over the GPUs; sharding the base "
+            "for generation only is not built yet",
+}
+
+
 def validate(cfg: Config) -> None:
     """Every setting against its declaration (choices, range, a finite number) and the
     rules between settings; the first problem is raised as one line that names the key."""
@@ -769,9 +777,9 @@ def validate(cfg: Config) -> None:
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {cfg.model.gradient_checkpointing!r}")
-    if cfg.model.shard == "fsdp":
-        raise ConfigError("model.shard: fsdp (the 4-bit base sharded across GPUs) is not built yet; use none "
-                          "(every GPU holds the whole base, the batch is split)")
+    if cfg.model.shard == "fsdp" and cfg.method in SHARD_REFUSED:
+        raise ConfigError(f"model.shard: fsdp is built for sft and fgrpo; {cfg.method} {SHARD_REFUSED[cfg.method]}; "
+                          "use model.shard: none")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise _choice_error("model.device", cfg.model.device, ("auto", "cpu", "cuda", "cuda:0"))
     for group in (cfg.sft, cfg.fgrpo):  # null: how "auto" was written before it was a word

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edgetune.engine.core import distributed as dist
+
 
 @dataclass
 class Sampler:
@@ -67,9 +69,11 @@ def inner_model(model):
 
 @torch.no_grad()
 def decode_plain(model, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, sampler: Sampler,
-                 eos_id: int, pad_id: int) -> tuple[Tensor, Tensor]:
+                 eos_id: int, pad_id: int, lockstep: bool = False) -> tuple[Tensor, Tensor]:
     """(completion_ids [B, T], logprobs [B, T]) with the model's own forward and a
-    DynamicCache; positions and masks are built as model.generate builds them."""
+    DynamicCache; positions and masks are built as model.generate builds them.
+    lockstep: the ranks of a sharded base (engine/models/fsdp.py) decode until every rank's rows
+    are done (each forward gathers every layer from all ranks); finished rows get pad."""
     from transformers import DynamicCache
 
     core = inner_model(model)
@@ -90,7 +94,7 @@ def decode_plain(model, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens:
         toks.append(tok)
         done = done | (tok == eos_id)
         # one host sync per token: the plain loop is the CPU/reference path
-        if bool(done.all()):
+        if not dist.any_rank(not bool(done.all())) if lockstep else bool(done.all()):
             break
         inp = tok[:, None]
         step_pos = step_pos[:, -1:] + 1

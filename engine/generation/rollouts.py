@@ -133,7 +133,13 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     sampler = Sampler(temperature=temperature if temperature > 0 else 1.0, top_p=top_p, greedy=greedy,
                       generator=make_generator(device, seed))
 
-    use_fast = _pick_fast(model, device, fast)
+    from edgetune.engine.core import distributed as dist
+    from edgetune.engine.models.fsdp import is_sharded
+
+    # A sharded base decodes with the plain loop (each forward gathers the layers), every
+    # rank until all ranks' rows are done; the callers give every rank as many chunks.
+    lockstep = dist.enabled() and is_sharded(model)
+    use_fast = False if lockstep else _pick_fast(model, device, fast)
     info = {"fast": use_fast}
     n = len(rows)
     bs = batch_size if batch_size > 0 else n
@@ -158,7 +164,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
             if use_fast:
                 c, lp = decoder.decode(ids, mask, max_new_tokens, sampler, eos_id, pad_id)
             else:
-                c, lp = decode_plain(model, ids, mask, max_new_tokens, sampler, eos_id, pad_id)
+                c, lp = decode_plain(model, ids, mask, max_new_tokens, sampler, eos_id, pad_id, lockstep=lockstep)
             if use_fast:
                 info.update(decoder.info)
             comp_chunks.append(c)

@@ -46,6 +46,7 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
+from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import copy_budget, decide, record
@@ -218,34 +219,42 @@ def policy_update(model, roll: RolloutBatch, adv: torch.Tensor, s: FGRPOSettings
         return out
     t = time.time()
     mb = s.micro_batch_size if s.micro_batch_size > 0 else max(N_here, 1)
-    chunks = [keep[i : i + mb] for i in range(0, keep.numel(), mb)]
-    ref = {}
+    chunks = [(keep[i : i + mb], 1.0) for i in range(0, keep.numel(), mb)]
+    sharded = fsdp.is_sharded(model)
+    if sharded:  # every forward and backward is a collective: as many chunks on every rank
+        most = int(dist.all_reduce_max(len(chunks)))
+        chunks += [(keep[:1] if keep.numel() else torch.arange(1, device=adv.device), 0.0)] * (most - len(chunks))
+    ref = []
     if s.beta != 0:
         with torch.no_grad(), model.disable_adapter():
-            for c in chunks:
+            for c, _ in chunks:
                 with model_lib.autocast(model):
-                    ref[int(c[0])] = completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature)
+                    ref.append(completion_logprobs(model, *_rows_of(roll, c), temperature=s.temperature))
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     sums = {"kl": 0.0, "clip_ratio": 0.0, "ratio": 0.0, "tokens": 0.0}
     loss_total, norms = 0.0, []
     for _ in range(s.num_iterations):
-        for c in chunks:
+        for j, (c, weight) in enumerate(chunks):
             rows = _rows_of(roll, c)
             with model_lib.autocast(model):
                 logp = completion_logprobs(model, *rows, temperature=s.temperature, sebp=sebp)
             loss, m = policy_loss(logp, roll.logprobs[c].float(), adv[c], mask[c].float(), s.loss_type,
-                                  s.epsilon, s.epsilon_high, ref_logp=ref.get(int(c[0])), beta=s.beta,
+                                  s.epsilon, s.epsilon_high, ref_logp=ref[j] if ref else None, beta=s.beta,
                                   max_completion_length=s.max_new_tokens, num_sequences=N,
                                   num_tokens=num_tokens)
+            if weight == 0:  # a padding chunk: the collectives only
+                (loss * 0.0).backward()
+                continue
             loss.backward()
             loss_total += float(loss.detach())
             for k in ("kl", "clip_ratio", "ratio"):
                 sums[k] += m[k] * m["tokens"]
             sums["tokens"] += m["tokens"]
             out["train_tokens"] += int(rows[1].sum() + rows[3].sum())
-        dist.all_reduce_grads(params)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm or float("inf"))))
+        if not sharded:  # sharded: FSDP reduce-scattered them in each backward
+            dist.all_reduce_grads(params)
+        norms.append(fsdp.clip_grad_norm(params, s.max_grad_norm or float("inf")))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -288,6 +297,8 @@ def train(ctx: RunContext) -> dict:
     G, sys_prompt = s.num_generations, cfg.data.system_prompt
 
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    if cfg.model.shard == "fsdp" and dist.enabled():
+        fsdp.shard(model)  # each rank keeps 1/N of the base and of the adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, 0.0, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations,
                                (ctx.schedule_steps or s.steps) * s.num_iterations)

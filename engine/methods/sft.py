@@ -39,6 +39,7 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
+from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import decide, liger_off_reason, record
@@ -68,18 +69,36 @@ def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
 
     On several ranks `batches` are this rank's share of the step: the label tokens are
     counted over all ranks (one all_reduce) and the gradients summed over them (one more),
-    so every rank ends with the gradient of the whole step, as one process would."""
+    so every rank ends with the gradient of the whole step, as one process would.
+
+    A sharded base (engine/models/fsdp.py) reduce-scatters the gradients in each backward, and
+    every forward and backward is a collective: a rank with fewer micro-batches than
+    another runs zero-weight ones, so the ranks stay in step."""
     total = int(dist.all_reduce_sum(sum(label_count(b["labels"]) for b in batches)))
+    sharded = fsdp.is_sharded(model)
+    padded = [(b, 1.0) for b in batches]
+    if sharded:
+        most = int(dist.all_reduce_max(len(batches)))
+        padded += [(batches[-1] if batches else _filler(model), 0.0)] * (most - len(batches))
     loss_sum = 0.0
-    for batch in batches:
+    for batch, weight in padded:
         if sebp is not None:
             sebp.set_active_rows(batch["attention_mask"].bool())
         with model_lib.autocast(model):
             loss, n = causal_lm_loss(model, batch)
-        (loss * (n / max(total, 1))).backward()
-        loss_sum += loss.item() * n
-    dist.all_reduce_grads(model.parameters())
+        (loss * (weight * n / max(total, 1))).backward()
+        loss_sum += weight * loss.item() * n
+    if not sharded:
+        dist.all_reduce_grads(model.parameters())
     return dist.all_reduce_sum(loss_sum) / max(total, 1), total
+
+
+def _filler(model) -> dict:
+    """A one-label batch for a rank with no rows in a step (a sharded base's ranks must all
+    run the forward and backward); its loss is weighed zero."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.new_tensor([[-100, 0]])}
 
 
 def step_rows(n: int, batch_size: int, grad_accum: int, step: int, seed: int) -> list[list[int]]:
@@ -180,6 +199,8 @@ def train(ctx: RunContext) -> dict:
         offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
 
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    if cfg.model.shard == "fsdp" and dist.enabled():
+        fsdp.shard(model)  # each rank keeps 1/N of the base and of the adapter
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
     start_step = 0
@@ -225,9 +246,9 @@ def train(ctx: RunContext) -> dict:
                 batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
             step_loss, _ = accumulate(model, batches, sebp)
             tokens = int(dist.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches)))
-            grad_norm = torch.nn.utils.clip_grad_norm_(
+            grad_norm = fsdp.clip_grad_norm(
                 [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
-            check_finite(step + 1, {"loss": step_loss, "gradient norm": float(grad_norm)},
+            check_finite(step + 1, {"loss": step_loss, "gradient norm": grad_norm},
                          f"lower sft.lr (now {s.lr:g}) or lora.alpha (now {cfg.lora.alpha:g})"
                          + ("" if s.max_grad_norm else ", or set sft.max_grad_norm"))
             optimizer.step()
@@ -237,7 +258,7 @@ def train(ctx: RunContext) -> dict:
             metrics["loss"] = step_loss
             if every(cfg.run.log_every, step) or step == s.steps:
                 ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
-                         grad_norm=float(grad_norm), tokens_per_s=round(tokens / (time.time() - t_step), 1))
+                         grad_norm=grad_norm, tokens_per_s=round(tokens / (time.time() - t_step), 1))
             final = bool(data.eval and s.eval_every and step == s.steps)
             if data.eval and every(s.eval_every, step) or final:
                 loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,

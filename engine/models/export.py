@@ -87,10 +87,12 @@ def name_the_base(folder: Path, cfg: Config, base_path: str, **info) -> str:
     return base_id
 
 
-def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict) -> Path:
-    """Save adapter + tokenizer + model card into `out`, all or nothing."""
+def write_adapter(out: Path, model, tokenizer, cfg: Config, base_path: str, metrics: dict,
+                  state_dict: dict | None = None) -> Path:
+    """Save adapter + tokenizer + model card into `out`, all or nothing. `state_dict`: the
+    adapter's whole tensors when the model's own are shards (engine/models/fsdp.py)."""
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         name_the_base(tmp, cfg, base_path, metrics=metrics)
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(cfg, base_path, metrics))

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -677,6 +678,24 @@ def verdict(cfg: Config, total: int, budget: int | None, device: str, gpu_free: 
             "smaller batch / shorter max_seq_len together, or a smaller model", False)
 
 
+def _shard_plan(plan: dict, ctx: Ctx, gpus: int) -> None:
+    """One rank's static parts under `model.shard: fsdp` (engine/models/fsdp.py): the decoder
+    layers' weights and the adapter, its gradients and optimizer state divided by the
+    rank count; two layers gathered whole (the one running and the next, which FSDP
+    gathers ahead; their LoRA gradients are whole until reduce-scattered); the embeddings,
+    head and final norm whole on every rank."""
+    a = ctx.arch
+    outside = (a.vocab * a.hidden * (1 if a.tied else 2) + a.hidden) * ctx.param_bytes
+    layer = (plan["weights"] - outside) / a.layers
+    lora_layer = lora_params(ctx) * 4 / a.layers
+    plan["weights"] = int(math.ceil((plan["weights"] - outside) / gpus) + 2 * layer + outside)
+    plan["lora"] = int(math.ceil(plan["lora"] / gpus) + 2 * lora_layer)
+    plan["lora_grads"] = int(math.ceil(plan["lora_grads"] / gpus) + 2 * lora_layer)
+    plan["optimizer"] = int(math.ceil(plan["optimizer"] / gpus))
+    plan["allocated_peak"] = sum(int(plan[k]) for k in ADDITIVE) - (
+        plan["optimizer"] if ctx.optimizer.startswith("paged") else 0)
+
+
 def per_rank(cfg: Config, gpus: int) -> Config:
     """The shapes one rank of a data-parallel run on `gpus` GPUs works on
     (engine/core/distributed.py): SFT's step rows split across the ranks, in micro-batches of
@@ -704,7 +723,8 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
     Keys: each part in `parts` (they sum to `total`), `allocated_peak` (what
     torch.cuda.max_memory_allocated would show), `verdict`, `fits`, and details.
     `gpus` > 1: the peak of each GPU of a data-parallel run (every GPU holds the whole
-    4-bit base; the batch is split; plus the gradient all-reduce buffer and NCCL's)."""
+    4-bit base; the batch is split; plus the gradient all-reduce buffer and NCCL's), or
+    with `model.shard: fsdp` of a sharded one (_shard_plan)."""
     if gpus > 1:
         cfg = per_rank(cfg, gpus)
     if device is None:
@@ -714,7 +734,15 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
         if got is not None:
             gpu_free, gpu_total = got
     plan, ctx, notes = _plan(cfg, device, gpu_free)
-    if gpus > 1:
+    if gpus > 1 and cfg.model.shard == "fsdp":
+        _shard_plan(plan, ctx, gpus)
+        notes[:] = [n for n in notes if not n.startswith("rollouts may also take")]  # sharded: the plain loop
+        plan["cuda_context"] += NCCL_BUFFERS if device.startswith("cuda") else 0
+        plan["total"] = sum(int(plan[k]) for k in plan["parts"])
+        notes.append(f"per GPU of {gpus} (model.shard: fsdp): 1/{gpus} of the decoder layers' weights, adapter, "
+                     f"gradients and optimizer state, plus two whole layers while they run and the embeddings "
+                     f"and head whole; shape per GPU: {plan.get('shape', '')}")
+    elif gpus > 1:
         flat = lora_params(ctx) * 4 if RECORDS[cfg.method].gradients else 0  # the flattened gradients all-reduced
         plan["lora_grads"] += flat
         plan["allocated_peak"] += flat

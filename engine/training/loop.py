@@ -196,20 +196,25 @@ STATE_FILE = "training_state.pt"
 
 def save_checkpoint(ctx: RunContext, step: int, model, optimizer=None, scheduler=None, **extra) -> Path:
     """Rank 0 writes (the ranks hold the same adapter and optimizer state); the others
-    return at once."""
+    return at once. A sharded base's adapter and optimizer state are gathered whole
+    first (every rank takes part), so the checkpoint is the one a single process writes."""
+    from edgetune.engine.models import fsdp
     from edgetune.engine.models.export import name_the_base
     from edgetune.engine.models.model import resolve_model_path
 
     path = ctx.run.checkpoint(step)
+    weights = fsdp.adapter_state(model)  # None unless sharded
+    opt_state = None if optimizer is None else (
+        optimizer.state_dict() if weights is None else fsdp.optimizer_state(optimizer))
     if not dist.is_main():
         return path
     with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
         # Named like the final adapter's base, so a checkpoint folder loads elsewhere too.
         name_the_base(tmp, ctx.cfg, resolve_model_path(ctx.cfg.model.name), step=step)
         state = {"step": step, "rng": rng_state(), **extra}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
+        if opt_state is not None:
+            state["optimizer"] = opt_state
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
         buf = io.BytesIO()  # written by Python, so a full disk is an OSError(ENOSPC), not torch's own message
@@ -281,15 +286,25 @@ def pick_checkpoint(run: RunDir, warn: Callable[[str], None]) -> tuple[int, Path
 
 
 def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
-    """Restore adapter weights, optimizer, scheduler and RNG; return the saved state."""
+    """Restore adapter weights, optimizer, scheduler and RNG; return the saved state.
+    A sharded base (engine/models/fsdp.py) takes its shard of each whole tensor."""
     from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    from edgetune.engine.models import fsdp
+
+    sharded = fsdp.is_sharded(model)
     weights = load_file(str(Path(path) / "adapter_model.safetensors"))
-    set_peft_model_state_dict(model, weights)
+    if sharded:
+        fsdp.load_adapter(model, weights)
+    else:
+        set_peft_model_state_dict(model, weights)
     state = read_state(path)
     if optimizer is not None and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+        if sharded:
+            fsdp.load_optimizer_state(optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
@@ -299,10 +314,12 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
 def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics: dict,
            stopped: bool, t0: float) -> dict:
     """Write the final adapter, then the terminal event (`stopped` or `finished`)."""
+    from edgetune.engine.models import fsdp
     from edgetune.engine.models.export import write_adapter
 
+    weights = fsdp.adapter_state(model)  # a sharded base's adapter, gathered whole (every rank)
     if dist.is_main():
-        write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics)
+        write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics, state_dict=weights)
     fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
     ctx.emit("stopped" if stopped else "finished", **fields)
     return metrics

@@ -49,7 +49,16 @@ def rollouts(model, pad: int, P: int = 4, G: int = 4):
     return roll, adv, G
 
 
-def main(out: str, model_dir: str) -> None:
+def whole(t):
+    """A tensor, or a sharded DTensor gathered whole (every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def main(out: str, model_dir: str, shard: str = "none") -> None:
+    """`shard` fsdp: the base sharded across the ranks (engine/models/fsdp.py); gradients and
+    weights are gathered whole before they are written."""
     from edgetune.engine.core import distributed as dist
     from edgetune.engine import data as data_lib
     from edgetune.engine.models import model as model_lib
@@ -68,6 +77,10 @@ def main(out: str, model_dir: str) -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
+    if shard == "fsdp" and dist.enabled():
+        from edgetune.engine.models import fsdp
+
+        fsdp.shard(model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     result = {"world": dist.world()}
 
@@ -77,7 +90,7 @@ def main(out: str, model_dir: str) -> None:
     batches = [data_lib.collate(mine[i:i + 3], tok.pad_token_id) for i in range(0, len(mine), 3)]
     model.train()
     loss, n = accumulate(model, batches)
-    result["sft"] = {"loss": loss, "labels": n, "grads": {k: p.grad.clone() for k, p in params}}
+    result["sft"] = {"loss": loss, "labels": n, "grads": {k: whole(p.grad) for k, p in params}}
     model.zero_grad(set_to_none=True)
 
     # F-GRPO: this rank's prompts' groups of one fixed rollout batch, two optimizer steps.
@@ -92,11 +105,23 @@ def main(out: str, model_dir: str) -> None:
     opt = make_optimizer(model.parameters(), "adamw", s.lr, 0.0, "cpu")
     sched = make_scheduler(opt, 0, 4)
     metrics = policy_update(model, local, adv[rows_here], s, opt, sched)
-    result["fgrpo"] = {"metrics": metrics, "weights": {k: p.detach().clone() for k, p in params}}
+    result["fgrpo"] = {"metrics": metrics, "weights": {k: whole(p) for k, p in params}}
+    if shard == "fsdp" and dist.enabled():  # what a sharded resume loads: whole tensors back into shards
+        from edgetune.engine.models import fsdp
+
+        saved, saved_opt = fsdp.adapter_state(model), fsdp.optimizer_state(opt)
+        with torch.no_grad():
+            for _, p in params:
+                p.zero_()
+        fsdp.load_adapter(model, {k.replace(".default", ""): v for k, v in saved.items()})
+        again = make_optimizer(model.parameters(), "adamw", s.lr, 0.0, "cpu")
+        fsdp.load_optimizer_state(again, saved_opt)
+        result["reloaded"] = {"weights": {k: whole(p) for k, p in params},
+                              "optimizer": fsdp.optimizer_state(again)["state"], "saved_optimizer": saved_opt["state"]}
     if dist.is_main():
-        torch.save(result, f"{out}/world-{dist.world()}.pt")
+        torch.save(result, f"{out}/world-{dist.world()}{'-fsdp' if shard == 'fsdp' else ''}.pt")
     dist.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
