@@ -63,7 +63,8 @@ def test_sft_sharded_on_two_ranks_equals_one_process_and_resumes_on_one(tiny_mod
     one_state = torch.load(tmp_path / "one" / "checkpoints" / "step-2" / "training_state.pt", weights_only=True)
     for i, s in one_state["optimizer"]["state"].items():
         assert torch.allclose(state["optimizer"]["state"][i]["exp_avg"], s["exp_avg"], atol=1e-6, rtol=0), i
-    shutil.copytree(run.path / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    # step 2 only: a finished run also keeps a checkpoint of its last step
+    shutil.copytree(run.path / "checkpoints" / "step-2", tmp_path / "resumed" / "checkpoints" / "step-2")
     _, _, again = run_inline(sft.train, fsdp_cfg(tiny_model_dir, tmp_path), tmp_path / "resumed", resume=True)
     assert again[-1]["type"] == "finished" and sorted(steps(again)) == [3, 4]
     assert_same_steps(steps(again), steps(ref))
