@@ -362,7 +362,7 @@ def open_run(path: str | os.PathLike) -> Run:
 
 
 def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
-           as_zip: bool = False, force: bool = False, isolated: bool = False) -> Path:
+           as_zip: bool = False, force: bool = False, isolated: bool = False, gguf: bool = False) -> Path:
     """`out` must be new or an empty folder; `force` replaces only a previous export.
     `isolated`: export in a fresh Python process, so that a merge (which loads torch and
     the full base model) leaves the caller torch-free and its memory as it was; errors
@@ -371,7 +371,7 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     from .export import export_isolated
 
     fn = export_isolated if isolated else _export
-    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
+    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
 
 
 def gpu_count() -> int:
