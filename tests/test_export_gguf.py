@@ -163,3 +163,32 @@ def test_llama_cpp_runs_the_exports_as_edgetune_does(tmp_path, capsys):
     assert "llama.cpp check passed" in printed
     modelfile = (folder / "Modelfile").read_text()
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_the_export_tab_shows_the_checks_line(tmp_path):
+    """The app's folder export with GGUF ticked: one message naming the GGUF folder and the
+    line of llama.cpp's check from gguf-check.json (here: not run, the base is a folder)."""
+    from edgetune.app.tab_export import ExportTab
+    from edgetune.engine import api, settings
+
+    adapter, _ = _adapter(tmp_path)
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    adapter.rename(run / "adapter")
+    cfg = settings.resolve(preset="sft-quickstart", overrides=[f"model.name={tmp_path / 'base'}"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "events.jsonl").write_text("")
+
+    class Page:
+        attached = "attached"
+        run_of = staticmethod(api.open_run)
+
+    import gradio as gr
+
+    with gr.Blocks():
+        tab = ExportTab(Page())
+    out = tmp_path / "exp"
+    msg = tab.do_folder({"attached": str(run), tab.out_dir: str(out), tab.merged: False, tab.gguf: True})[tab.msg]
+    check = json.loads((out / "gguf" / CHECK_FILE).read_text())
+    assert "\n" not in msg.strip() and f"GGUF files in `{out / 'gguf'}`" in msg
+    assert f"llama.cpp check not run: {check['why']}" in msg
