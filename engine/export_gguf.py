@@ -223,9 +223,9 @@ def write_merged(base_gguf: Path, lora: Lora, path: Path, qtype: str) -> None:
 
 
 def modelfile(from_line: str, adapter_line: str | None, base_gguf: Path | None) -> str:
-    """An Ollama Modelfile: the model, the adapter, the chat template (as a comment: Ollama
-    takes its template from the GGUF's tokenizer.chat_template when it recognises it) and
-    stop tokens (end of sequence and the template's end-of-turn token)."""
+    """An Ollama Modelfile: the model, the adapter, stop tokens (end of sequence and the
+    template's end-of-turn token) and the chat template as a comment (Ollama picks its own
+    template by likeness to the GGUF's; converting Jinja to Go templates is not done here)."""
     template, stops = "", []
     if base_gguf is not None:
         import gguf
@@ -244,8 +244,10 @@ def modelfile(from_line: str, adapter_line: str | None, base_gguf: Path | None) 
         lines.append(adapter_line)
     lines += [f'PARAMETER stop "{s}"' for s in stops]
     if template:
-        lines += ["", "# No TEMPLATE line: Ollama derives the prompt format from the GGUF's tokenizer.chat_template.",
-                  "# That chat template (Jinja), as edgetune renders prompts with it:"]
+        lines += ["", "# No TEMPLATE line: `ollama create` looks up the nearest of its own named templates to the",
+                  "# GGUF's tokenizer.chat_template (a lookup, not a conversion). Where it finds none, or one that",
+                  "# renders differently (a default system prompt, say), write a TEMPLATE in Go template syntax",
+                  "# that renders as this chat template (Jinja) does; edgetune trained and checks with it:"]
         lines += [f"#   {line}" for line in template.splitlines()]
     return "\n".join(lines) + "\n"
 
@@ -320,7 +322,8 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     chat._base(model)
     peft = chat._with_adapter(str(adapter))
     prompts = [chat.prompt_ids([{"role": "user", "content": p}]) for p in CHECK_PROMPTS]
-    eos = chat.tok.eos_token_id
+    stop = peft.generation_config.eos_token_id  # where transformers' generate stops: llama.cpp stops there too
+    eos = {chat.tok.eos_token_id, *(stop if isinstance(stop, list) else [stop] if stop is not None else [])}
     ours = []
     with torch.no_grad():
         for ids in prompts:
@@ -351,8 +354,8 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     return result
 
 
-def _llama_greedy(kw: dict, prompts: list[list[int]], eos: int) -> list[tuple[list[int], np.ndarray]]:
-    """Greedy token ids (up to CHECK_NEW_TOKENS, ending at eos as transformers' generate does)
+def _llama_greedy(kw: dict, prompts: list[list[int]], eos: set[int]) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy token ids (up to CHECK_NEW_TOKENS, ending at an eos as transformers' generate does)
     and the first new token's logits, from llama.cpp on the CPU."""
     import os
 
@@ -368,7 +371,7 @@ def _llama_greedy(kw: dict, prompts: list[list[int]], eos: int) -> list[tuple[li
         while len(toks) < CHECK_NEW_TOKENS:
             nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             toks.append(nxt)
-            if nxt == eos:
+            if nxt in eos:
                 break
             llm.eval([nxt])
         out.append((toks, first))
