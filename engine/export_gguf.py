@@ -209,7 +209,11 @@ def write_merged(base_gguf: Path, lora: Lora, path: Path, qtype: str) -> None:
     scale = lora.alpha / lora.rank
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
     for t in reader.tensors:
-        x = dequantize(t.data, t.tensor_type).astype(np.float32)
+        try:
+            x = dequantize(t.data, t.tensor_type).astype(np.float32)
+        except NotImplementedError:
+            raise RunError(f"{base_gguf}: tensor {t.name} is {t.tensor_type.name}, which the gguf package cannot "
+                           "dequantise; merge from a base GGUF in another type") from None
         if t.name in lora.pairs:
             a, b = lora.pairs[t.name]
             x = x + scale * (b @ a)
@@ -256,6 +260,12 @@ def check_exportable(adapter: Path, merged: bool) -> tuple[Base, Lora]:
     """Everything a GGUF export refuses, before anything is written."""
     base = read_base(adapter)
     lora = read_lora(adapter, base)
+    if base.gguf is not None:
+        import gguf
+
+        arch = gguf.GGUFReader(str(base.gguf)).fields["general.architecture"].contents()
+        if arch != base.arch:
+            raise RunError(f"{base.gguf}: a GGUF of architecture {arch}, where the adapter's base is {base.arch}")
     if merged and base.gguf is None:
         raise RunError(f"{adapter}: a merged GGUF is written from the base's own GGUF file, and this run's base "
                        "is not one; export --merged (a Hugging Face folder) and convert it with llama.cpp's "
