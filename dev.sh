@@ -2,7 +2,7 @@
 # Set up a local virtual environment (first use only) and run the app or the tests.
 #   bash dev.sh ui     # the browser app on http://127.0.0.1:7860 (embedded model + data, offline)
 #   bash dev.sh test        # the fast test suite on the CPU (installs Chromium for the browser test)
-#   bash dev.sh test-slow   # the slow tests: real models learning on the CPU (CI runs both)
+#   bash dev.sh test-slow   # the slow tests: real models learning on the CPU, the GGUF export in llama.cpp (CI runs both)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${EDGETUNE_VENV:-.venv}
@@ -25,7 +25,15 @@ case "${1:-}" in
     exec "$VENV/bin/edgetune" ui "${@:2}"
     ;;
   test|test-slow)
-    setup "app,test"
+    if [ "$1" = test ]; then
+      setup "app,test"
+    else
+      # The slow tests also run the GGUF export in a real llama.cpp: llama-cpp-python, built
+      # from source for the CPU on first use (no GPU backend, no tools; reused after).
+      export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF}"
+      export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+      setup "app,test,gguf-check"
+    fi
     if [ ! -x /usr/bin/chromium ]; then
       (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "warning: could not install Chromium; the browser test will fail" >&2

@@ -1,5 +1,5 @@
 """7 · Export: the run's adapter as a .zip download, or into a folder on disk (optionally
-with a merged bf16 model). Every export goes through the engine API; a merge loads torch
+with a merged bf16 model, or GGUF files for llama.cpp and Ollama with llama.cpp's check). Every export goes through the engine API; a merge loads torch
 and the full base model, so the API does it in its own process."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class ExportTab:
                                       elem_id="export-path", scale=3)
             self.merged = gr.Checkbox(label="also a merged bf16 model (needs RAM for the full model)",
                                       elem_id="export-merged", scale=1)
+            self.gguf = gr.Checkbox(label="GGUF for llama.cpp / Ollama (with merged: F16 and Q8_0 GGUF)",
+                                    elem_id="export-gguf", scale=1)
             self.folder_btn = gr.Button("Export to folder", elem_id="export-folder-btn", scale=1)
         self.msg = gr.Markdown("", elem_id="export-message")
 
@@ -53,13 +55,22 @@ class ExportTab:
     def do_folder(self, values: dict) -> dict:
         run = self.page.run_of(values[self.page.attached])
         out, with_merged = values[self.out_dir], bool(values[self.merged])
+        as_gguf = bool(values.get(self.gguf))
         if run is None or not (out or "").strip():
             return {self.msg: message("Open a run and give a folder.", "error")}
         dest = Path(out).expanduser()
         try:
-            api.export(run.path, dest, merged=with_merged, isolated=with_merged)
+            api.export(run.path, dest, merged=with_merged, isolated=with_merged or as_gguf, gguf=as_gguf)
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error")}
+        if as_gguf:  # the GGUF files and the line of llama.cpp's check (gguf/gguf-check.json)
+            import json
+
+            from edgetune.engine.export_gguf import CHECK_FILE, check_line
+
+            line = check_line(json.loads((dest / "gguf" / CHECK_FILE).read_text()))
+            return {self.msg: message(f"Exported to `{dest}` (GGUF files in `{dest / 'gguf'}`). {line}",
+                                      "error" if "FAILED" in line else "ok")}
         if with_merged:
             return {self.msg: message(f"Exported to `{dest}` (the merged bf16 model is in `{dest / 'merged'}`)", "ok")}
         return {self.msg: message(f"Exported to `{dest}`", "ok")}
@@ -67,4 +78,4 @@ class ExportTab:
     def wire(self) -> None:
         p = self.page
         self.zip_btn.click(self.do_zip, p.attached, [self.download, self.msg])
-        self.folder_btn.click(self.do_folder, {p.attached, self.out_dir, self.merged}, [self.msg])
+        self.folder_btn.click(self.do_folder, {p.attached, self.out_dir, self.merged, self.gguf}, [self.msg])

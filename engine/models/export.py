@@ -216,9 +216,11 @@ def zip_target(out: Path, src: Path) -> Path:
 
 
 def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
-           force: bool = False) -> Path:
+           force: bool = False, gguf: bool = False) -> Path:
     """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`: `zip_target`); with
-    `merged`, also write `out/merged/`: the base in bf16 with the adapter folded in. `out`
+    `merged`, also write `out/merged/`: the base in bf16 with the adapter folded in. With
+    `gguf`, write `out/gguf/` instead (engine/export_gguf.py): the LoRA as GGUF, with
+    `merged` the merged model as GGUF, Ollama Modelfiles and llama.cpp's check. `out`
     must not exist or be an empty folder; `force` allows replacing a previous export's own
     files only. The export is built in a temporary folder next to `out` and moved into
     place in one rename that the system refuses if `out` is no longer empty; an export
@@ -227,9 +229,15 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
     src = _adapter_of(run_or_adapter)
     out = Path(out).expanduser()
     if as_zip:
+        if gguf:
+            raise RunError(f"{out}: a GGUF export writes a folder; drop --zip")
         out = zip_target(out, src)
     try:
         check_target(out, src, force, as_zip)
+        if gguf:
+            from .export_gguf import check_exportable
+
+            check_exportable(src, merged)  # a base or adapter llama.cpp cannot take: one line, nothing written
         files = adapter_files(src)  # refuses links and anything but plain files
         for rel in files:
             if rel.endswith(".safetensors"):
@@ -245,7 +253,11 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
         else:
             built = tmp / "x"
             _copy_files(src, files, built)
-            if merged:
+            if gguf:
+                from .export_gguf import write_gguf
+
+                write_gguf(src, built / "gguf", merged)
+            elif merged:
                 _merge_into(built, built / "merged")
             _write_marker(built, src, merged)
         _place(built, out, tmp, force, as_zip)
@@ -497,7 +509,7 @@ def _place(built: Path, out: Path, tmp: Path, force: bool, as_zip: bool) -> None
 
 
 def export_isolated(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as_zip: bool = False,
-                    force: bool = False, timeout: float | None = None) -> Path:
+                    force: bool = False, timeout: float | None = None, gguf: bool = False) -> Path:
     """`export()` in a fresh Python process (`python -m edgetune.engine.models.export`): the
     caller imports no torch and keeps none of the base model's memory. An error of the
     user's (EdgetuneError) is raised here again with its class and one-line message."""
@@ -507,7 +519,7 @@ def export_isolated(run_or_adapter: str | Path, out: str | Path, merged: bool = 
     from edgetune.engine.core import errors
 
     request = {"run_or_adapter": str(run_or_adapter), "out": str(out), "merged": merged, "as_zip": as_zip,
-               "force": force}
+               "force": force, "gguf": gguf}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run([sys.executable, "-m", "edgetune.engine.models.export"], input=json.dumps(request),
@@ -540,7 +552,8 @@ def _main() -> int:
     request = json.loads(sys.stdin.read())
     try:
         out = export(request["run_or_adapter"], request["out"], merged=request.get("merged", False),
-                     as_zip=request.get("as_zip", False), force=request.get("force", False))
+                     as_zip=request.get("as_zip", False), force=request.get("force", False),
+                     gguf=request.get("gguf", False))
     except EdgetuneError as e:
         print(json.dumps({"ok": False, "error": str(e), "kind": type(e).__name__}))
         return 2

@@ -409,7 +409,7 @@ def _refuse_a_training_run(p: Path) -> None:
 
 
 def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bool = False,
-           as_zip: bool = False, force: bool = False, isolated: bool = False) -> Path:
+           as_zip: bool = False, force: bool = False, isolated: bool = False, gguf: bool = False) -> Path:
     """`out` must be new or an empty folder; `force` replaces only a previous export.
     `isolated`: export in a fresh Python process, so that a merge (which loads torch and
     the full base model) leaves the caller torch-free and its memory as it was; errors
@@ -419,7 +419,7 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
 
     _refuse_a_training_run(Path(run_or_adapter))
     fn = export_isolated if isolated else _export
-    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force)
+    return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
 
 
 def gpu_count() -> int:
