@@ -66,7 +66,7 @@ class ExportTab:
         if as_gguf:  # the GGUF files and the line of llama.cpp's check (gguf/gguf-check.json)
             import json
 
-            from edgetune.engine.export_gguf import CHECK_FILE, check_line
+            from edgetune.engine.models.export_gguf import CHECK_FILE, check_line
 
             line = check_line(json.loads((dest / "gguf" / CHECK_FILE).read_text()))
             return {self.msg: message(f"Exported to `{dest}` (GGUF files in `{dest / 'gguf'}`). {line}",

@@ -368,7 +368,7 @@ def cmd_export(a) -> int:
         signal.signal(signal.SIGTERM, before)
     print(f"exported to {out}")
     if a.gguf:
-        from .export_gguf import CHECK_FILE, check_line
+        from edgetune.engine.models.export_gguf import CHECK_FILE, check_line
 
         print(check_line(json.loads((out / "gguf" / CHECK_FILE).read_text())))
     return 0

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from edgetune.engine import cli
-from edgetune.engine.export_gguf import CHECK_FILE, LORA_FILE, Base, Lora, write_merged
+from edgetune.engine.models.export_gguf import CHECK_FILE, LORA_FILE, Base, Lora, write_merged
 
 N_HEAD, N_KV, HEAD_DIM, HIDDEN, R = 4, 2, 4, 16, 2
 
@@ -169,7 +169,8 @@ def test_the_export_tab_shows_the_checks_line(tmp_path):
     """The app's folder export with GGUF ticked: one message naming the GGUF folder and the
     line of llama.cpp's check from gguf-check.json (here: not run, the base is a folder)."""
     from edgetune.app.tab_export import ExportTab
-    from edgetune.engine import api, settings
+    from edgetune.engine.run import api
+    from edgetune.engine.core import settings
 
     adapter, _ = _adapter(tmp_path)
     run = tmp_path / "runs" / "r"

@@ -219,7 +219,7 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
            force: bool = False, gguf: bool = False) -> Path:
     """Copy a run's adapter to `out` (a folder, or a .zip when `as_zip`: `zip_target`); with
     `merged`, also write `out/merged/`: the base in bf16 with the adapter folded in. With
-    `gguf`, write `out/gguf/` instead (engine/export_gguf.py): the LoRA as GGUF, with
+    `gguf`, write `out/gguf/` instead (engine/models/export_gguf.py): the LoRA as GGUF, with
     `merged` the merged model as GGUF, Ollama Modelfiles and llama.cpp's check. `out`
     must not exist or be an empty folder; `force` allows replacing a previous export's own
     files only. The export is built in a temporary folder next to `out` and moved into
@@ -235,7 +235,7 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
     try:
         check_target(out, src, force, as_zip)
         if gguf:
-            from .export_gguf import check_exportable
+            from edgetune.engine.models.export_gguf import check_exportable
 
             check_exportable(src, merged)  # a base or adapter llama.cpp cannot take: one line, nothing written
         files = adapter_files(src)  # refuses links and anything but plain files
@@ -254,7 +254,7 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
             built = tmp / "x"
             _copy_files(src, files, built)
             if gguf:
-                from .export_gguf import write_gguf
+                from edgetune.engine.models.export_gguf import write_gguf
 
                 write_gguf(src, built / "gguf", merged)
             elif merged:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RunError
+from edgetune.engine.core.errors import RunError
 
 # Hugging Face architectures whose GGUF layout we know: (llama.cpp architecture, whether
 # llama.cpp's converter permutes the q/k rows). From llama.cpp's conversion/ (LlamaModel
@@ -71,8 +71,8 @@ def _run_of(adapter: Path) -> Path | None:
 
 def base_gguf_file(adapter: Path) -> Path | None:
     """The GGUF file the adapter's run trained on (the embedded model or a .gguf path), or None."""
-    from .model import EMBEDDED_GGUF
-    from .settings import EMBEDDED_MODEL, load_run_config
+    from edgetune.engine.models.model import EMBEDDED_GGUF
+    from edgetune.engine.core.settings import EMBEDDED_MODEL, load_run_config
 
     run = _run_of(adapter)
     if run is None:
@@ -317,9 +317,9 @@ def check_line(result: dict) -> str:
 
 def verify(adapter: Path, out: Path, base: Base) -> dict:
     """Greedy completions of CHECK_PROMPTS by llama.cpp (the base GGUF with the LoRA GGUF, and
-    each merged GGUF) against edgetune's chat worker on the same adapter, on the base's own
+    each merged GGUF) against edgetune's own greedy completions with the same adapter, on the base's own
     weights unquantised (what a GGUF holds; a run trained on a 4-bit copy of them). Prompts
-    are rendered by edgetune (engine/prompts.py) and given to both as token ids."""
+    are rendered by edgetune (engine/data/prompts.py) and given to both as token ids."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -331,30 +331,34 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
         return {"status": "not run", "why": "an adapter folder without its run (the check needs the run's model)"}
     import torch
 
-    from .chat import _Chat
-    from .settings import load_run_config
+    from peft import PeftModel
 
-    model = dataclasses.asdict(load_run_config(run / "config.yaml").model)
-    model.update(quant="none", dtype="fp32")
-    chat = _Chat()
-    chat._base(model)
-    peft = chat._with_adapter(str(adapter))
-    prompts = [chat.prompt_ids([{"role": "user", "content": p}]) for p in CHECK_PROMPTS]
+    from edgetune.engine.core.settings import load_run_config
+    from edgetune.engine.data.prompts import prompt_ids
+    from edgetune.engine.models.adapter import check_adapter_fits
+    from edgetune.engine.models.model import load_base
+
+    # the model as the app's chat loads it (engine/generation/chat.py), on the GGUF's own weights
+    model = dataclasses.replace(load_run_config(run / "config.yaml").model, quant="none", dtype="fp32")
+    plain, tok, _ = load_base(model)
+    check_adapter_fits(plain, str(adapter))
+    peft = PeftModel.from_pretrained(plain, str(adapter)).eval()
+    prompts = prompt_ids(tok, [[{"role": "user", "content": p}] for p in CHECK_PROMPTS])
     stop = peft.generation_config.eos_token_id  # where transformers' generate stops: llama.cpp stops there too
-    eos = {chat.tok.eos_token_id, *(stop if isinstance(stop, list) else [stop] if stop is not None else [])}
+    eos = {tok.eos_token_id, *(stop if isinstance(stop, list) else [stop] if stop is not None else [])}
     ours = []
     with torch.no_grad():
         for ids in prompts:
             row = torch.tensor([ids])
             gen = peft.generate(input_ids=row, attention_mask=torch.ones_like(row), max_new_tokens=CHECK_NEW_TOKENS,
-                                do_sample=False, pad_token_id=chat.tok.pad_token_id, output_logits=True,
+                                do_sample=False, pad_token_id=tok.pad_token_id, output_logits=True,
                                 return_dict_in_generate=True)
             ours.append((gen.sequences[0, len(ids):].tolist(), [x[0].float().numpy() for x in gen.logits]))
     runs = {f"{base.gguf.name} + {LORA_FILE}": dict(model_path=str(base.gguf), lora_path=str(out / LORA_FILE))}
     for name in MERGED_FILES:
         if (out / name).is_file():
             runs[name] = dict(model_path=str(out / name))
-    result = {"status": "passed", "reference": "edgetune chat, base unquantised fp32 + adapter", "prompts":
+    result = {"status": "passed", "reference": "edgetune, base unquantised fp32 + adapter", "prompts":
               len(prompts), "new_tokens": CHECK_NEW_TOKENS, "logit_tolerance": LOGIT_TOL, "near_tie_logits": NEAR_TIE, "files": list(runs),
               "per_file": {}}
     for label, kw in runs.items():
@@ -372,7 +376,7 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
             ok = row["first_logits_max_abs_diff"] <= LOGIT_TOL and (
                 row["match"] or row.get("edgetune_margin", NEAR_TIE) < NEAR_TIE)
             if not ok and result["status"] == "passed":
-                text = chat.tok.decode
+                text = tok.decode
                 result["status"] = "failed"
                 result["first_difference"] = (f"{label}: prompt {prompt!r}: llama.cpp {text(ltoks)!r}, "
                                               f"edgetune {text(toks)!r} (first-token logits differ by up to "
