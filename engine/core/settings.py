@@ -148,11 +148,6 @@ def _sebp(where: str) -> Any:
         section="speed", choices=AUTO_ON_OFF)
 
 
-def _sample_every(default: int) -> Any:
-    return setting(default, "Report one sample completion every N steps (0 = never).", section="evaluation",
-                   range=NON_NEGATIVE)
-
-
 def _samples(where: str) -> Any:
     return setting(3, f"Held-out prompts shown with the model's greedy completion and the reference at each "
                       f"evaluation{where} (0 = none).", section="evaluation", range=Range(0, 20))
@@ -326,7 +321,6 @@ class SFTSettings:
         "Held-out loss every N steps and at the end (0 = never).",
         section="evaluation", range=NON_NEGATIVE)
     eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=NON_NEGATIVE)
-    sample_every: int = _sample_every(0)
     samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
     packing: bool = setting(
@@ -421,7 +415,8 @@ class FGRPOSettings:
         section="evaluation", range=NON_NEGATIVE)
     eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation",
                           range=NON_NEGATIVE)
-    sample_every: int = _sample_every(5)
+    sample_every: int = setting(5, "Report one sample completion every N steps (0 = never).", section="evaluation",
+                                range=NON_NEGATIVE)
     samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
 
@@ -570,7 +565,7 @@ def warm_start_config(cfg: Config) -> Config:
     warm.method = "sft"
     warm.data = DataSettings(path=s.warm_start_data or EMBEDDED_SFT_DATA, system_prompt=cfg.data.system_prompt,
                              max_seq_len=cfg.data.max_seq_len)
-    warm.sft = dataclasses.replace(cfg.sft, steps=s.warm_start_steps, eval_every=0, sample_every=0)
+    warm.sft = dataclasses.replace(cfg.sft, steps=s.warm_start_steps, eval_every=0)
     warm.lora = dataclasses.replace(cfg.lora, init_from="")
     warm.run = dataclasses.replace(cfg.run, checkpoint_every=0)
     # Liger's RoPE replaces a module-level function for the whole process (engine/models/liger.py),
@@ -679,10 +674,19 @@ def load_run_config(path: str | os.PathLike) -> Config:
         lines = len(p.read_text(encoding="utf-8").splitlines())
         raise ConfigError(f"{p}, line {lines}: ends without the '{missing[0]}' settings (cut short?); a run's "
                           "config.yaml holds every group")
+    for key in RETIRED:  # a run saved by an earlier edgetune still resumes
+        group, _, name = key.partition(".")
+        if isinstance(data.get(group), dict):
+            data[group].pop(name, None)
     try:
         return from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+# Settings that earlier versions wrote into a run's config.yaml and that no longer exist
+# (nothing read them): dropped when a run's config is read, refused anywhere else.
+RETIRED = ("sft.sample_every",)
 
 
 def resolve(
