@@ -29,8 +29,9 @@ case "${1:-}" in
       setup "app,test"
     else
       # The slow tests also run the GGUF export in a real llama.cpp: llama-cpp-python, built
-      # from source for the CPU on first use (no GPU backend, no tools; reused after).
-      export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF}"
+      # from source for the CPU on first use (no GPU backend, no tools, no multimodal
+      # library, which llama_cpp loads only for image chats; reused after).
+      export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF}"
       export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
       setup "app,test,gguf-check"
     fi
