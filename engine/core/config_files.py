@@ -55,28 +55,20 @@ def load_yaml(path: str | os.PathLike) -> dict:
             p = presets[str(path)]
         else:
             raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(yaml_problem(p, e)) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: YAML nested too deeply to read") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of settings at the top level")
-    return data
+    return _read_mapping(p, empty_ok=True)
 
 
 def read_run_yaml(path: str | os.PathLike) -> dict:
     """A run folder's config.yaml as a mapping, or a one-line ConfigError naming the file
     (and the line, when the YAML is damaged). Reads only: `edgetune runs` lists with it."""
-    p = Path(path)
+    return _read_mapping(Path(path), empty_ok=False)
+
+
+def _read_mapping(p: Path, empty_ok: bool) -> dict:
+    """A YAML file's top-level mapping; an empty file is {} when `empty_ok`. Any problem is
+    one line naming the file (and the line, when the YAML is damaged)."""
     try:
-        text = p.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(yaml_problem(p, e)) from None
     except UnicodeDecodeError as e:
@@ -85,6 +77,8 @@ def read_run_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"{p}: YAML nested too deeply to read") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    if data is None and empty_ok:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of settings at the top level, found "
                           f"{'nothing' if data is None else type(data).__name__}")
