@@ -129,3 +129,19 @@ def test_more_steps_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
     (essa / "config.yaml").write_text(cfg.to_yaml().replace("method: sft", "method: essa"))
     assert cli.main(["resume", str(essa), "--more-steps", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: run 'e' is an ESSA run: its search is not continued")
+
+
+def test_a_samples_prompt_is_its_last_turn_without_the_template(embedded_dir):
+    from edgetune.engine.data.prompts import prompt_ids
+    from edgetune.engine.methods.sft import last_turn
+    from edgetune.engine.models.model import load_tokenizer
+
+    tok = load_tokenizer(str(embedded_dir))
+    one = prompt_ids(tok, [[{"role": "user", "content": "What is 3 + 4?"}]])[0]
+    assert "You are a helpful AI assistant" in tok.decode(one)  # the template's system prompt
+    assert last_turn(tok, one) == "What is 3 + 4?"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Line one\nline two"}]
+    assert last_turn(tok, prompt_ids(tok, [chat])[0]) == "Line one\nline two"
+    plain = tok("Question: 2 + 2?", add_special_tokens=False)["input_ids"]  # no template: the whole text
+    assert last_turn(tok, plain) == "Question: 2 + 2?"

@@ -164,7 +164,29 @@ def complete_samples(model, tok, picks: list[tuple[list[int], list[int]]]) -> tu
 
     def text(ids):
         return tok.decode(ids, skip_special_tokens=True).strip()
-    return [text(p) for p, _ in picks], [t.strip() for t in roll.texts], [text(r) for _, r in picks]
+    return [last_turn(tok, p) for p, _ in picks], [t.strip() for t in roll.texts], [text(r) for _, r in picks]
+
+
+ROLES = ("system", "user", "assistant", "model", "human")
+
+
+def last_turn(tok, prompt_ids: list[int]) -> str:
+    """The text of a rendered prompt's last turn (the user's question), without the chat
+    template's system prompt and role markers: the pieces between its special tokens, less
+    those that only name a role. A template without special tokens gives the whole text."""
+    specials = set(tok.all_special_ids)
+    pieces, cur = [], []
+    for i in [*prompt_ids, None]:
+        if i is None or i in specials:
+            text = tok.decode(cur).strip()
+            first, _, rest = text.partition("\n")
+            text = rest.strip() if first.strip().lower() in ROLES else text
+            if text and text.lower() not in ROLES:
+                pieces.append(text)
+            cur = []
+        else:
+            cur.append(i)
+    return pieces[-1] if pieces else tok.decode(prompt_ids, skip_special_tokens=True).strip()
 
 
 def train(ctx: RunContext) -> dict:
