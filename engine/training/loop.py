@@ -26,7 +26,7 @@ from edgetune.engine.planning.effective import optimizer_name
 from edgetune.engine.core.errors import CheckpointError, ConfigError, RunError
 from edgetune.engine.core.events import EventWriter
 from edgetune.engine.core.runfolder import RunDir, atomic_dir
-from edgetune.engine.core.settings import Config
+from edgetune.engine.core.settings import SEED, Config
 
 
 @dataclass
@@ -47,10 +47,9 @@ class RunContext:
         return dist.any_rank(self.stop_flag[0] or self.run.stop_requested())
 
 
-# The largest run.seed: numpy takes seeds from 0 to 2**32 - 1, and the streams derived from
-# the seed (micro_batch_indices here, engine/methods/fgrpo.py's sampling streams) stay within the
-# 64-bit range torch's generators take below it.
-MAX_SEED = 2**32 - 1
+# The largest run.seed, as its declaration in engine/core/settings.py allows (every consumer
+# takes it); checked here too for callers that pass a seed without resolving settings.
+MAX_SEED = int(SEED.high)
 
 
 def check_seed(seed) -> int:
