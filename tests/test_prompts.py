@@ -87,3 +87,23 @@ def test_the_system_prompt_goes_first_only_where_there_is_none(tok):
         assert text.index("Be brief.") < text.index("Hi")
     else:  # nowhere to put it without a template: the text as written
         assert text == "Hi"
+
+
+TEXTS = ["", "What is 2 plus 3?", "<|im_start|>user\nHi<|im_end|>\n", "café  naïve\t\u00a0ünïcödé 数学 🙂",
+         " leading and trailing spaces ", "a" * 3000, "\n\n\n", "x<|im_end|>y<|im_start|>z"]
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_encode_gives_the_ids_of_the_tokenizer_call(tok, special):
+    """The ids-only fast path (encode_batch_fast) is the tokenizer's own call, id for id."""
+    assert prompts.encode(tok, TEXTS, special) == [list(x) for x in tok(TEXTS, add_special_tokens=special)["input_ids"]]
+    assert prompts.encode(tok, TEXTS, special, chunk=3) == prompts.encode(tok, TEXTS, special)
+
+
+def test_encode_ignores_a_truncation_the_tokenizer_file_sets(tok):
+    """A tokenizer.json may switch truncation on for its backend; tok(...) switches it off for
+    the call, and so must encode: nothing is cut at 4 tokens here."""
+    t = copy.deepcopy(tok)
+    t.backend_tokenizer.enable_truncation(max_length=4)
+    ids = prompts.encode(t, TEXTS, False)
+    assert ids == prompts.encode(tok, TEXTS, False) and max(len(x) for x in ids) > 4

@@ -123,7 +123,9 @@ def _chat_texts(tok, msgs: list[dict], file: str, n: int) -> list[str]:
     texts = [_render(tok, msgs, False, file, n)]
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":
-            texts += [_render(tok, msgs[:i], True, file, n), _render(tok, msgs[: i + 1], False, file, n)]
+            # through the last turn is the whole conversation, rendered already
+            through = texts[0] if i == len(msgs) - 1 else _render(tok, msgs[: i + 1], False, file, n)
+            texts += [_render(tok, msgs[:i], True, file, n), through]
     return texts
 
 
