@@ -19,8 +19,9 @@ Trade-offs:
 - The active row ids are computed once per step in `set_active_rows` (one host sync
   there, none per layer). When every row is active the layer takes its normal path:
   dense cuBLAS is already the fastest way to do dense work.
-- On CUDA each kind of layer (shape, grads wanted, active rows to a power of two) runs
-  whichever of two exact paths measured faster on its first backward (`choose_backend`):
+- On CUDA each kind of layer (shape, grads wanted, rows and active rows to a power of two)
+  runs whichever of two exact paths measured faster on its first backward (`choose_backend`;
+  kept between runs by `remember_choices`):
   `sebp_triton`, which gathers rows inside the GEMM loads (no copies), or index_select +
   cuBLAS (copies of X[R] and dY[R] for the layer's backward, a faster GEMM and fewer
   launches). Under TRITON_INTERPRET=1 the Triton path runs; on a plain CPU, index_select.
@@ -160,19 +161,70 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     """
     args = (g2, x2, rows, weight, lora, need)
     if backend == "auto" and x2.is_cuda:
-        key = (tuple(x2.shape), g2.shape[1], x2.dtype, g2.dtype, lora is not None, tuple(need),
-               (rows.n_active - 1).bit_length())
+        key = ((x2.shape[0] - 1).bit_length(), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
+               lora is not None, tuple(need), (rows.n_active - 1).bit_length())
         backend = choose_backend(key, {"triton": lambda: _sparse_backward_triton(*args),
-                                       "torch": lambda: _sparse_backward_torch(*args)})
+                                       "torch": lambda: _sparse_backward_torch(*args)}, device=x2.device)
     if _use_triton(x2, backend):
         return _sparse_backward_triton(*args)
     return _sparse_backward_torch(*args)
 
 
-# (input shape, output width, dtypes, LoRA or not, grads wanted, active rows rounded to a
-# power of two) -> the faster backend on this GPU. The key is what changes the ranking:
-# which path wins depends on the layer's shape and on how many rows are active.
+# (rows in the batch and active rows, each rounded up to a power of two; input and output
+# widths; dtypes; LoRA or not; grads wanted) -> the faster backend on this GPU. The key is
+# what changes the ranking: the layer's shape and how many rows there are and are active.
+# Rounding the row counts keeps a padded run, whose every batch has its own length, to a
+# few measurements in all instead of one per new length.
 _CHOICE: dict = {}
+_CHOICES_IN: list = [None, None]  # [folder remember_choices was given, the file read from it]
+
+
+def remember_choices(folder) -> None:
+    """Keep the backend choices in a JSON file under `folder`, one file per GPU model and
+    torch / Triton version (the ranking depends on all of them), so that a later run
+    measures nothing an earlier one measured. The file is read at the first choice (on the
+    GPU the layer runs on, so nothing touches a device before the run does) and rewritten
+    after each new one. An unreadable file is started anew."""
+    _CHOICES_IN[:] = [os.fspath(folder), None]
+
+
+def _choices_file(device) -> str | None:
+    import json
+    import re
+
+    folder, path = _CHOICES_IN
+    if folder is None or path is not None:
+        return path
+    import triton
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    tag = f"{name}-torch{torch.__version__}-triton{triton.__version__}"
+    path = os.path.join(folder, re.sub(r"[^A-Za-z0-9._+-]+", "-", tag) + ".json")
+    _CHOICES_IN[1] = path
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+        for k, v in stored.items():
+            if v in ("triton", "torch"):
+                _CHOICE.setdefault(tuple(tuple(x) if isinstance(x, list) else x for x in json.loads(k)), v)
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return path
+
+
+def _store_choices(path) -> None:
+    import json
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump({json.dumps(list(k)): v for k, v in _CHOICE.items()}, f, indent=0)
+        os.replace(tmp, path)
+    except OSError:  # a cache that cannot be written costs a measurement next time, nothing more
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _cuda_ms(fn) -> float:
@@ -184,13 +236,14 @@ def _cuda_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
-def choose_backend(key, candidates: dict, timer=_cuda_ms, reps: int = 3) -> str:
+def choose_backend(key, candidates: dict, timer=_cuda_ms, reps: int = 3, device=None) -> str:
     """The faster of the row-gathering Triton kernels and index_select + cuBLAS for this
     kind of layer and row count, measured once (both give the exact gradients; which is
     faster depends on the shape and the fraction: the gathered GEMMs save the copies, the
     cuBLAS path has the faster GEMM and fewer Python-side launches). The first backward of
     each key runs every candidate 1 + reps times and waits for the GPU (once per key, like
     Triton's autotuning); every later one is a dictionary lookup."""
+    path = _choices_file(device) if device is not None else None
     choice = _CHOICE.get(key)
     if choice is None:
         best = {}
@@ -199,6 +252,8 @@ def choose_backend(key, candidates: dict, timer=_cuda_ms, reps: int = 3) -> str:
             best[name] = min(timer(fn) for _ in range(reps))
         choice = min(best, key=best.get)
         _CHOICE[key] = choice
+        if path is not None:
+            _store_choices(path)
     return choice
 
 

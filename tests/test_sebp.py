@@ -6,6 +6,8 @@ against the Triton path per layer.
 """
 
 import contextlib
+import json
+import types
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -573,3 +575,44 @@ def test_choose_backend_measures_once_per_key_and_keeps_the_faster(monkeypatch):
     assert runs == {"triton": 3, "torch": 3}  # the second time: a lookup, nothing run or timed
     cost.update(triton=0.5)
     assert sebp.choose_backend(("k", 2), cands, timer=timer, reps=2) == "triton"  # another key: measured
+
+
+def test_backend_choices_are_kept_between_runs(monkeypatch, tmp_path):
+    """A choice measured once is read back by a later run (a fresh process: the in-memory
+    table empty) from the file remember_choices names, and nothing is measured again; a
+    damaged file costs a measurement, not a failure."""
+    runs = {"triton": 0, "torch": 0}
+    last = []
+    cands = {name: (lambda name=name: runs.__setitem__(name, runs[name] + 1) or last.append(name)) for name in runs}
+    cost = {"triton": 2.0, "torch": 1.0}
+    key = (13, 3584, 512, "torch.bfloat16", "torch.bfloat16", True, (True, False, False, True, True), 12)
+    cpu = torch.device("cpu")
+    for _ in range(2):  # the first run measures; the second finds it in the file
+        monkeypatch.setattr(sebp, "_CHOICE", {})
+        sebp.remember_choices(tmp_path / "sebp")
+        assert sebp.choose_backend(key, cands, timer=lambda fn: fn() or cost[last[-1]], reps=1,
+                                   device=cpu) == "torch"
+    assert runs == {"triton": 2, "torch": 2}  # one warm-up + one timed each, in the first run only
+    (stored,) = (tmp_path / "sebp").iterdir()
+    assert stored.name.startswith("cpu-torch") and "torch" in stored.read_text()
+    stored.write_text("{not json")
+    monkeypatch.setattr(sebp, "_CHOICE", {})
+    sebp.remember_choices(tmp_path / "sebp")
+    sebp.choose_backend(key, cands, timer=lambda fn: fn() or cost[last[-1]], reps=1, device=cpu)
+    assert runs == {"triton": 4, "torch": 4} and json.loads(stored.read_text())
+
+
+def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
+    """A padded run's batches each have their own length; the choice is made per power of
+    two of the rows and active rows, so lengths 900..1000 of 8 rows cost one measurement."""
+    monkeypatch.setattr(sebp, "_CHOICE", {})
+    seen = []
+    monkeypatch.setattr(sebp, "choose_backend", lambda key, cands, **kw: seen.append(key) or "torch")
+    monkeypatch.setattr(sebp, "_use_triton", lambda t, b: False)
+    for seq in (900, 950, 1000):
+        x2 = types.SimpleNamespace(is_cuda=True, shape=(8 * seq, 64), dtype=torch.bfloat16, device="cuda")
+        g2 = types.SimpleNamespace(shape=(8 * seq, 32), dtype=torch.bfloat16)
+        rows = types.SimpleNamespace(n_active=5 * seq)
+        monkeypatch.setattr(sebp, "_sparse_backward_torch", lambda *a: None)
+        sebp._sparse_backward(g2, x2, rows, None, None, (True, False, False, False, False), "auto")
+    assert len(set(seen)) == 1

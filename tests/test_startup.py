@@ -3,6 +3,7 @@ after start-up whatever happens, and an error of the side-thread import reaches 
 
 from __future__ import annotations
 
+import os
 import gc
 import sys
 import textwrap
@@ -191,3 +192,15 @@ def test_worker_gc_back_on_when_its_imports_fail(tmp_path, monkeypatch):
 
     monkeypatch.setattr(worker, "method_module", broken)
     assert _worker_run(_run_folder(tmp_path, str(tmp_path / "no-such-model"))) == 1  # a bug, said in events
+
+
+def test_kernel_caches_live_under_the_edgetune_cache_unless_the_user_chose(monkeypatch, tmp_path):
+    from edgetune.engine.models import startup as st
+
+    for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/of/theirs")
+    st.kernel_caches(tmp_path)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/of/theirs"

@@ -21,7 +21,27 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import os
 import threading
+from pathlib import Path
+
+def kernel_caches(root: Path) -> None:
+    """What a run compiles and measures once, kept under the edgetune cache (`$EDGETUNE_CACHE`)
+    for every later run of the same shapes: Triton's compiled kernels and its autotuning
+    results, torch.compile's (inductor's) compiled graphs. Set before torch is imported, as
+    defaults: a cache folder the user chose for either stays theirs. SEBP's backend choices
+    go there too (`remember_measurements`). Where each cache pays: docs/performance.md."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+
+
+def remember_measurements(root: Path) -> None:
+    """SEBP's per-layer backend choices read from and kept in `root`/sebp (kernels/sebp.py)."""
+    from edgetune.kernels import sebp
+
+    sebp.remember_choices(root / "sebp")
+
 
 _paused = [False]  # whether pause_gc turned the collector off (and resume_gc must turn it on)
 

@@ -30,7 +30,7 @@ from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
                                             disk_full)
-from edgetune.engine.core.settings import from_dict, load_run_config
+from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -197,6 +197,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         atomic_write_text(run.pid_path, str(os.getpid()))
     ctx = watch = tracker = None
     beat = start_heartbeat(run) if main else threading.Event()
+    startup.kernel_caches(cache_dir())  # before torch is imported: compiled kernels kept between runs
     startup.pause_gc()  # until the run's imports are done (engine/models/startup.py); back on in `finally` at the latest
     try:
         from edgetune.engine.training.loop import RunContext, pick_checkpoint
@@ -235,6 +236,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         refuse_far_beyond(cfg, resolve_device(cfg.model), dist.world())  # a typo'd batch of 1e9 rows, before loading
 
         train = method_module(cfg.method).train
+        startup.remember_measurements(cache_dir())
         startup.imports_done()  # the collector back on, the imported objects out of its walks
         train(ctx)
         if multi:  # no rank leaves while rank 0 still writes (its watch would take that for a death)
