@@ -7,6 +7,8 @@ import html
 
 import pandas as pd
 
+from edgetune.engine.core.methods import METHODS as RECORDS
+
 GiB = 2**30
 
 
@@ -122,11 +124,12 @@ def effective_markdown(eff: dict, title: str = "Decided for this run", layers: i
         checkpointing = f"first {ck} of {layers or '?'} layers"
     parts = [f"device {eff['device']}", f"dtype {eff['dtype']}", f"attention {eff['attn_implementation']}",
              f"gradient checkpointing {checkpointing}"]
-    if method != "essa":
+    rec = RECORDS.get(method)  # None: every line
+    if rec is None or rec.gradients:
         parts += [f"optimizer {opt}", f"SEBP {on[eff['sebp']]}", f"Liger {on[eff['liger']]}"]
-    if method in ("sft", None):
+    if rec is None or rec.packing:
         parts.append(f"packing {on[eff['packing']]}")
-    if method in ("essa", None):
+    if rec is None or rec.population:
         parts.append(f"candidates per batch {eff['candidates_per_batch']}")
     return f"**{title}:** " + " · ".join(parts)
 

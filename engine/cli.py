@@ -449,7 +449,7 @@ def decided_rows(est: dict) -> list[tuple[str, str]]:
     else:
         rows += [("optimizer", eff["optimizer"] + (" (fused)" if eff["fused_optimizer"] else "")),
                  ("sebp", on[eff["sebp"]]), ("liger", on[eff["liger"]])]
-        if est.get("method") == "sft":
+        if RECORDS[est["method"]].packing:
             rows.append(("packing", on[eff["packing"]]))
     rows.append(("loss chunk", f"{eff['loss_chunk_rows']} rows"))
     return rows

@@ -133,4 +133,4 @@ def test_a_family_without_sdpa_gets_eager_attention_and_liger_off_names_why():
     assert "'gemma2' is not one whose RMSNorm + SwiGLU it patches" in effective.liger_off_reason(
         "auto", "cuda", "sft", gemma)
     assert effective.liger_off_reason("auto", "cpu", "sft", gemma) == "the run is on cpu, not CUDA"
-    assert effective.liger_off_reason("auto", "cuda", "fgrpo", gemma) == "Liger is used in SFT only, not fgrpo"
+    assert effective.liger_off_reason("auto", "cuda", "fgrpo", gemma) == "Liger is used in SFT only, not F-GRPO"

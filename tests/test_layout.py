@@ -246,3 +246,48 @@ def test_engine_modules_use_each_others_public_names_only():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 found.append(f"{f.name}: {node.value.id}.{node.attr}")
     assert found == []
+
+
+def _method_name_comparisons(path: Path, names: set, root: Path = ROOT) -> list[str]:
+    """`x == "sft"`, `method in ("fgrpo", "essa")` and the like: a comparison with a
+    method's name as a string constant (one, or inside a tuple, list or set)."""
+    import ast
+
+    def named(node) -> set:
+        if isinstance(node, ast.Constant) and node.value in names:
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(named(e) for e in node.elts)) if node.elts else set()
+        return set()
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                for n in named(side):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} compares with '{n}'")
+    return out
+
+
+def test_a_method_is_named_only_in_its_record_and_its_own_module():
+    """What a method can do is a field of its record (engine/core/methods.py); code outside
+    the record and the method's own module reads the field and never compares the method's
+    name, so a new method is a record, a module and presets, not a search for every if."""
+    from edgetune.engine.core.methods import METHODS
+
+    names = set(METHODS)
+    found = []
+    for folder in ("engine", "app"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            if f == ROOT / "engine" / "core" / "methods.py":
+                continue
+            own = {f.stem} & names if f.parent == ROOT / "engine" / "methods" else set()
+            found += _method_name_comparisons(f, names - own)
+    assert found == []
+
+
+def test_the_method_name_check_finds_a_comparison(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text('if cfg.method == "sft" or m in ("essa", "other"):\n    pass\nok = {"fgrpo": 1}\n')
+    assert sorted(_method_name_comparisons(f, {"sft", "fgrpo", "essa"}, tmp_path)) == [
+        "x.py:1 compares with 'essa'", "x.py:1 compares with 'sft'"]

@@ -35,3 +35,20 @@ def test_oom_advice_lowers_each_methods_levers_in_its_order():
         ("fgrpo.micro_batch_size", 16), ("fgrpo.max_new_tokens", 128)]
     assert levers("method=essa", "essa.evaluation=batched", "essa.max_new_tokens=32") == [
         ("essa.evaluation", "sequential")]
+
+
+def test_the_tables_that_pick_a_methods_code_name_every_record_and_its_settings():
+    """The worker's modules and the planner's memory models are tables keyed by method:
+    one entry per record, no more, and every setting a record names exists."""
+    from edgetune.engine.planning import planner
+
+    assert set(worker.MODULES) == set(planner.PLANS) == set(METHODS)
+    for name, m in METHODS.items():
+        cfg = S.resolve(overrides=[f"method={name}"])
+        for path in filter(None, (m.batch, m.rollout_batch)):
+            group, field = path.split(".")
+            assert isinstance(getattr(getattr(cfg, group), field), int), path
+        group = getattr(cfg, name)
+        assert hasattr(group, "packing") == m.packing
+        assert (hasattr(group, "reward") and hasattr(group, "reward_file")) == m.rewards
+        assert hasattr(group, "population") == m.population

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.methods import METHODS as RECORDS
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -202,7 +203,7 @@ def checkpoint_mismatch(cfg, checkpoint: str | os.PathLike,
     theirs = [("method", cfg.method, info.get("method"))]
     # The adapter's shape is lora.*'s unless it comes from another adapter (lora.init_from,
     # ESSA's warm start): then that adapter decides it, and the settings are not compared.
-    if cfg.method != "essa" and not cfg.lora.init_from:
+    if not RECORDS[cfg.method].warm_start and not cfg.lora.init_from:
         theirs += [("lora.r", cfg.lora.r, adapter.get("r")), ("lora.alpha", cfg.lora.alpha, adapter.get("lora_alpha")),
                    ("lora.dropout", cfg.lora.dropout, adapter.get("lora_dropout"))]
     if len(theirs) > 1 and isinstance(cfg.lora.target_modules, (list, tuple)) \

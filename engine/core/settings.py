@@ -515,6 +515,17 @@ class ESSASettings:
         "mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.",
         section="result", choices=("mean", "best"))
 
+    def check(self) -> None:
+        """The rules between these settings, for a run of this method (validate calls it)."""
+        if not self.warm_start:
+            _check_range("essa.warm_start_steps (or set essa.warm_start to an adapter folder)",
+                         self.warm_start_steps, POSITIVE)
+        if not self.greedy:
+            _check_range("essa.temperature", self.temperature, POSITIVE)
+        if self.fitness != "reward" and "{answer}" not in self.gold_template:
+            raise ConfigError(f"essa.gold_template must contain {{answer}} (fitness {self.fitness}), "
+                              f"got {self.gold_template!r}")
+
 
 @dataclass
 class Config:
@@ -766,13 +777,6 @@ def _setting(cfg: Config, path: str) -> Any:
     return getattr(getattr(cfg, group), name)
 
 
-# Why model.shard: fsdp is refused for a method (one line each, in validate's message).
-SHARD_REFUSED = {
-    "essa": "trains no gradients and already splits its population over the GPUs; sharding the base "
-            "for generation only is not built yet",
-}
-
-
 def validate(cfg: Config) -> None:
     """Every setting against its declaration (choices, range, a finite number) and the
     rules between settings; the first problem is raised as one line that names the key."""
@@ -781,8 +785,9 @@ def validate(cfg: Config) -> None:
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {cfg.model.gradient_checkpointing!r}")
-    if cfg.model.shard == "fsdp" and cfg.method in SHARD_REFUSED:
-        raise ConfigError(f"model.shard: fsdp is built for sft and fgrpo; {cfg.method} {SHARD_REFUSED[cfg.method]}; "
+    if cfg.model.shard == "fsdp" and RECORDS[cfg.method].fsdp:
+        built = " and ".join(name for name, m in RECORDS.items() if not m.fsdp)
+        raise ConfigError(f"model.shard: fsdp is built for {built}; {cfg.method} {RECORDS[cfg.method].fsdp}; "
                           "use model.shard: none")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.model.device)):
         raise _choice_error("model.device", cfg.model.device, ("auto", "cpu", "cuda", "cuda:0"))
@@ -798,14 +803,8 @@ def validate(cfg: Config) -> None:
             _check_range(path, value, rng)
         else:
             _check_finite(path, value)
-    for path in ("fgrpo.reward", "essa.reward"):
-        _check_reward(path, _setting(cfg, path))
-    if cfg.method == "essa":
-        if not cfg.essa.warm_start:
-            _check_range("essa.warm_start_steps (or set essa.warm_start to an adapter folder)",
-                         cfg.essa.warm_start_steps, POSITIVE)
-        if not cfg.essa.greedy:
-            _check_range("essa.temperature", cfg.essa.temperature, POSITIVE)
-        if cfg.essa.fitness != "reward" and "{answer}" not in cfg.essa.gold_template:
-            raise ConfigError(f"essa.gold_template must contain {{answer}} (fitness {cfg.essa.fitness}), "
-                              f"got {cfg.essa.gold_template!r}")
+    for name in (name for name, m in RECORDS.items() if m.rewards):
+        _check_reward(f"{name}.reward", _setting(cfg, f"{name}.reward"))
+    check = getattr(getattr(cfg, cfg.method), "check", None)
+    if check is not None:  # the rules between the running method's own settings
+        check()

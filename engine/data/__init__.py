@@ -15,6 +15,7 @@ first (the app's data check).
 
 from __future__ import annotations
 
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.data.files import (EMBEDDED, EMBEDDED_EVAL, EXPECTED_COLUMNS, FORMATS, ValidationReport,
                                         detect_format, format_for, iter_rows, preview, read_rows, report_dict,
                                         resolve_data_path)
@@ -36,7 +37,7 @@ def bad_rows(rows, fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list
     bad = []
     for n, row in enumerate(rows, start=1):
         try:
-            if method == "sft":
+            if RECORDS[method].data == "demonstrations":
                 tokenize_rows([row], fmt, tokenizer, ds, ds.path, {"total": 0, "dropped": {}, "truncated": 0})
             else:
                 rl_rows([row], fmt, ds, ds.path)

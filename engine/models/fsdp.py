@@ -17,7 +17,7 @@ run resumes on any number of ranks, sharded or not.
 Ranks must run the same forwards and backwards (each one all-gathers): SFT's `accumulate`
 and F-GRPO's `policy_update` pad a rank with fewer micro-batches with zero-weight ones,
 and rollouts decode with the plain loop until every rank's rows are done
-(engine/generation/decoding.decode_plain, lockstep). ESSA is refused (engine/core/settings.SHARD_REFUSED).
+(engine/generation/decoding.decode_plain, lockstep). ESSA is refused (its record's `fsdp` in engine/core/methods.py).
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ def _switch(asked: str, default: bool) -> bool:
 def liger_applies(asked: str, device: str, method: str, arch) -> bool:
     """auto = on for SFT on CUDA when Liger is installed and knows the model family; on is
     honoured wherever asked (engine/models/liger.py refuses in one line where it cannot)."""
-    if asked != "auto" or method != "sft":
-        return method == "sft" and asked == "on"
+    if asked != "auto" or not RECORDS[method].packing:
+        return RECORDS[method].packing and asked == "on"
     return (device.startswith("cuda") and arch is not None and arch.model_type in LIGER_FAMILIES
             and importlib.util.find_spec("liger_kernel") is not None)
 
@@ -117,8 +117,9 @@ def liger_off_reason(asked: str, device: str, method: str, arch) -> str:
     """Why `liger_applies` says no, in words for the run log ("" when it applies)."""
     if liger_applies(asked, device, method, arch):
         return ""
-    if method != "sft":
-        return f"Liger is used in SFT only, not {method}"
+    if not RECORDS[method].packing:
+        used = " and ".join(m.label for m in RECORDS.values() if m.packing)
+        return f"Liger is used in {used} only, not {RECORDS[method].label}"
     if asked != "auto":
         return f"model.liger is {asked}"
     if not device.startswith("cuda"):
@@ -160,7 +161,7 @@ def essa_candidates_per_batch(cfg, device: str, arch, dtype: str, gpu_free: int 
     population); else the whole population on the CPU, and on CUDA as many as fit in half
     of `gpu_free` (the free memory once the model is loaded), one when that is unknown."""
     s = cfg.essa
-    if cfg.method != "essa" or s.evaluation != "batched":
+    if not RECORDS[cfg.method].population or s.evaluation != "batched":
         return 1
     if s.candidates_per_batch:
         return min(s.candidates_per_batch, s.population)
@@ -248,7 +249,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
     cuda = device.startswith("cuda")
     dtype = compute_dtype(m.dtype, device)
     method_settings = getattr(cfg, cfg.method) if RECORDS[cfg.method].gradients else None
-    packing = cfg.method == "sft" and bool(cfg.sft.packing)
+    packing = RECORDS[cfg.method].packing and bool(getattr(cfg, cfg.method).packing)
     optimizer = optimizer_name(method_settings.optimizer) if method_settings else "none"  # ESSA: no gradients
     return Effective(
         device=device, dtype=dtype, autocast=cuda and dtype in ("bf16", "fp16"),

@@ -459,7 +459,7 @@ def _static(ctx: Ctx, train: bool) -> dict:
     }
 
 
-def _plan_sft(cfg: Config, ctx: Ctx) -> dict:
+def _plan_sft(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     rows, seq = cfg.sft.batch_size, cfg.data.max_seq_len
     if getattr(cfg.sft, "packing", False):
         rows, seq = 1, cfg.sft.batch_size * cfg.data.max_seq_len  # one row, block-diagonal mask
@@ -469,7 +469,7 @@ def _plan_sft(cfg: Config, ctx: Ctx) -> dict:
     return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens"}
 
 
-def _plan_fgrpo(cfg: Config, ctx: Ctx) -> dict:
+def _plan_fgrpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     s = cfg.fgrpo
     prompt = cfg.data.max_seq_len
     roll_rows = s.prompts_per_step * s.num_generations
@@ -506,7 +506,7 @@ def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
     return essa_candidates_per_batch(cfg, ctx.device, ctx.arch, dtype, essa_free_after_load(ctx, gpu_free))
 
 
-def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
+def _plan_essa_step(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
     s = cfg.essa
     k = _essa_k(cfg, ctx, gpu_free)
     rows = s.prompts_per_generation * k
@@ -550,31 +550,48 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
     return _plan_ctx(cfg, ctx, device, gpu_free, notes)
 
 
+def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+    """The search's evaluation, or the warm-start SFT before it where that is the peak."""
+    plan = _plan_essa_step(cfg, ctx, gpu_free)
+    if cfg.essa.evaluation == "batched" and not cfg.essa.candidates_per_batch and gpu_free is None \
+            and ctx.device.startswith("cuda"):
+        notes.append("candidates per batch are picked at run time from half the free GPU memory; "
+                     "planned here for one (set essa.candidates_per_batch to plan more)")
+    if not cfg.essa.warm_start:
+        # the warm start is a short SFT on the same model before the search
+        wplan, _, _ = _plan(warm_start_config(cfg), ctx.device, gpu_free)
+        wplan = _finish(wplan, ctx)
+        plan["warm_start_total"] = wplan["total"]
+        if wplan["total"] > sum(int(plan[k]) for k in ADDITIVE):
+            notes.append("the warm-start SFT is the peak (essa.warm_start unset)")
+            plan = {**wplan, "candidates_per_batch": plan["candidates_per_batch"],
+                    "warm_start_total": wplan["total"], "phase": "warm-start SFT"}
+    return plan
+
+
+# Each method's memory model, one per record of engine/core/methods.py
+# (tests/test_method_records.py checks the two agree).
+PLANS = {"sft": _plan_sft, "fgrpo": _plan_fgrpo, "essa": _plan_essa}
+
+
+def _get(cfg: Config, path: str):
+    group, name = path.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def _set(cfg: Config, path: str, value) -> None:
+    group, name = path.split(".")
+    setattr(getattr(cfg, group), name, value)
+
+
+
 def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: list) -> tuple[dict, Ctx, list]:
     if RECORDS[cfg.method].rollouts and ctx.quant != "none" and device.startswith("cuda"):
         linear = sum(i * o * cp for i, o, cp in ctx.arch.projections().values()) * ctx.arch.layers
         notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
                      "or of as many layers as fit; engine/generation/fast_decode.py) for speed, only from free memory "
                      "during generation: not counted")
-    if cfg.method == "sft":
-        plan = _plan_sft(cfg, ctx)
-    elif cfg.method == "fgrpo":
-        plan = _plan_fgrpo(cfg, ctx)
-    else:
-        plan = _plan_essa(cfg, ctx, gpu_free)
-        if cfg.essa.evaluation == "batched" and not cfg.essa.candidates_per_batch and gpu_free is None \
-                and device.startswith("cuda"):
-            notes.append("candidates per batch are picked at run time from half the free GPU memory; "
-                         "planned here for one (set essa.candidates_per_batch to plan more)")
-        if not cfg.essa.warm_start:
-            # the warm start is a short SFT on the same model before the search
-            wplan, _, _ = _plan(warm_start_config(cfg), device, gpu_free)
-            wplan = _finish(wplan, ctx)
-            plan["warm_start_total"] = wplan["total"]
-            if wplan["total"] > sum(int(plan[k]) for k in ADDITIVE):
-                notes.append("the warm-start SFT is the peak (essa.warm_start unset)")
-                plan = {**wplan, "candidates_per_batch": plan["candidates_per_batch"],
-                        "warm_start_total": wplan["total"], "phase": "warm-start SFT"}
+    plan = PLANS[cfg.method](cfg, ctx, gpu_free, notes)
     return _finish(plan, ctx), ctx, notes
 
 
@@ -632,19 +649,18 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
         c = copy.deepcopy(cfg)
         c.model.gradient_checkpointing = True
         out.append(("gradient checkpointing", c))
-    if cfg.method == "essa" and cfg.essa.evaluation == "batched":
+    if RECORDS[cfg.method].population and cfg.essa.evaluation == "batched":
         k = cfg.essa.candidates_per_batch or cfg.essa.population
         while k > 1:
             k //= 2
             c = copy.deepcopy(cfg)
             c.essa.candidates_per_batch = k
             out.append((f"fewer candidates per batch (essa.candidates_per_batch={k})", c))
-    if cfg.method == "sft" and cfg.model.gradient_checkpointing and not cfg.model.offload_activations:
+    if RECORDS[cfg.method].offload and cfg.model.gradient_checkpointing and not cfg.model.offload_activations:
         c = copy.deepcopy(cfg)
         c.model.offload_activations = True
         out.append(("offload activations (model.offload_activations)", c))
-    batch = {"sft": ("sft", "batch_size"), "fgrpo": ("fgrpo", "micro_batch_size"),
-             "essa": ("essa", "prompts_per_generation")}[cfg.method]
+    batch = RECORDS[cfg.method].batch.split(".")
     group = getattr(cfg, batch[0])
     b = getattr(group, batch[1])
     while b > 1:
@@ -652,10 +668,11 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
         c = copy.deepcopy(cfg)
         setattr(getattr(c, batch[0]), batch[1], b)
         out.append((f"smaller batch ({batch[0]}.{batch[1]}={b})", c))
-    if cfg.method == "fgrpo" and cfg.fgrpo.prompts_per_step > 1:
+    rollout = RECORDS[cfg.method].rollout_batch
+    if rollout and _get(cfg, rollout) > 1:
         c = copy.deepcopy(cfg)
-        c.fgrpo.prompts_per_step = max(1, cfg.fgrpo.prompts_per_step // 2)
-        out.append((f"fewer rollouts (fgrpo.prompts_per_step={c.fgrpo.prompts_per_step})", c))
+        _set(c, rollout, max(1, _get(cfg, rollout) // 2))
+        out.append((f"fewer rollouts ({rollout}={_get(c, rollout)})", c))
     n = cfg.data.max_seq_len
     while n > 128:
         n //= 2

@@ -24,6 +24,7 @@ from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
                                             lock_runs_folder, open_append, pid_alive)
@@ -210,7 +211,7 @@ def check_reward_files(cfg: Config) -> None:
     """A reward file is Python that the worker runs with the user's rights, so it is taken
     only from a path the user typed, never from a file someone sent through the app's
     upload: none may lie in an upload folder (as typed, or once links are followed)."""
-    for section in ("fgrpo", "essa"):
+    for section in (name for name, m in RECORDS.items() if m.rewards):
         value = getattr(cfg, section).reward_file
         if not value:
             continue
@@ -290,7 +291,7 @@ def code_it_runs(cfg: Config) -> list[tuple[str, str]]:
     completion) and model.trust_remote_code (the modelling code the model ships)."""
     out = []
     group = getattr(cfg, cfg.method, None)
-    if cfg.method in ("fgrpo", "essa") and group.reward_file:
+    if RECORDS[cfg.method].rewards and group.reward_file:
         out.append((f"{cfg.method}.reward_file", group.reward_file))
     if cfg.model.trust_remote_code:
         out.append(("model.trust_remote_code", cfg.model.name))
@@ -332,9 +333,8 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
 
     if n < 1:
         raise ConfigError(f"--more-steps {n}: give a number of steps of at least 1")
-    if cfg.method == "essa":
-        raise ConfigError(f"run '{run.name}' is an ESSA run: its search is not continued past essa.generations "
-                          "(a finished ESSA run keeps no checkpoint of it); start a new run with more generations")
+    if RECORDS[cfg.method].more_steps:
+        raise ConfigError(f"run '{run.name}' is an {RECORDS[cfg.method].label} run: {RECORDS[cfg.method].more_steps}")
     events = read_events(run.dir.events_path)
     end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
     if run.status() == "finished" and not run.dir.checkpoint(end["step"]).is_dir():

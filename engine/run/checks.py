@@ -84,11 +84,11 @@ def check_data(cfg) -> dict:
             out["bad_rows"] = _bad_json_lines(p)
         return out
     tokenizer = None
-    needs_tokenizer = RECORDS[cfg.method].data == "sft" or not ds.path.startswith("embedded:")
+    needs_tokenizer = RECORDS[cfg.method].data == "demonstrations" or not ds.path.startswith("embedded:")
     if needs_tokenizer:
         tokenizer = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
     try:
-        if RECORDS[cfg.method].data == "sft":
+        if RECORDS[cfg.method].data == "demonstrations":
             report = d.load_sft(ds, tokenizer, cfg.run.seed).report
         else:
             report = d.load_rl(ds, cfg.run.seed, tokenizer).report

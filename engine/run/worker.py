@@ -54,17 +54,18 @@ def start_heartbeat(run: RunDir) -> threading.Event:
     return done
 
 
+# Each method's module, whose `train(ctx)` trains it: one entry per record of
+# engine/core/methods.py (tests/test_method_records.py checks the two agree).
+MODULES = {"sft": "edgetune.engine.methods.sft", "fgrpo": "edgetune.engine.methods.fgrpo",
+           "essa": "edgetune.engine.methods.essa"}
+
+
 def method_module(method: str):
-    """The module whose `train(ctx)` trains `method` (engine/core/methods.py lists them)."""
-    if method == "sft":
-        from edgetune.engine.methods import sft as module
-    elif method == "fgrpo":
-        from edgetune.engine.methods import fgrpo as module
-    elif method == "essa":
-        from edgetune.engine.methods import essa as module
-    else:
-        raise KeyError(method)  # settings.resolve refuses an unknown method before this
-    return module
+    """The module whose `train(ctx)` trains `method` (settings.resolve refuses an unknown
+    method before this)."""
+    import importlib
+
+    return importlib.import_module(MODULES[method])
 
 
 class _NoEvents:
