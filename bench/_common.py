@@ -1,11 +1,10 @@
 """Pieces the GPU benchmarks share (sft_speed, big72b, planner_check): the reference
-baseline imported from `.ref/`, the engine's own training step with per-phase timing,
+baseline imported from `bench/reference/`, the engine's own training step with per-phase timing,
 LoRA re-initialisation so every variant starts from the same weights, and the planner's
 prediction for a measured shape.
 
-The baseline script (`bench-reference/baseline.py`) is not ours to commit: copy it into
-the git-ignored `.ref/` folder of the checkout; it is imported from there at run time.
-It reads `--tiny` from the command line itself (parse_known_args), so the scripts that
+The baseline script (`bench/reference/baseline.py`, the plain Hugging Face QLoRA stack
+every ratio is taken against) is imported from there at run time. It reads `--tiny` from the command line itself (parse_known_args), so the scripts that
 import it must be started with the same `--tiny`.
 """
 
@@ -44,11 +43,11 @@ GiB = 1024**3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def load_baseline(ref_dir: str | os.PathLike = ROOT / ".ref"):
+def load_baseline(ref_dir: str | os.PathLike = ROOT / "bench" / "reference"):
     """The reference baseline module (builds models layer by layer, HF QLoRA step)."""
     ref = Path(ref_dir)
     if not (ref / "baseline.py").is_file():
-        raise SystemExit(f"{ref}/baseline.py missing: copy the reference baseline scripts into {ref}/")
+        raise SystemExit(f"{ref}/baseline.py missing")
     sys.path.insert(0, str(ref))
     import baseline  # noqa: PLC0415
 

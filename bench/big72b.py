@@ -9,7 +9,7 @@ and says so if the build would take longer than --max-build-s). LoRA r=16 / alph
 all 7 projections, gradient checkpointing.
 
 Rows (one process, one build):
-  hf_2048          .ref/baseline.py's add_lora + train_bench on 1 x 2,048 (its section C)
+  hf_2048          bench/reference/baseline.py's add_lora + train_bench on 1 x 2,048 (its section C)
   ours_2048_before  the engine's step before autocast became its default:
                    engine.models.model.add_lora + engine/training/lm_loss (2,048-row chunks) without
                    autocast, paged 8-bit AdamW
@@ -43,7 +43,7 @@ import torch
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (functional check)")
-ap.add_argument("--ref", default=str(C.ROOT / ".ref"))
+ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"))
 ap.add_argument("--max-build-s", type=float, default=240.0, help="stop building layers after this (noted)")
 ap.add_argument("--long-seq", type=int, default=0, help="tokens of the long step (default 32768; tiny 256)")
 ap.add_argument("--skip-hf", action="store_true")

@@ -35,7 +35,7 @@ import torch
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true")
-ap.add_argument("--ref", default=str(C.ROOT / ".ref"))
+ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"))
 ap.add_argument("--from", dest="sources", action="append", default=[],
                 help="folder holding sft_speed.json / big72b.json / essa.json (default: --out)")
 ap.add_argument("--collect-only", action="store_true", help="no measurements: plan the other benches' rows (CPU)")

@@ -4,7 +4,7 @@ first run (read 15 GB, quantise, store the 4-bit weights in the cache) against t
 run of the same model and settings (engine/models/quant_cache.py: the stored 4-bit weights).
 
 The checkpoint is a random-init Qwen2.5-7B architecture in bf16 with a small tokenizer,
-written by .ref/unsloth_bench.py's save phase. Each run is its own process, as a user's
+written by bench/reference/unsloth_bench.py's save phase. Each run is its own process, as a user's
 second `edgetune train` would be: the worker's imports, engine/models/model.load (load_base with
 the cache's decision inside, peft imported alongside, add_lora; engine/models/startup.py's
 collector pauses as in the worker), one SFT step of 1 x 512 tokens; every phase timed,
@@ -238,7 +238,7 @@ def main():
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(work / "pycache"))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     t0 = time.perf_counter()
-    cmd = [sys.executable, str(HERE.parent / ".ref" / "unsloth_bench.py"), "--phase", "save", "--dir", folder]
+    cmd = [sys.executable, str(HERE / "reference" / "unsloth_bench.py"), "--phase", "save", "--dir", folder]
     subprocess.run(cmd + (["--tiny"] if args.tiny else []), env=dict(env, OUT=str(work)), check=True,
                    cwd=tempfile.gettempdir())
     R["save_s"] = round(time.perf_counter() - t0, 1)

@@ -1,9 +1,8 @@
 """The SFT quick-start preset on CUDA in NF4, through the CLI, with SEBP on and off.
 
-The embedded model's weights (a 98 MB GGUF) do not fit the 64 MiB that travels to the
-GPU machine, so this builds SmolLM2-135M's architecture with random weights from its
-config and tokenizer (copied from the local cache into `.ref/smollm2/` by the lead's
-command) and runs `edgetune train --preset sft-quickstart` against it. What it checks on
+Where the embedded model's weights (a 98 MB GGUF) are not at hand, this builds
+SmolLM2-135M's architecture with random weights from its config and tokenizer (a folder
+with the embedded model's config.json and tokenizer files, `--src`) and runs `edgetune train --preset sft-quickstart` against it. What it checks on
 CUDA: the whole pipeline (worker process, NF4, LoRA, autocast, fused AdamW, events,
 checkpoints, adapter), step time and peak memory, that SEBP on and off give the same
 loss curve, and the packed run (flex_attention + Liger, the CUDA defaults for packing).

@@ -5,7 +5,7 @@ step under torch.compile, which this script applies itself), all in one process 
 model, so the ratios hold on a shared machine.
 
 Model: random-init Qwen2.5-7B architecture, NF4 (built layer by layer on the GPU by
-shared/bench-reference/baseline.py, copied into the git-ignored .ref/), then edgetune's
+bench/reference/baseline.py), then edgetune's
 own add_lora (r=16, all linear projections, no gradient checkpointing): the model F-GRPO
 samples from. Batch 64, 128-token prompts, 256 new tokens, temperature 1.0. The model
 never emits EOS on purpose here; every row runs all 256 steps in every method.
@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / ".ref"))
+sys.path.insert(0, str(ROOT / "bench" / "reference"))
 sys.path.insert(0, str(ROOT))
 
 ap = argparse.ArgumentParser()

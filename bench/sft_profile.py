@@ -45,7 +45,7 @@ import torch
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true")
-ap.add_argument("--ref", default=str(C.ROOT / ".ref"))
+ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"))
 ap.add_argument("--rows", default="padded,padded_sebp,packed,packed_no_ckpt")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
 args = ap.parse_known_args()[0]

@@ -11,7 +11,7 @@ projections, gradient checkpointing. Batch: 8 sequences of real lengths
 -100 on padding: baseline.make_sft_data's batch, byte for byte.
 
 Rows, each after warm-up, median of the timed steps, peak allocated since its own reset:
-  hf/padded, hf/packed_sdpa   .ref/baseline.py's add_lora + train_bench, unchanged
+  hf/padded, hf/packed_sdpa   bench/reference/baseline.py's add_lora + train_bench, unchanged
                               (autocast bf16, HF loss over full logits, fused AdamW)
   ours/before                 the engine's step before autocast became its default:
                               add_lora on the same base (after the HF adapter is unloaded), SEBP,
@@ -31,7 +31,7 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
                               first k layers checkpointed, the others keep their activations
   ours/+no_ckpt               + model.gradient_checkpointing=false: no recomputation, every
                               layer's activations kept (the speed/memory trade the planner prices)
-  unsloth/padded, /packed     .ref/unsloth_bench.py's own phases in separate processes
+  unsloth/padded, /packed     bench/reference/unsloth_bench.py's own phases in separate processes
                               (Unsloth patches transformers on import): save a random
                               bf16 7B to disk, then Unsloth's 4-bit load + LoRA + steps
 Every "ours" row starts from a freshly initialised adapter (B = 0), so its first loss is
@@ -74,7 +74,7 @@ import torch
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true", help="tiny config on the CPU (functional check)")
-ap.add_argument("--ref", default=str(C.ROOT / ".ref"), help="folder holding baseline.py, unsloth_bench.py")
+ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"), help="folder holding baseline.py, unsloth_bench.py")
 ap.add_argument("--unsloth-site", default=str(C.ROOT / ".unsloth-site"))
 ap.add_argument("--gpu-site", default=str(C.ROOT / ".gpu-site"), help="slim bitsandbytes (and peft) for subprocesses")
 ap.add_argument("--skip-unsloth", action="store_true")
@@ -524,7 +524,7 @@ def flex_shapes(model, rows, handle, make_optimizer, collate_packed):
 
 
 class UnslothPhase:
-    """One phase of .ref/unsloth_bench.py in its own process (Unsloth patches
+    """One phase of bench/reference/unsloth_bench.py in its own process (Unsloth patches
     transformers on import), its part file read back when it ends."""
 
     def __init__(self, phase: str, model_dir: str, part_dir: str, site: list[str]):
