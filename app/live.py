@@ -13,6 +13,7 @@ import time
 import pandas as pd
 
 from edgetune.engine.core import phases
+from edgetune.engine.core.units import duration
 
 from .methods import BY_KEY, Method, Plot
 
@@ -60,17 +61,6 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
     else:
         ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
     return fig
-
-
-def duration(seconds) -> str:
-    if seconds is None:
-        return "–"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
 def progress(events: list[dict]) -> dict:

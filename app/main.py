@@ -1,16 +1,12 @@
 """`edgetune ui`: serve the app (binds 127.0.0.1 unless told otherwise; another --host
 needs --auth user:password or an explicit --insecure-no-auth). Every request passes
 app/guard.py first: foreign Host or Origin, uploads that are no data file and repeated
-failed logins are refused.
-
-    python -m edgetune.app.main --port 7860 --runs-dir runs
+failed logins are refused. Its command-line flags are the CLI's (engine/cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
-import sys
 from pathlib import Path
 
 from edgetune.engine.core.errors import ConfigError
@@ -71,35 +67,3 @@ def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", bl
         if block:
             demo.edgetune_chat.close()
     return demo
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edgetune-ui")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--runs-dir", default="runs")
-    add_access_args(p)
-    a = p.parse_args(argv)
-    try:
-        launch(a.host, a.port, a.runs_dir, auth=a.auth, insecure_no_auth=a.insecure_no_auth,
-               allow_hosts=a.allow_host)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def add_access_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--auth", metavar="USER:PASSWORD",
-                   help="require this login (required with a --host other than 127.0.0.1)")
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="serve a non-local --host without a login: anyone who reaches the port can start runs "
-                        "and run reward_file Python as you")
-    p.add_argument("--allow-host", action="append", metavar="NAME",
-                   help="also answer requests addressed to this host name (a reverse proxy's or a LAN name); "
-                        "localhost, the --host and IP addresses always work, any other name is refused "
-                        "(a web page could point its own domain at this port). Repeatable")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

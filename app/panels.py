@@ -8,6 +8,7 @@ import html
 import pandas as pd
 
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.units import size
 
 GiB = 2**30
 
@@ -74,12 +75,6 @@ def preview_frame(result: dict) -> pd.DataFrame:
 # --------------------------------------------------------------------------- memory estimate
 
 
-def _size(n) -> str:
-    if not isinstance(n, (int, float)):
-        return str(n)
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB"
-
-
 def estimate_markdown(result: dict) -> str:
     """engine/planning/planner.py's estimate: the verdict ("fits" / "does not fit — try ..."),
     bytes by part, the batch shape and the GPU's free memory; "estimate unavailable"
@@ -90,7 +85,7 @@ def estimate_markdown(result: dict) -> str:
     mark = {True: "✓ ", False: "✗ "}.get(est.get("fits"), "")
     lines = [f"### {mark}{est.get('verdict', '')}"]
     if est.get("gpu_total"):
-        lines.append(f"GPU: {_size(est.get('gpu_free'))} free of {_size(est['gpu_total'])}.")
+        lines.append(f"GPU: {size(est.get('gpu_free'))} free of {size(est['gpu_total'])}.")
     else:
         lines.append("No GPU visible here: the verdict needs one; the parts below are for a CUDA card. "
                      "A run on this CPU differs from them: it computes in fp32 rather than bf16, has no "
@@ -99,8 +94,8 @@ def estimate_markdown(result: dict) -> str:
     if est.get("shape"):
         lines.append(f"Peak step shape: {est['shape']}" + (f" ({est['phase']})" if est.get("phase") else "") + ".")
     lines += ["", "| part | predicted |", "|---|---:|"]
-    lines += [f"| {k.replace('_', ' ')} | {_size(est.get(k))} |" for k in est.get("parts", [])]
-    lines.append(f"| **total** | **{_size(est.get('total'))}** |")
+    lines += [f"| {k.replace('_', ' ')} | {size(est.get(k))} |" for k in est.get("parts", [])]
+    lines.append(f"| **total** | **{size(est.get('total'))}** |")
     lines += [f"- {note}" for note in est.get("notes") or []]
     if est.get("effective"):
         lines += ["", effective_markdown(est["effective"], layers=(est.get("model") or {}).get("layers"),

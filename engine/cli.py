@@ -19,6 +19,7 @@ import json
 import sys
 
 from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.core.units import duration, size
 from edgetune.engine.core.methods import METHODS as RECORDS
 
 
@@ -33,17 +34,6 @@ def _config(a):
     if getattr(a, "runs_dir", None):
         overrides.append(f"run.runs_dir={a.runs_dir}")
     return resolve(preset=a.preset, config=a.config, overrides=overrides)
-
-
-def _fmt_bytes(n) -> str:
-    return f"{(n or 0) / 2**30:.2f} GiB"
-
-
-def _duration(seconds) -> str:
-    if seconds is None:
-        return "?"
-    s = int(round(seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
 
 
 def _step_total(ev: dict) -> int | None:
@@ -127,9 +117,9 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
             post = {k: f"{ev[k]:.4g}" for k in ("loss", "reward_mean", "success_rate", "best", "mean")
                     if isinstance(ev.get(k), (int, float))}
             if ev.get("gpu", {}).get("total"):
-                post["gpu"] = _fmt_bytes(ev["gpu"]["peak"])
-            post["elapsed"] = _duration(ev.get("elapsed"))
-            post["eta"] = _duration(ev.get("eta"))
+                post["gpu"] = size(ev["gpu"]["peak"] or 0)
+            post["elapsed"] = duration(ev.get("elapsed"))
+            post["eta"] = duration(ev.get("eta"))
             bar.set_postfix(post, refresh=False)
             bar.set_description_str("training", refresh=False)
             bar.refresh()

@@ -501,7 +501,7 @@ def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_pat
     err = read_events(path / "events.jsonl")[-1]
     assert err["type"] == "error" and err["kind"] == "input"
     assert err["message"].startswith("out of GPU memory in step 3: set ")
-    assert "the planner estimates" in err["message"] and "GiB peak, against" in err["message"]
+    assert "the planner estimates" in err["message"] and " peak, against " in err["message"]
     assert "checkpoints up to step 2 are kept" in err["message"]
     assert RunDir(path).last_checkpoint()[0] == 2
 

@@ -291,3 +291,11 @@ def test_the_method_name_check_finds_a_comparison(tmp_path):
     f.write_text('if cfg.method == "sft" or m in ("essa", "other"):\n    pass\nok = {"fgrpo": 1}\n')
     assert sorted(_method_name_comparisons(f, {"sft", "fgrpo", "essa"}, tmp_path)) == [
         "x.py:1 compares with 'essa'", "x.py:1 compares with 'sft'"]
+
+
+def test_sizes_and_durations_read_the_same_everywhere():
+    from edgetune.engine.core.units import duration, size
+
+    assert [size(x) for x in (0, 963 * 2**20, 2**30, 1.5 * 2**30, "n/a")] == [
+        "0 MiB", "963 MiB", "1.00 GiB", "1.50 GiB", "n/a"]
+    assert [duration(x) for x in (None, 0, 59.4, 61, 3600 + 7 * 60 + 30)] == ["–", "0s", "59s", "1m 01s", "1h 07m"]

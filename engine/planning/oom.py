@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.units import size
 from edgetune.engine.core.settings import Config
 
 
@@ -49,7 +50,7 @@ def _peak(cfg: Config) -> float | None:
     from edgetune.engine.planning.planner import estimate
 
     try:
-        return estimate(cfg, device="cuda")["total"] / 2**30
+        return estimate(cfg, device="cuda")["total"]
     except Exception:  # noqa: BLE001 - the advice stands without the numbers
         return None
 
@@ -60,7 +61,8 @@ def advice(cfg: Config, step: int | None, last_checkpoint: int | None) -> str:
     kept = f"checkpoints up to step {last_checkpoint} are kept" if last_checkpoint else "no checkpoint was written yet"
     levers = _levers(cfg)
     if not levers:
-        return f"out of GPU memory {where}: the planner's estimate is {_fmt(_peak(cfg))}; choose a smaller model " \
+        peak = _peak(cfg)
+        return f"out of GPU memory {where}: the planner's estimate is {size(peak) if peak else 'unknown'}; choose a smaller model " \
                f"or a card with more memory ({kept})"
     now = _peak(cfg)
     # The lever the planner says saves most; ties keep the order above.
@@ -68,15 +70,11 @@ def advice(cfg: Config, step: int | None, last_checkpoint: int | None) -> str:
     best = min(range(len(levers)), key=lambda i: (peaks[i] if peaks[i] is not None else float("inf"), i))
     key, value = levers[best]
     lowered = peaks[best]
-    numbers = f" (the planner estimates {_fmt(lowered)} peak, against {_fmt(now)} now)" if lowered and now else ""
+    numbers = f" (the planner estimates {size(lowered)} peak, against {size(now)} now)" if lowered and now else ""
     others = ", ".join(k for i, (k, _) in enumerate(levers) if i != best)
     more = f"; then {others}" if others else ""
     return (f"out of GPU memory {where}: set {key}={_value(value)}{numbers}{more}, and train again "
             f"(edgetune estimate checks a setting before a run; {kept})")
-
-
-def _fmt(gib: float | None) -> str:
-    return f"{gib:.1f} GiB" if gib is not None else "unknown"
 
 
 def _value(v) -> str:

@@ -53,6 +53,7 @@ from edgetune.engine.planning.effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PR
                                                 essa_candidates_per_batch, optimizer_name)
 from edgetune.engine.planning.effective import checkpoint_split as effective_checkpoint_split
 from edgetune.engine.core.errors import ModelError
+from edgetune.engine.core.units import size
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 
@@ -634,10 +635,6 @@ def checkpoint_split(cfg: Config, device: str | None = None, gpu_free: int | Non
 # --------------------------------------------------------------------------- verdict
 
 
-def _gib(x: int) -> str:
-    return f"{x / GiB:.1f} GiB"
-
-
 def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
     """Single changes that lower memory, most effective first where it does not cost quality."""
     out = []
@@ -684,14 +681,14 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
 
 def verdict(cfg: Config, total: int, budget: int | None, device: str, gpu_free: int | None) -> tuple[str, bool | None]:
     if budget is None:
-        return f"no GPU known: predicted peak {_gib(total)}", None
+        return f"no GPU known: predicted peak {size(total)}", None
     if total <= budget:
-        return f"fits: {_gib(total)} of {_gib(budget)}", True
+        return f"fits: {size(total)} of {size(budget)}", True
     for label, c in _suggestions(cfg):
         t = _plan(c, device, gpu_free)[0]["total"]
         if t <= budget:
-            return (f"does not fit ({_gib(total)} > {_gib(budget)}) — try: {label} (predicted {_gib(t)})", False)
-    return (f"does not fit ({_gib(total)} > {_gib(budget)}) — try: quant nf4 / gradient checkpointing / "
+            return (f"does not fit ({size(total)} > {size(budget)}) — try: {label} (predicted {size(t)})", False)
+    return (f"does not fit ({size(total)} > {size(budget)}) — try: quant nf4 / gradient checkpointing / "
             "smaller batch / shorter max_seq_len together, or a smaller model", False)
 
 
@@ -851,7 +848,7 @@ def refuse_far_beyond(cfg: Config, device: str, gpus: int = 1, memory: int | Non
     names = list(dict.fromkeys(n for k in big for n in _DRIVERS.get(k, shape)))
     shown = ", ".join(f"{n}={_value(cfg, n)}" for n in names)
     where = "the GPU's memory" if gpu else "this machine's RAM"
-    raise ConfigError(f"the planner predicts {_gib(total)} at the peak, far beyond {where} ({_gib(memory)}); "
+    raise ConfigError(f"the planner predicts {size(total)} at the peak, far beyond {where} ({size(memory)}); "
                       f"driven by {shown} (edgetune estimate shows the parts)")
 
 
