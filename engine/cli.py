@@ -202,8 +202,9 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
         run.wait(30)  # the worker writes its last event a moment before it exits: return when it is gone
     except KeyboardInterrupt:  # a Ctrl-C while the worker winds down still means "kill it now"
         return kill()
-    if seen["status"] == 1 and run.status() == "crashed":
-        print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
+    if run.status() == "crashed":
+        print(f"error: {run.death()}", file=sys.stderr)
+        return 1
     return seen["status"]
 
 
@@ -350,7 +351,7 @@ def cmd_resume(a) -> int:
         elif ev["type"] == "started":
             print(_resumed_line(run, ev))
             return 0
-    print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
+    print(f"error: {run.death()}", file=sys.stderr)
     return 1
 
 

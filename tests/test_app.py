@@ -4,6 +4,7 @@ worker; and that importing and building the page loads no torch."""
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -434,6 +435,11 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     first = train.draw(str(run), {}, {})
     assert set(first) <= set(train.live_outputs)
     assert 'data-step="2"' in first[train.progress] and "sft-by-hand" in first[page.banner]
+    # no worker lives and no final event: the run crashed, and the bar says what its log said last
+    (run / "worker.log").write_text("loading the model\nRuntimeError: the tokenizer file is damaged\n")
+    assert ("the worker ended without a final event; the last line of "
+            f"{run / 'worker.log'}: RuntimeError: the tokenizer file is damaged; Resume continues") \
+        in html.unescape(train.draw(str(run), {}, {})[train.progress])
     assert "step 2/10: loss 2" in first[train.logs] and first[train.plots[0]].visible
     assert first[page.runs_tab.table]["run"].tolist() == ["sft-by-hand"]
     assert "no saved adapter yet" in first[page.chat_tab.info] and "no adapter yet" in first[page.export_tab.info]

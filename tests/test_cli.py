@@ -381,3 +381,28 @@ def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys
     assert rc == 2 and not runs.exists()
     assert capsys.readouterr().err == (f"error: --gpus 1000: this machine has no CUDA GPU, so each rank would be a "
                                        f"CPU process; at most {os.cpu_count()} (its CPU cores)\n")
+
+
+def test_a_worker_that_dies_in_start_up_is_named_with_its_signal_and_last_log_line(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A worker killed before its first event: the error names the signal and what it printed last."""
+    from edgetune.engine import cli
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, resource, signal, sys\n"
+        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        "print('loading a native library built for another CPU', file=sys.stderr, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    runs = tmp_path / "runs"
+    rc = cli.main(["train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--name", "r"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    log = runs / "r" / "worker.log"
+    pid = (runs / "r" / "worker.pid").read_text()
+    assert err.splitlines()[-1] == (f"error: the worker (pid {pid}) ended without a final event (killed by signal 4 "
+                                    f"(SIGILL)); the last line of {log}: loading a native library built for another "
+                                    "CPU")
+    assert "Traceback" not in err

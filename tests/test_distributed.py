@@ -28,6 +28,7 @@ from edgetune.engine.run import api
 from edgetune.engine.core import settings
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core.events import read_events
+from edgetune.engine.core.runfolder import exit_words
 from inline_run import run_inline
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -278,7 +279,7 @@ def test_rank_death_is_read_from_torchruns_own_summary(tmp_path):
     with open(log, "a") as f:
         f.write("this attempt\n" + summary(0, 4242, -9))
     assert worker._first_failure(log, start) == {"rank": 0, "exitcode": -9, "pid": 4242}
-    assert worker._exit_words(-9) == "killed by signal 9 (SIGKILL)" and worker._exit_words(3) == "exit status 3"
+    assert exit_words(-9) == "killed by signal 9 (SIGKILL)" and exit_words(3) == "exit status 3"
 
 
 def test_cli_launch_options(tmp_path):

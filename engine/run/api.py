@@ -26,7 +26,7 @@ from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
-                                            lock_runs_folder, open_append, pid_alive)
+                                            exit_words, lock_runs_folder, open_append, pid_alive)
 from edgetune.engine.core.settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
@@ -68,6 +68,19 @@ class Run:
         if self.alive():
             return "running" if started else "starting"
         return "crashed" if events or self.dir.pid_path.exists() else "failed"
+
+    def death(self, returncode: int | None = None) -> str:
+        """Why a `crashed` run's worker ended, in one line: its exit status or signal (known
+        to the process that started it: this handle's, or `returncode`) and the last line
+        of its worker.log."""
+        if self.process is not None and self.process.poll() is not None:
+            returncode = self.process.returncode
+        pid = self.process.pid if self.process is not None else self.dir.read_pid()
+        who = f"the worker (pid {pid})" if pid else "the worker"
+        how = f" ({exit_words(returncode)})" if returncode is not None else ""
+        last = self.dir.last_log_line()
+        said = f"the last line of {self.dir.log_path}: {last}" if last else f"{self.dir.log_path} is empty"
+        return f"{who} ended without a final event{how}; {said}"
 
     def events(self, start: int = 0, follow_live: bool = False, timeout: float | None = None) -> Iterator[dict]:
         """Events from index `start`; with `follow_live`, keep yielding new ones until the

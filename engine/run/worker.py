@@ -29,7 +29,7 @@ from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
-                                            disk_full)
+                                            disk_full, exit_words)
 from edgetune.engine.core.settings import from_dict, load_run_config
 
 HEARTBEAT_SECONDS = 1.0
@@ -345,13 +345,14 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
             dead = _first_failure(run.log_path, log_start)  # rank 0 died: torchrun named it in worker.log
             if dead is not None:
                 w.emit("error", kind="killed" if dead["exitcode"] < 0 else "bug",
-                       message=f"rank {dead['rank']} (pid {dead['pid']}) died: {_exit_words(dead['exitcode'])}; "
+                       message=f"rank {dead['rank']} (pid {dead['pid']}) died: {exit_words(dead['exitcode'])}; "
                                f"the run stopped (its output is in {run.log_path}); edgetune resume {run.path} "
                                "continues from the last checkpoint")
             else:
-                how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+                last = run.last_log_line(log_start)
                 w.emit("error", kind="bug" if rc > 0 else "killed",
-                       message=f"the training processes ended without a word (torchrun: {how}); see {run.log_path}")
+                       message=f"the training processes ended without a final event (torchrun: {exit_words(rc)}); "
+                               + (f"the last line of {run.log_path}: {last}" if last else f"{run.log_path} is empty"))
             w.close()
     finally:
         try:
@@ -377,15 +378,6 @@ def _first_failure(log_path, start: int = 0, tail_bytes: int = 65536) -> dict | 
     root = text.rfind("Root Cause")
     m = _FAILURE.search(text, root) if root >= 0 else None
     return {"rank": int(m[1]), "exitcode": int(m[2]), "pid": int(m[3])} if m else None
-
-
-def _exit_words(code: int) -> str:
-    if code >= 0:
-        return f"exit status {code}"
-    try:
-        return f"killed by signal {-code} ({signal.Signals(-code).name})"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 def main(argv=None) -> int:
