@@ -24,6 +24,28 @@ from .methods import BY_KEY, BY_LABEL
 QUICKSTART = "sft-quickstart"
 
 
+def _as_sent(payload):
+    return payload
+
+
+def Number(**kwargs) -> gr.Number:
+    """A number field whose value reaches its handler as it was sent. The handler reads it
+    with the engine's own checks (the settings' ranges, settings.typed_number), so a value
+    out of range, NaN or text sent to the app's HTTP API is answered with the same one line
+    as on the command line, not with an error (and a traceback) of Gradio's. (A subclass
+    would do the same, but Gradio writes a stub file beside every module that defines one.)"""
+    field = gr.Number(**kwargs)
+    field.preprocess = _as_sent
+    return field
+
+
+def Slider(*args, **kwargs) -> gr.Slider:
+    """A slider whose value reaches its handler as it was sent, as Number's does."""
+    field = gr.Slider(*args, **kwargs)
+    field.preprocess = _as_sent
+    return field
+
+
 def message(text: str, kind: str = "info") -> str:
     mark = {"info": "", "ok": "✓ ", "error": "✗ "}[kind]
     return f"{mark}{text}"
@@ -78,9 +100,9 @@ class Page:
         if spec.kind == "bool":
             return gr.Checkbox(value=bool(value), **common)
         if spec.kind == "int":
-            return gr.Number(value=value, precision=0, **common)
+            return Number(value=value, precision=0, **common)
         if spec.kind == "float":
-            return gr.Number(value=value, **common)
+            return Number(value=value, **common)
         return gr.Textbox(value=value, max_lines=1, **common)
 
     def group_fields(self, group: str, skip=(), basic_cols: int = 4) -> None:

@@ -36,7 +36,7 @@ def _one_error_line(p):
 @pytest.mark.parametrize("sets, needle", [
     (["lora.alpah=4"], "unknown setting 'lora.alpah' (did you mean 'alpha'?)"),
     (["sft.lr=-0.1"], "sft.lr must be positive"),
-    (["sft.steps=0"], "sft.steps must be positive"),
+    (["sft.steps=0"], "sft.steps must be in [1, 10000000], got 0"),
     (["sft.optimizer=adamw8bit"], "sft.optimizer: 'adamw8bit' is not one of auto, adamw, adamw_8bit"),
     (["sft.sebp=maybe"], "sft.sebp: 'maybe' is not one of auto, on, off"),
     (["model.name=./no/such/model"], "model path does not exist: ./no/such/model"),

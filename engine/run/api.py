@@ -27,7 +27,8 @@ from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
                                             exit_words, lock_runs_folder, open_append, pid_alive)
-from edgetune.engine.core.settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
+from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
+                                           resolve, typed_number)  # (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -263,6 +264,7 @@ def _locked(runs_dir: Path) -> int:
 def start(cfg: Config, name: str | None = None, gpus: int = 1) -> Run:
     """Create `runs/<name>/` with the resolved config and start its worker; `gpus` > 1
     trains data-parallel on that many GPUs of this machine (engine/core/distributed.py)."""
+    gpus = typed_number("--gpus", gpus, GPUS)
     run, fd = create(cfg, name)
     try:
         return Run(run.path, _spawn(run, resume=False, lock_fd=fd, gpus=gpus))
@@ -343,8 +345,7 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
     locked and the run not active."""
     from edgetune.engine.core.events import EventWriter, schedule_steps
 
-    if n < 1:
-        raise ConfigError(f"--more-steps {n}: give a number of steps of at least 1")
+    n = typed_number("--more-steps", n, MORE_STEPS)
     if cfg.method == "essa":
         raise ConfigError(f"run '{run.name}' is an ESSA run: its search is not continued past essa.generations "
                           "(a finished ESSA run keeps no checkpoint of it); start a new run with more generations")
@@ -356,6 +357,10 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
                        f"lora.init_from={run.dir.adapter} to train its adapter further")
     group = getattr(cfg, cfg.method)
     before = group.steps
+    key = f"{cfg.method}.steps"
+    steps = declared()[key].metadata["range"]
+    if not steps.allows(before + n):
+        raise ConfigError(f"--more-steps {n}: {key} would be {before + n}; {key} {steps.describe()}")
     schedule = schedule_steps(events) or before
     group.steps = before + n
     atomic_write_text(run.dir.config_path, cfg.to_yaml())
@@ -375,6 +380,8 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
     names them) whose Python the user agrees to run; any other is refused (confirm_code).
     A run folder holding a symbolic link, a damaged config.yaml, or settings its newest
     checkpoint was not trained with is refused in one line before a worker starts."""
+    gpus = None if gpus is None else typed_number("--gpus", gpus, GPUS)
+    more = None if more is None else typed_number("--more-steps", more, MORE_STEPS)
     r = Run(path)
     r.dir.require().refuse_links()
     cfg = load_run_config(r.dir.config_path)
@@ -459,7 +466,7 @@ def estimate(cfg: Config, gpus: int = 1) -> dict:
     GPU of a data-parallel run on that many."""
     from edgetune.engine.planning.planner import estimate as _estimate
 
-    return _estimate(cfg, gpus=gpus)
+    return _estimate(cfg, gpus=typed_number("--gpus", gpus, GPUS))
 
 
 def check_data(cfg: Config) -> dict:
