@@ -538,9 +538,13 @@ def cmd_ui(a) -> int:
     reach = "this machine only" if local else "reachable from the network"
     login = "login required" if getattr(demo, "auth", None) else "no login"
     print(f"edgetune ready: http://{shown}:{a.port}/  ({reach}; {login}; Ctrl-C to quit)", flush=True)
+    import time
+
     try:
-        demo.block_thread()
+        while demo.is_running:  # Gradio's block_thread, without its own message at Ctrl-C
+            time.sleep(0.1)
     finally:
+        demo.close()
         demo.edgetune_chat.close()
     return 0
 
@@ -670,11 +674,47 @@ def _read_numbers(a) -> None:
             setattr(a, dest, typed_number(flag, getattr(a, dest), rng))
 
 
+def _interrupted(a) -> str:
+    """What a Ctrl-C left, in words, for the commands that end at the first one."""
+    if a.cmd == "export":
+        return (f"nothing was exported to {a.out} (what the export had written so far is removed)"
+                if a.out else "nothing was exported")
+    return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
+            "estimate": "no estimate; nothing was written",
+            "eval": "the evaluation stopped; nothing was written",
+            "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
+
+
+# Commands that end at the first Ctrl-C (train and resume: the first one stops the run
+# gracefully, the second kills its worker; see `watch`).
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui")
+
+
+def _ctrl_c(signum, frame):
+    """The first Ctrl-C: the command stops where it is and removes what it had half written
+    (its `finally` blocks run); a second one, while it does, ends the process at once."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
+    import signal
+
     a = build_parser().parse_args(argv)
+    # only where Ctrl-C is Python's own (a background job ignores it; a caller may have its own)
+    ours = a.cmd in ENDS_AT_CTRL_C and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _ctrl_c)
     try:
         _read_numbers(a)
         return a.fn(a)
+    except KeyboardInterrupt:
+        if a.cmd not in ENDS_AT_CTRL_C:
+            raise
+        print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
+        return 130
     except EdgetuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -685,6 +725,9 @@ def main(argv=None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":
