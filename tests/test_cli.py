@@ -368,6 +368,24 @@ def test_library_notices_are_silenced_where_raised():
     assert "our own warning" in p.stderr
 
 
+def test_a_cpu_load_offline_says_nothing_of_hubs_or_kernels_it_could_not_fetch(tmp_path):
+    """HF_HUB_OFFLINE, as on a machine without network: loading the embedded model in NF4 on
+    the CPU prints nothing about a hub, a kernel or a trust check (bitsandbytes looks for a
+    faster kernel on AVX512-BF16 CPUs); another notice of the same libraries still shows."""
+    code = ("import logging\n"
+            "from edgetune.engine.core.settings import ModelSettings\n"
+            "from edgetune.engine.models.model import load_base\n"
+            "load_base(ModelSettings(device='cpu', quant_cache=False))\n"
+            "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('another bitsandbytes notice')\n"
+            "logging.getLogger('kernels._internals.hf_hub').warning('another kernels notice')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    progress = re.compile(r"^[\w ]+: +\d+%\|")  # transformers' bars: loading the weights (converting the GGUF)
+    notices = [ln for ln in re.split(r"[\r\n]+", p.stderr) if ln.strip() and not progress.match(ln)]
+    assert notices == ["another bitsandbytes notice", "another kernels notice"], p.stderr[-3000:]
+
+
 def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys):
     """Without a CUDA GPU each rank is a CPU process: --gpus 1000 would start 1,000."""
     import os
