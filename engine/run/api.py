@@ -181,7 +181,7 @@ def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess
     machine without CUDA, that many CPU processes over gloo: for tests)."""
     log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
-        (["--nproc", str(gpus)] if gpus > 1 else [])
+        (["--nproc", str(gpus), "--lock-fd", str(lock_fd)] if gpus > 1 else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
