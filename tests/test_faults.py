@@ -268,6 +268,39 @@ def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeyp
     assert first.poll() is not None  # killed, not left running
 
 
+def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capped(tmp_path, monkeypatch, capfd):
+    """A reward that starts a process and leaves it running, forks a copy of itself that
+    returns too, and prints 10 kB a call: the step's scores are the function's own, the
+    processes it left end with the step, and the log takes what the cap allows."""
+    from edgetune.engine.core.runfolder import pid_alive
+    from edgetune.engine.training import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_LOG_CAP_BYTES", 4096)
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import os, subprocess\n"
+                               "    left = subprocess.Popen(['sleep', '300'])\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{left.pid}}\\n')\n"
+                               "    if os.fork() == 0:\n"
+                               f"        open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                               "        return 0.5  # the fork returns into the reward process's loop\n"
+                               "    print('x' * 10_000, flush=True)\n"
+                               "    return 1.0\n")
+    s = r.score(["a", "b", "c"], [{"answer": "1"}] * 3)
+    assert s.rewards == [1.0, 1.0, 1.0] and s.errors == [None, None, None]
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 6
+    t0 = time.time()
+    while any(pid_alive(p) for p in started) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not [p for p in started if pid_alive(p)]  # ended with the step
+    assert r.parts[0][0].score.worker.proc.poll() is None  # the reward process itself serves the next step
+    time.sleep(0.5)  # what it printed reaches the log through a thread of this process
+    err = capfd.readouterr().err
+    assert err.count("x") == 4096
+    assert f"[reward_file {tmp_path / 'reward.py'}: what it prints past 4,096 bytes is left out of this log]" in err
+    r.parts[0][0].score.worker.close()
+
+
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
     from edgetune.engine.training import rewards
     from edgetune.engine.core.errors import ConfigError
