@@ -103,7 +103,7 @@ def from_widget(spec: FieldSpec, value: Any) -> Any:
             return yaml.safe_load(text)
         except yaml.YAMLError:
             return text
-    if spec.kind == "int" and isinstance(value, float) and value == int(value):
+    if spec.kind == "int" and isinstance(value, float) and value.is_integer():  # not NaN nor infinite
         return int(value)
     if spec.kind == "str":
         return "" if value is None else str(value)

@@ -121,10 +121,12 @@ def _phase_of(events: list[dict], started: dict | None, out: dict) -> None:
 
 
 
-def progress_html(events: list[dict], status: str) -> str:
+def progress_html(events: list[dict], status: str, death: str = "") -> str:
+    """`death`: why a crashed run's worker ended (api.Run.death)."""
     p = progress(events)
     if status == "crashed":
-        p["phase"] = "the worker ended without a final event (see worker.log in the run folder); Resume continues"
+        p["phase"] = f"{death or 'the worker ended without a final event (see worker.log in the run folder)'}; " \
+                     "Resume continues"
     if status == "none":
         p["phase"] = "no run yet: pick a preset on the Method tab, then Start here"
     total = p["total"] or 0

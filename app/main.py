@@ -12,7 +12,7 @@ from pathlib import Path
 from edgetune.engine.core.errors import ConfigError
 
 from .guard import Guard, LoginThrottle
-from .tab_data import DATA_TYPES
+from .tab_data import DATA_TYPES, MAX_UPLOAD_BYTES
 from .ui import CSS, build_app
 
 
@@ -62,7 +62,7 @@ def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", bl
                     allowed_paths=[str(Path(runs_dir).resolve())], prevent_thread_lock=not block,
                     # Every request passes the guard; no Node server answers in front of it.
                     app_kwargs={"middleware": [guard]}, ssr_mode=False,
-                    footer_links=[], quiet=True)
+                    footer_links=[], quiet=True, max_file_size=MAX_UPLOAD_BYTES)
     finally:
         if block:
             demo.edgetune_chat.close()

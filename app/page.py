@@ -24,17 +24,43 @@ from .methods import BY_KEY, BY_LABEL
 QUICKSTART = "sft-quickstart"
 
 
+def _as_sent(payload):
+    return payload
+
+
+def Number(**kwargs) -> gr.Number:
+    """A number field whose value reaches its handler as it was sent. The handler reads it
+    with the engine's own checks (the settings' ranges, settings.typed_number), so a value
+    out of range, NaN or text sent to the app's HTTP API is answered with the same one line
+    as on the command line, not with an error (and a traceback) of Gradio's. (A subclass
+    would do the same, but Gradio writes a stub file beside every module that defines one.)"""
+    field = gr.Number(**kwargs)
+    field.preprocess = _as_sent
+    return field
+
+
+def Slider(*args, **kwargs) -> gr.Slider:
+    """A slider whose value reaches its handler as it was sent, as Number's does."""
+    field = gr.Slider(*args, **kwargs)
+    field.preprocess = _as_sent
+    return field
+
+
 def message(text: str, kind: str = "info") -> str:
     mark = {"info": "", "ok": "✓ ", "error": "✗ "}[kind]
     return f"{mark}{text}"
 
 
-def _reaper(workers: list, lock: threading.Lock, every: float = 2.0) -> None:
+def _reaper(workers: list, exits: dict, lock: threading.Lock, every: float = 2.0) -> None:
     """Collect the exit status of the workers this app started, so a finished worker
-    does not stay behind as a defunct process until the app exits."""
+    does not stay behind as a defunct process until the app exits; `exits` keeps it by
+    run folder (a crashed run's message names it)."""
     while True:
         time.sleep(every)
         with lock:
+            for r in workers:
+                if r.process is not None and r.process.poll() is not None:
+                    exits[str(r.path)] = r.process.returncode
             workers[:] = [r for r in workers if r.process is not None and r.process.poll() is None]
 
 
@@ -53,9 +79,10 @@ class Page:
                                      form.values_from_config(self.start_cfg, self.specs)))
         self.fields: dict[str, gr.components.Component] = {}  # setting key -> its widget
         self._workers: list = []  # runs this app started: reaped when they end
+        self._exits: dict[str, int] = {}  # run folder -> its last worker's exit status, once reaped
         self._workers_lock = threading.Lock()
-        threading.Thread(target=_reaper, args=(self._workers, self._workers_lock), name="edgetune-reaper",
-                         daemon=True).start()
+        threading.Thread(target=_reaper, args=(self._workers, self._exits, self._workers_lock),
+                         name="edgetune-reaper", daemon=True).start()
         # Laid out by ui.build_app and the tabs:
         self.attached = self.seen = self.msg_at = None  # gr.State: run folder shown, last drawing, message origin
         self.banner = self.tabs = self.method_radio = None
@@ -73,9 +100,9 @@ class Page:
         if spec.kind == "bool":
             return gr.Checkbox(value=bool(value), **common)
         if spec.kind == "int":
-            return gr.Number(value=value, precision=0, **common)
+            return Number(value=value, precision=0, **common)
         if spec.kind == "float":
-            return gr.Number(value=value, **common)
+            return Number(value=value, **common)
         return gr.Textbox(value=value, max_lines=1, **common)
 
     def group_fields(self, group: str, skip=(), basic_cols: int = 4) -> None:
@@ -127,8 +154,16 @@ class Page:
     def adopt(self, run):
         """A run this app started: reaped when its worker ends."""
         with self._workers_lock:
+            self._exits.pop(str(run.path), None)
             self._workers.append(run)
         return run
+
+    def death(self, run) -> str:
+        """Why a crashed run's worker ended (with its exit status when this app started it)."""
+        with self._workers_lock:
+            mine = next((r for r in self._workers if str(r.path) == str(run.path)), None)
+            code = self._exits.get(str(run.path))
+        return mine.death() if mine is not None else run.death(code)
 
     def run_of(self, path: str):
         return api.open_run(path) if path and Path(path).is_dir() else None

@@ -12,7 +12,7 @@ from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
-from .page import message
+from .page import Slider, message
 
 
 class ChatTab:
@@ -25,8 +25,8 @@ class ChatTab:
         with gr.Row():
             self.prompt = gr.Textbox(label="Prompt (sent to both)", placeholder="What is 3 plus 4?",
                                      elem_id="chat-prompt", scale=4)
-            self.max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens", scale=1,
-                                     elem_id="chat-max-new")
+            self.max_new = Slider(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8, label="max new tokens",
+                                  scale=1, elem_id="chat-max-new")
         with gr.Row():
             self.send_btn = gr.Button("Send to both", variant="primary", elem_id="chat-send")
             self.clear_btn = gr.Button("Clear", elem_id="chat-clear")
@@ -53,6 +53,7 @@ class ChatTab:
             return {self.info: self.describe(path)}
         run, adapter = self.target(path)
         try:
+            max_new = S.typed_number("max new tokens", values[self.max_new], S.CHAT_TOKENS)
             # the run's own settings (those of the form while no run is open): the model as
             # it was trained, and its data.system_prompt, put first as training put it
             cfg = S.from_dict(run.config()) if run else p.config(values)
@@ -66,7 +67,7 @@ class ChatTab:
         # Each side continues its own conversation: the adapter's earlier replies are
         # part of what the adapter answers next.
         hist_base, hist_tuned = panels.chat_messages(hist_base), panels.chat_messages(hist_tuned)
-        reply = p.chat.ask(dataclasses.asdict(cfg.model), hist_base + [user], adapter, int(values[self.max_new]),
+        reply = p.chat.ask(dataclasses.asdict(cfg.model), hist_base + [user], adapter, max_new,
                            tuned_messages=hist_tuned + [user], system_prompt=cfg.data.system_prompt)
         if not reply.get("ok"):
             return {self.base: hist_base, self.tuned: hist_tuned,

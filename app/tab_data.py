@@ -14,6 +14,36 @@ from . import panels
 
 # The file types the upload offers; app/guard.py refuses any other upload on the server.
 DATA_TYPES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz")
+# The largest upload the server takes (Gradio refuses a bigger one before keeping it); a
+# bigger data file is named by its path in data.path instead.
+MAX_UPLOAD_BYTES = 2 << 30
+
+
+def keep_upload(src: Path, folder: Path) -> Path:
+    """`src` copied into `folder` as a new file (name, name-2, name-3, ... before the
+    suffixes), or the file there that already holds the same bytes."""
+    import filecmp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    stem, suffix = src.name.split(".", 1) if "." in src.name else (src.name, "")
+    suffix = f".{suffix}" if suffix else ""
+    n = 1
+    while True:
+        dest = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
+        if dest.is_file() and not dest.is_symlink() and filecmp.cmp(src, dest, shallow=False):
+            return dest
+        try:
+            fout = open(dest, "xb")  # never over an existing file
+        except FileExistsError:
+            n += 1
+            continue
+        try:
+            with open(src, "rb") as fin, fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+        except BaseException:
+            dest.unlink(missing_ok=True)  # ours, half written
+            raise
+        return dest
 
 
 class DataTab:
@@ -49,13 +79,14 @@ class DataTab:
                 self.hist: gr.Plot(value=panels.histogram_figure(result), visible=has_lengths)}
 
     def take_upload(self, tmp_path) -> dict:
+        """Keep the uploaded file in the runs folder's uploads (the worker reads it after
+        Gradio's temporary copy is gone), under a name of its own: an upload never replaces
+        an earlier one, which a run may have trained on (the same bytes again are the same
+        file)."""
         path_box = self.page.fields["data.path"]
         if not tmp_path:
             return {path_box: gr.skip()}
-        self.page.uploads.mkdir(parents=True, exist_ok=True)
-        dest = self.page.uploads / Path(tmp_path).name
-        shutil.copyfile(tmp_path, dest)  # the worker reads it after Gradio's temp copy is gone
-        return {path_box: str(dest)}
+        return {path_box: str(keep_upload(Path(tmp_path), self.page.uploads))}
 
     def wire(self) -> None:
         outputs = [self.report, self.preview, self.hist]

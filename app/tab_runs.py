@@ -7,10 +7,11 @@ from pathlib import Path
 import gradio as gr
 
 from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.core.settings import MORE_STEPS, typed_number
 from edgetune.engine.run import api
 
 from . import panels
-from .page import message
+from .page import Number, message
 
 
 class RunsTab:
@@ -28,7 +29,7 @@ class RunsTab:
         # `edgetune resume --more-steps`: a finished or stopped run trains further from its last
         # checkpoint, optimizer state included, at the learning-rate schedule's final value.
         with gr.Row():
-            self.more = gr.Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
+            self.more = Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
             self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
 
     def frame(self):
@@ -60,14 +61,18 @@ class RunsTab:
     def do_more(self, name: str, n) -> dict:
         """Train the picked run `n` steps further (api.resume with more), shown in the Train tab."""
         p = self.page
+        try:
+            n = typed_number("--more-steps", n, MORE_STEPS)  # the command line's one line
+        except EdgetuneError as e:
+            return {p.train_tab.msg: message(str(e), "error")}
         if not name:
             return {p.train_tab.msg: message("Pick a run.", "error")}
         path = str(p.runs_dir / name)
         try:
-            run = p.adopt(api.resume(path, more=int(n or 0)))
+            run = p.adopt(api.resume(path, more=n))
         except EdgetuneError as e:
             return {p.train_tab.msg: message(str(e), "error"), p.attached: path, p.msg_at: p.said(path)}
-        return {p.train_tab.msg: message(f"Training **{run.name}** {int(n)} more steps.", "ok"), p.attached: path,
+        return {p.train_tab.msg: message(f"Training **{run.name}** {n} more steps.", "ok"), p.attached: path,
                 p.tabs: gr.Tabs(selected="train"), p.msg_at: {"path": path, "status": "starting"}}
 
     def wire(self) -> None:

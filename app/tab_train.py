@@ -16,7 +16,7 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from . import live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
-from .page import message
+from .page import Number, message
 from .tab_model import decided_text
 
 
@@ -28,7 +28,7 @@ class TrainTab:
             self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
             self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
-            self.gpus = gr.Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
+            self.gpus = Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
                                   label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
@@ -78,7 +78,7 @@ class TrainTab:
         except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
             mem = last.get("mem")
         key = {"path": path, "n": len(events), "status": status}
-        out = {self.progress: live.progress_html(events, status),
+        out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else ""),
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
                p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
         if {k: last.get(k) for k in key} != key:
@@ -116,7 +116,8 @@ class TrainTab:
         p = self.page
         path = values[p.attached]
         try:
-            run = p.adopt(api.start(p.config(values), gpus=int(values.get(self.gpus) or 1)))
+            gpus = values.get(self.gpus)
+            run = p.adopt(api.start(p.config(values), gpus=1 if gpus is None else gpus))
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
         return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),

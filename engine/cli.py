@@ -192,8 +192,9 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
         run.wait(30)  # the worker writes its last event a moment before it exits: return when it is gone
     except KeyboardInterrupt:  # a Ctrl-C while the worker winds down still means "kill it now"
         return kill()
-    if seen["status"] == 1 and run.status() == "crashed":
-        print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
+    if run.status() == "crashed":
+        print(f"error: {run.death()}", file=sys.stderr)
+        return 1
     return seen["status"]
 
 
@@ -228,16 +229,14 @@ def cmd_train(a) -> int:
 
 
 def check_gpus(n: int | None) -> None:
-    """--gpus: at least 1; on a machine without a CUDA GPU every rank is a CPU process
-    (gloo), so at most one a core."""
+    """--gpus (already within its range): on a machine without a CUDA GPU every rank is a
+    CPU process (gloo), so at most one a core."""
     import os
 
     from edgetune.engine.planning.planner import gpu_memory
 
     if n is None:
         return
-    if n < 1:
-        raise EdgetuneError(f"--gpus must be at least 1, got {n}")
     cores = os.cpu_count() or 1
     if n > cores and gpu_memory() is None:
         raise EdgetuneError(f"--gpus {n}: this machine has no CUDA GPU, so each rank would be a CPU process; "
@@ -340,7 +339,7 @@ def cmd_resume(a) -> int:
         elif ev["type"] == "started":
             print(_resumed_line(run, ev))
             return 0
-    print(f"error: the worker died without a word; see {run.dir.log_path}", file=sys.stderr)
+    print(f"error: {run.death()}", file=sys.stderr)
     return 1
 
 
@@ -529,9 +528,13 @@ def cmd_ui(a) -> int:
     reach = "this machine only" if local else "reachable from the network"
     login = "login required" if getattr(demo, "auth", None) else "no login"
     print(f"edgetune ready: http://{shown}:{a.port}/  ({reach}; {login}; Ctrl-C to quit)", flush=True)
+    import time
+
     try:
-        demo.block_thread()
+        while demo.is_running:  # Gradio's block_thread, without its own message at Ctrl-C
+            time.sleep(0.1)
     finally:
+        demo.close()
         demo.edgetune_chat.close()
     return 0
 
@@ -552,12 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name")
     t.add_argument("--runs-dir")
     t.add_argument("--detach", action="store_true", help="start and return; follow it later")
-    t.add_argument("--gpus", "--nproc", dest="gpus", type=int, default=1,
+    t.add_argument("--gpus", "--nproc", dest="gpus", default=1,
                    help="GPUs of this machine to train on, data-parallel (torchrun, NCCL); on a machine "
                         "without CUDA, that many CPU processes (gloo), for tests")
-    t.add_argument("--nnodes", type=int, default=1, help="machines (run the same command on each; needs "
+    t.add_argument("--nnodes", default=1, help="machines (run the same command on each; needs "
                                                          "--rdzv-endpoint)")
-    t.add_argument("--node-rank", type=int, help="this machine's index (default: torchrun assigns one)")
+    t.add_argument("--node-rank", help="this machine's index (default: torchrun assigns one)")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the first machine, where the machines meet")
     t.add_argument("--rdzv-id", default="edgetune", help="a name shared by the machines of one run")
     t.set_defaults(fn=cmd_train)
@@ -567,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     r.add_argument("--detach", action="store_true")
     r.add_argument("--runs-dir", default="runs", help="where run names are looked up")
-    r.add_argument("--gpus", "--nproc", dest="gpus", type=int,
+    r.add_argument("--gpus", "--nproc", dest="gpus",
                    help="GPUs to continue on (any number: checkpoints hold nothing rank-specific); default "
                         "as many as the run's last start")
     r.add_argument("--allow-code", action="append", metavar="FILE_OR_MODEL",
@@ -575,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model, exactly as the run's config.yaml names it (repeat for both). Without it, a run "
                         "whose settings run Python other than edgetune's is refused: a run folder may come "
                         "from anyone")
-    r.add_argument("--more-steps", type=int, metavar="N",
+    r.add_argument("--more-steps", metavar="N",
                    help="train N steps past the run's step count, a finished run too (from its final checkpoint, "
                         "with its optimizer state); the learning rate stays at the schedule's final value for them")
     r.set_defaults(fn=cmd_resume)
@@ -607,14 +610,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="validate a data file and print its report")
     d.add_argument("path")
     d.add_argument("--format", default="auto")
-    d.add_argument("--max-seq-len", type=int, default=512)
+    d.add_argument("--max-seq-len", default=512)
     d.add_argument("--model", help="tokenizer of this model (default: the embedded one)")
     d.set_defaults(fn=cmd_data)
 
     es = sub.add_parser("estimate", help="predict peak memory of a configuration")
     config_args(es)
     es.add_argument("--json", action="store_true", help="the planner's raw numbers (bytes) as JSON")
-    es.add_argument("--gpus", type=int, default=1, help="the peak of each GPU of a data-parallel run on that many")
+    es.add_argument("--gpus", default=1, help="the peak of each GPU of a data-parallel run on that many")
     es.set_defaults(fn=cmd_estimate)
 
     ev = sub.add_parser("eval", help="pass@1 / pass@k of an adapter on the held-out prompts")
@@ -627,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("ui", help="start the browser app")
     u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=7860)
+    u.add_argument("--port", default=7860)
     u.add_argument("--runs-dir", default="runs")
     u.add_argument("--auth", metavar="USER:PASSWORD",
                    help="require this login (required with a --host other than 127.0.0.1)")
@@ -642,10 +645,66 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_ranges() -> dict:
+    """The numeric flags that are not settings: their dest -> (the flag, its Range). A
+    setting's own flag (--max-seq-len) takes the setting's range."""
+    from edgetune.engine.core import settings as S
+
+    return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
+            "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
+            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"])}
+
+
+def _read_numbers(a) -> None:
+    """Each numeric flag given, as an int within its range, or the one-line refusal."""
+    from edgetune.engine.core.settings import typed_number
+
+    for dest, (flag, rng) in flag_ranges().items():
+        if getattr(a, dest, None) is not None:
+            setattr(a, dest, typed_number(flag, getattr(a, dest), rng))
+
+
+def _interrupted(a) -> str:
+    """What a Ctrl-C left, in words, for the commands that end at the first one."""
+    if a.cmd == "export":
+        return (f"nothing was exported to {a.out} (what the export had written so far is removed)"
+                if a.out else "nothing was exported")
+    return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
+            "estimate": "no estimate; nothing was written",
+            "eval": "the evaluation stopped; nothing was written",
+            "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
+
+
+# Commands that end at the first Ctrl-C (train and resume: the first one stops the run
+# gracefully, the second kills its worker; see `watch`).
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui")
+
+
+def _ctrl_c(signum, frame):
+    """The first Ctrl-C: the command stops where it is and removes what it had half written
+    (its `finally` blocks run); a second one, while it does, ends the process at once."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
+    import signal
+
     a = build_parser().parse_args(argv)
+    # only where Ctrl-C is Python's own (a background job ignores it; a caller may have its own)
+    ours = a.cmd in ENDS_AT_CTRL_C and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _ctrl_c)
     try:
+        _read_numbers(a)
         return a.fn(a)
+    except KeyboardInterrupt:
+        if a.cmd not in ENDS_AT_CTRL_C:
+            raise
+        print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
+        return 130
     except EdgetuneError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -656,6 +715,9 @@ def main(argv=None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

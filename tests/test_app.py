@@ -4,6 +4,7 @@ worker; and that importing and building the page loads no torch."""
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -434,6 +435,11 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     first = train.draw(str(run), {}, {})
     assert set(first) <= set(train.live_outputs)
     assert 'data-step="2"' in first[train.progress] and "sft-by-hand" in first[page.banner]
+    # no worker lives and no final event: the run crashed, and the bar says what its log said last
+    (run / "worker.log").write_text("loading the model\nRuntimeError: the tokenizer file is damaged\n")
+    assert ("the worker ended without a final event; the last line of "
+            f"{run / 'worker.log'}: RuntimeError: the tokenizer file is damaged; Resume continues") \
+        in html.unescape(train.draw(str(run), {}, {})[train.progress])
     assert "step 2/10: loss 2" in first[train.logs] and first[train.plots[0]].visible
     assert first[page.runs_tab.table]["run"].tolist() == ["sft-by-hand"]
     assert "no saved adapter yet" in first[page.chat_tab.info] and "no adapter yet" in first[page.export_tab.info]
@@ -455,7 +461,7 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     assert "**Held-out samples at step 2**" in drawn[train.samples]
     assert "| user What is 2 + 3? assistant | 2 + 3 = 6 | 2 + 3 = 5 |" in drawn[train.samples]
     more = page.runs_tab.do_more("sft-by-hand", 0)  # the button's refusal, one line; nothing starts
-    assert "--more-steps 0: give a number of steps of at least 1" in more[train.msg]
+    assert more[train.msg] == "✗ --more-steps must be in [1, 10000000], got 0 (nearest allowed: 1)"
     assert not (run / "worker.pid").exists()
 
 
@@ -541,7 +547,9 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
     monkeypatch.setattr(page.chat, "ask", ask)
     tab = page.chat_tab
     values = {tab.prompt: "What is 2 plus 3?", page.attached: str(run), tab.base: [], tab.tuned: [],
-              tab.max_new: 4}
+              tab.max_new: 8}  # the slider's least
+    assert tab.do_chat({**values, tab.max_new: 10**6})[tab.info] == \
+        "✗ max new tokens must be in [8, 512], got 1000000 (nearest allowed: 512)"  # the API takes any number
     out = tab.do_chat(values)
     assert "error" not in out[tab.info] and out[tab.prompt] == "", out[tab.info]
     assert len(sent) == 1 and sent[0]["system_prompt"] == system

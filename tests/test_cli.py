@@ -36,7 +36,7 @@ def _one_error_line(p):
 @pytest.mark.parametrize("sets, needle", [
     (["lora.alpah=4"], "unknown setting 'lora.alpah' (did you mean 'alpha'?)"),
     (["sft.lr=-0.1"], "sft.lr must be positive"),
-    (["sft.steps=0"], "sft.steps must be positive"),
+    (["sft.steps=0"], "sft.steps must be in [1, 10000000], got 0"),
     (["sft.optimizer=adamw8bit"], "sft.optimizer: 'adamw8bit' is not one of auto, adamw, adamw_8bit"),
     (["sft.sebp=maybe"], "sft.sebp: 'maybe' is not one of auto, on, off"),
     (["model.name=./no/such/model"], "model path does not exist: ./no/such/model"),
@@ -199,6 +199,10 @@ def _fake_finished_run(runs, name="r1"):
     (run / "adapter").mkdir(parents=True)
     (run / "config.yaml").write_text("method: sft\n")
     (run / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "x"}')
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(run / "adapter" / "adapter_model.safetensors"))
     (run / "events.jsonl").write_text(json.dumps({"i": 0, "time": 1, "type": "finished", "step": 1}) + "\n")
     return run
 
@@ -368,6 +372,24 @@ def test_library_notices_are_silenced_where_raised():
     assert "our own warning" in p.stderr
 
 
+def test_a_cpu_load_offline_says_nothing_of_hubs_or_kernels_it_could_not_fetch(tmp_path):
+    """HF_HUB_OFFLINE, as on a machine without network: loading the embedded model in NF4 on
+    the CPU prints nothing about a hub, a kernel or a trust check (bitsandbytes looks for a
+    faster kernel on AVX512-BF16 CPUs); another notice of the same libraries still shows."""
+    code = ("import logging\n"
+            "from edgetune.engine.core.settings import ModelSettings\n"
+            "from edgetune.engine.models.model import load_base\n"
+            "load_base(ModelSettings(device='cpu', quant_cache=False))\n"
+            "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('another bitsandbytes notice')\n"
+            "logging.getLogger('kernels._internals.hf_hub').warning('another kernels notice')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    progress = re.compile(r"^[\w ]+: +\d+%\|")  # transformers' bars: loading the weights (converting the GGUF)
+    notices = [ln for ln in re.split(r"[\r\n]+", p.stderr) if ln.strip() and not progress.match(ln)]
+    assert notices == ["another bitsandbytes notice", "another kernels notice"], p.stderr[-3000:]
+
+
 def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys):
     """Without a CUDA GPU each rank is a CPU process: --gpus 1000 would start 1,000."""
     import os
@@ -381,3 +403,28 @@ def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys
     assert rc == 2 and not runs.exists()
     assert capsys.readouterr().err == (f"error: --gpus 1000: this machine has no CUDA GPU, so each rank would be a "
                                        f"CPU process; at most {os.cpu_count()} (its CPU cores)\n")
+
+
+def test_a_worker_that_dies_in_start_up_is_named_with_its_signal_and_last_log_line(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A worker killed before its first event: the error names the signal and what it printed last."""
+    from edgetune.engine import cli
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, resource, signal, sys\n"
+        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        "print('loading a native library built for another CPU', file=sys.stderr, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    runs = tmp_path / "runs"
+    rc = cli.main(["train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--name", "r"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    log = runs / "r" / "worker.log"
+    pid = (runs / "r" / "worker.pid").read_text()
+    assert err.splitlines()[-1] == (f"error: the worker (pid {pid}) ended without a final event (killed by signal 4 "
+                                    f"(SIGILL)); the last line of {log}: loading a native library built for another "
+                                    "CPU")
+    assert "Traceback" not in err

@@ -28,6 +28,7 @@ from edgetune.engine.run import api
 from edgetune.engine.core import settings
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core.events import read_events
+from edgetune.engine.core.runfolder import exit_words
 from inline_run import run_inline
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -222,6 +223,31 @@ def _ranks(launcher_pid: int) -> dict:
     return out
 
 
+def test_killing_the_launcher_ends_every_rank_and_only_then_frees_the_runs_folder(tiny_model_dir, tmp_path):
+    """The process in worker.pid of a --gpus 2 run killed alone: torchrun and both ranks end
+    with it (no orphan keeps writing the run), and the runs folder is free for the next
+    writer only then."""
+    import psutil
+
+    from edgetune.engine.core.runfolder import lock_runs_folder
+
+    run = api.start(sft_cfg(tiny_model_dir, tmp_path, steps=400), name="launcher-killed", gpus=2)
+    t0 = time.time()
+    while len(_ranks(run.process.pid)) < 2:
+        assert run.process.poll() is None and time.time() - t0 < 240, run.dir.log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    writers = psutil.Process(run.process.pid).children(recursive=True)  # torchrun and the ranks
+    assert lock_runs_folder(tmp_path) is None
+    os.kill(run.process.pid, signal.SIGKILL)
+    run.process.wait(30)
+    alive = psutil.wait_procs(writers, timeout=30)[1]
+    assert not alive, f"left writing the run: {[p.cmdline()[:4] for p in alive]}"
+    fd = lock_runs_folder(tmp_path)
+    assert fd is not None
+    os.close(fd)
+    assert run.status() == "crashed"
+
+
 @pytest.mark.slow  # two ranks: the fast suite keeps the SFT and F-GRPO equality on two ranks
 def test_a_killed_rank_ends_the_run_naming_it(tiny_model_dir, tmp_path):
     import psutil
@@ -278,7 +304,7 @@ def test_rank_death_is_read_from_torchruns_own_summary(tmp_path):
     with open(log, "a") as f:
         f.write("this attempt\n" + summary(0, 4242, -9))
     assert worker._first_failure(log, start) == {"rank": 0, "exitcode": -9, "pid": 4242}
-    assert worker._exit_words(-9) == "killed by signal 9 (SIGKILL)" and worker._exit_words(3) == "exit status 3"
+    assert exit_words(-9) == "killed by signal 9 (SIGKILL)" and exit_words(3) == "exit status 3"
 
 
 def test_cli_launch_options(tmp_path):

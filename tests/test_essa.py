@@ -179,7 +179,7 @@ def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):
     ("essa.export=worst", "essa.export"),
     ("essa.evaluation=parallel", "essa.evaluation"),
     ("essa.alpha=0", "essa.alpha"),
-    ("essa.population=2", "essa.population must be >= 3"),
+    ("essa.population=2", r"essa.population must be in \[3, 4096\]"),
 ])
 def test_bad_essa_settings_name_the_setting(override, message):
     from edgetune.engine.core.errors import ConfigError

@@ -193,3 +193,75 @@ def test_the_export_tab_shows_the_checks_line(tmp_path):
     check = json.loads((out / "gguf" / CHECK_FILE).read_text())
     assert "\n" not in msg.strip() and f"GGUF files in `{out / 'gguf'}`" in msg
     assert f"llama.cpp check not run: {check['why']}" in msg
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory):
+    """A run folder on the embedded model (a GGUF base) holding an adapter as a run saves it."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from edgetune.engine.core import settings
+    from edgetune.engine.models.export import write_adapter
+    from edgetune.engine.models.model import check_model, load_tokenizer, lora_config
+
+    root = tmp_path_factory.mktemp("embedded-run")
+    cfg = settings.resolve(preset="sft-quickstart", overrides=["lora.r=2", "model.quant=none",
+                                                                 f"run.runs_dir={root}"])
+    path = check_model(cfg.model)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora_config(cfg.lora))
+    run = root / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "events.jsonl").write_text("")
+    write_adapter(run / "adapter", model, load_tokenizer(path), cfg, path, {})
+    return run
+
+
+# A llama_cpp as a native build for another CPU behaves: it dies of SIGILL while it loads the
+# LoRA, it hangs, or it fails with an error of its own. It writes its pid where the test reads it.
+FAKE_LLAMA_CPP = {
+    "SIGILL": "os.kill(os.getpid(), signal.SIGILL)",
+    "hang": "time.sleep(3600)",
+    "error": "raise RuntimeError('llama_model_load: error loading model: unknown tensor type 41')",
+}
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("SIGILL", "it died with SIGILL (illegal instruction)"),
+    ("hang", "it took longer than 5 s and was stopped"),
+    ("error", "it ended with exit status 1: RuntimeError: llama_model_load: error loading model: unknown tensor "
+              "type 41"),
+])
+def test_a_llama_cpp_that_crashes_or_hangs_leaves_a_complete_export(embedded_run, tmp_path, monkeypatch, capsys,
+                                                                     fault, why):
+    from edgetune.engine.core.runfolder import pid_alive
+    from edgetune.engine.models import export_gguf
+
+    fake = tmp_path / "site" / "llama_cpp"
+    fake.mkdir(parents=True)
+    pid_file = tmp_path / "llama.pid"
+    (fake / "__init__.py").write_text(
+        "import os, resource, signal, time\n"
+        "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+        "class Llama:\n"
+        "    def __init__(self, **kw):\n"
+        f"        open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "        print(\"lora for 'blk.0.attn_q.weight' cannot use buft 'AMX', fallback to CPU\", flush=True)\n"
+        f"        {FAKE_LLAMA_CPP[fault]}\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))  # the check's process finds it; this one does not
+    monkeypatch.setattr(export_gguf, "CHECK_TIME_LIMIT_S", 5)
+    out = tmp_path / "exp"
+    assert cli.main(["export", str(embedded_run), "--out", str(out), "--gguf"]) == 0
+    printed = capsys.readouterr()
+    line = (f"llama.cpp check could not run: {why}; the files are written, check them with llama.cpp's llama-cli, "
+            "or with `ollama create -f Modelfile` in the gguf folder")
+    assert printed.out.splitlines()[-1] == line and "Traceback" not in printed.err
+    check = json.loads((out / "gguf" / CHECK_FILE).read_text())
+    assert check == {"status": "could not run", "why": line.removeprefix("llama.cpp check could not run: ")}
+    assert sorted(p.name for p in (out / "gguf").iterdir()) == sorted([LORA_FILE, "Modelfile", CHECK_FILE])
+    import gguf
+
+    assert len(gguf.GGUFReader(str(out / "gguf" / LORA_FILE)).tensors) > 0  # the export is whole
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not pid_alive(int(pid_file.read_text()))  # llama.cpp's process went with the check

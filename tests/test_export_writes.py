@@ -242,3 +242,25 @@ def test_an_unsafe_pickled_adapter_is_one_line(tmp_path, tiny_model_dir):
     assert "\n" not in msg and msg.startswith(f"{adapter / 'adapter_model.bin'}: not a safetensors file nor a "
                                                "weights-only pickle (Unsupported global: GLOBAL ")
     assert "only adapter_model.safetensors or a weights-only adapter_model.bin is read" in msg
+
+
+def test_an_export_carries_the_safetensors_weights_and_no_pickle(run, tmp_path, capsys):
+    """A pickle beside the weights (an older PEFT's adapter_model.bin, a trainer's
+    training_args.bin) stays behind: eval, init_from and a merge never read one. An
+    adapter whose weights are only a pickle is refused in one line, nothing written."""
+    adapter = run / "adapter"
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps({"w": _RunsCode()}, protocol=2))
+    (adapter / "training_args.bin").write_bytes(pickle.dumps({"lr": 1e-4}))
+    (adapter / "sub").mkdir()
+    (adapter / "sub" / "optimizer.pt").write_bytes(pickle.dumps([1]))
+    for as_zip, out in ((False, tmp_path / "exp"), (True, tmp_path / "exp.zip")):
+        export(run, out, as_zip=as_zip)
+        names = set(zipfile.ZipFile(out).namelist()) if as_zip else \
+            {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+        assert not [n for n in names if n.endswith((".bin", ".pt"))], names
+    (adapter / "adapter_model.safetensors").unlink()
+    line = _error_line(["export", str(run), "--out", str(tmp_path / "again")], capsys)
+    assert line == (f"error: {adapter}: no adapter_model.safetensors (its weights are adapter_model.bin, a pickle); "
+                    "an export carries the weights as safetensors only, which load without running code")
+    assert not (tmp_path / "again").exists()

@@ -268,6 +268,39 @@ def test_user_reward_that_catches_the_timeout_is_still_stopped(tmp_path, monkeyp
     assert first.poll() is not None  # killed, not left running
 
 
+def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capped(tmp_path, monkeypatch, capfd):
+    """A reward that starts a process and leaves it running, forks a copy of itself that
+    returns too, and prints 10 kB a call: the step's scores are the function's own, the
+    processes it left end with the step, and the log takes what the cap allows."""
+    from edgetune.engine.core.runfolder import pid_alive
+    from edgetune.engine.training import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_LOG_CAP_BYTES", 4096)
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import os, subprocess\n"
+                               "    left = subprocess.Popen(['sleep', '300'])\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{left.pid}}\\n')\n"
+                               "    if os.fork() == 0:\n"
+                               f"        open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                               "        return 0.5  # the fork returns into the reward process's loop\n"
+                               "    print('x' * 10_000, flush=True)\n"
+                               "    return 1.0\n")
+    s = r.score(["a", "b", "c"], [{"answer": "1"}] * 3)
+    assert s.rewards == [1.0, 1.0, 1.0] and s.errors == [None, None, None]
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 6
+    t0 = time.time()
+    while any(pid_alive(p) for p in started) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not [p for p in started if pid_alive(p)]  # ended with the step
+    assert r.parts[0][0].score.worker.proc.poll() is None  # the reward process itself serves the next step
+    time.sleep(0.5)  # what it printed reaches the log through a thread of this process
+    err = capfd.readouterr().err
+    assert err.count("x") == 4096
+    assert f"[reward_file {tmp_path / 'reward.py'}: what it prints past 4,096 bytes is left out of this log]" in err
+    r.parts[0][0].score.worker.close()
+
+
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
     from edgetune.engine.training import rewards
     from edgetune.engine.core.errors import ConfigError
@@ -533,7 +566,7 @@ def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, t
 
 
 def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
-    """sft.batch_size=1e9 and lora.r=1e6 on the CPU: one line naming the settings, before
+    """sft.batch_size and lora.r at their largest on the CPU: one line naming the settings, before
     the data check or the model load starts (no phase event), not gigabytes later."""
     from edgetune.engine.planning import planner
     from edgetune.engine.run import worker
@@ -541,7 +574,7 @@ def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
     cfg = settings.resolve(preset="sft-quickstart", overrides={
-        "model": {"device": "cpu"}, "sft": {"batch_size": 10**9}, "lora": {"r": 10**6},
+        "model": {"device": "cpu"}, "sft": {"batch_size": 2**16}, "lora": {"r": 4096},
         "run": {"runs_dir": str(tmp_path / "runs")}})
     (run / "config.yaml").write_text(cfg.to_yaml())
     term = signal.getsignal(signal.SIGTERM)
@@ -556,8 +589,8 @@ def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
     msg = events[-1]["message"]
     assert events[-1]["type"] == "error" and events[-1]["kind"] == "input" and "\n" not in msg
     assert msg.startswith("the planner predicts ") and "far beyond this machine's RAM (" in msg
-    assert f"({planner.host_memory() / 2**30:.1f} GiB); driven by sft.batch_size=1000000000, data.max_seq_len=256, " \
-           "lora.r=1000000, lora.target_modules=all-linear (edgetune estimate shows the parts)" in msg
+    assert f"({planner.host_memory() / 2**30:.1f} GiB); driven by sft.batch_size=65536, data.max_seq_len=256 " \
+           "(edgetune estimate shows the parts)" in msg
 
 
 def test_the_quickstarts_are_not_refused_on_a_small_machine():

@@ -71,8 +71,12 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
 
     with pytest.raises(RunError, match=r"^run 'r' already finished; edgetune resume .* --more-steps N"):
         api.resume(path)
-    with pytest.raises(ConfigError, match=r"^--more-steps 0: give a number of steps of at least 1$"):
+    with pytest.raises(ConfigError, match=r"^--more-steps must be in \[1, 10000000\], got 0 \(nearest allowed: 1\)$"):
         api.resume(path, more=0)
+    with pytest.raises(ConfigError, match=r"^--more-steps 9999999: sft.steps would be 10000002; sft.steps must be "
+                                          r"in \[1, 10000000\]$"):
+        api.resume(path, more=9999999)
+    assert load_run_config(path / "config.yaml").sft.steps == 3  # nothing was changed
     api.more_steps(run, load_run_config(path / "config.yaml"), 2)
     assert load_run_config(path / "config.yaml").sft.steps == 5
     more = read_events(path / "events.jsonl")[-1]

@@ -329,6 +329,44 @@ def test_app_takes_uploads_of_data_files_only(served):
     assert path.endswith("Train.JSONL") and open(path, "rb").read() == b'{"a": 1}\n'
 
 
+def test_an_upload_never_replaces_an_earlier_one(served, tmp_path):
+    """Two uploads named alike keep both files (a run may have trained on the first); the
+    same bytes again are the same file."""
+    demo, _, _, root = served
+    tab = demo.edgetune_page.data_tab
+    path_box = demo.edgetune_page.fields["data.path"]
+    first, second = tmp_path / "a" / "train.jsonl", tmp_path / "b" / "train.jsonl"
+    for f, rows in ((first, 40), (second, 24)):
+        f.parent.mkdir()
+        f.write_text("".join(f'{{"prompt": "{i}+1", "answer": "{i + 1}"}}\n' for i in range(rows)))
+    kept = [tab.take_upload(str(f))[path_box] for f in (first, second, first)]
+    uploads = root / "runs" / ".uploads"
+    assert kept == [str(uploads / "train.jsonl"), str(uploads / "train-2.jsonl"), str(uploads / "train.jsonl")]
+    assert (uploads / "train.jsonl").read_bytes() == first.read_bytes()
+    assert (uploads / "train-2.jsonl").read_bytes() == second.read_bytes()
+
+
+def test_an_upload_past_the_size_cap_is_refused_before_it_is_kept(tmp_path, monkeypatch):
+    import httpx
+
+    from edgetune.app import main
+
+    monkeypatch.setattr(main, "MAX_UPLOAD_BYTES", 4096)
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
+    port = _free_port()
+    demo = main.launch("127.0.0.1", port, str(tmp_path / "runs"), block=False)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        r = httpx.post(f"{base}/gradio_api/upload", files={"files": ("big.jsonl", b'{"a": 1}\n' * 1000)}, timeout=30)
+        assert r.status_code == 413, r.text
+        assert not [p for p in (tmp_path / "gradio").rglob("*") if p.is_file() and p.name == "big.jsonl"]
+        r = httpx.post(f"{base}/gradio_api/upload", files={"files": ("small.jsonl", b'{"a": 1}\n')}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        demo.close()
+        demo.edgetune_chat.close()
+
+
 def test_a_reward_file_in_an_upload_folder_is_never_run(served, capsys):
     """However a start arrives (the app's Start, the API, the CLI), a reward_file that lies
     in the app's upload folders is refused in one line and no run folder is made."""

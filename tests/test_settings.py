@@ -48,7 +48,7 @@ def test_round_trip_through_yaml(tmp_path):
     ("sft.learning_rate=1e-4", "unknown setting 'sft.learning_rate'"),
     ("sft.lr=-1e-4", "sft.lr must be positive and at most 1, got -0.0001"),
     ("sft.lr=0", "sft.lr must be positive"),
-    ("sft.steps=0", "sft.steps must be positive"),
+    ("sft.steps=0", "sft.steps must be in [1, 10000000], got 0"),
     ("sft.steps=2.5", "sft.steps: expected an integer"),
     ("model.quant=nf8", "model.quant: 'nf8' is not one of nf4, int8, none"),
     ("method=dpo", "unknown method 'dpo'"),
@@ -111,7 +111,7 @@ def test_each_numeric_setting_rejects_a_value_outside_its_range(key):
     ("essa.reward={exact: 1, mth: 1}", "essa.reward: unknown reward 'mth' (did you mean 'math'?)"),
     ("model.device=cuda0", "model.device: 'cuda0' is not one of auto, cpu, cuda, cuda:0 (did you mean 'cuda:0'?)"),
     ("fgrpo.top_p=1.5", "fgrpo.top_p must be in (0, 1], got 1.5 (nearest allowed: 1)"),
-    ("fgrpo.num_generations=1", "fgrpo.num_generations must be >= 2, got 1 (nearest allowed: 2)"),
+    ("fgrpo.num_generations=1", "fgrpo.num_generations must be in [2, 1024], got 1 (nearest allowed: 2)"),
     ("lora.dropout=1", "lora.dropout must be in [0, 1), got 1.0"),
 ])
 def test_bad_values_name_the_key_and_the_nearest_choice(override, needle):

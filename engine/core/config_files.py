@@ -46,6 +46,9 @@ def yaml_problem(path, e: yaml.YAMLError) -> str:
     return " ".join(text.split())
 
 
+TOO_LONG = "holds a number too long to be a setting (thousands of digits)"
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
     """The mapping of settings in a YAML file, or in the preset of that name."""
     p = Path(path)
@@ -75,6 +78,8 @@ def _read_mapping(p: Path, empty_ok: bool) -> dict:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except RecursionError:
         raise ConfigError(f"{p}: YAML nested too deeply to read") from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise ConfigError(f"{p}: {TOO_LONG}") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
     if data is None and empty_ok:

@@ -24,6 +24,7 @@ import errno
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -66,6 +67,19 @@ def atomic_dir(path: str | os.PathLike):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+LOG_TAIL_BYTES = 65536  # how much of the end of worker.log is read for its last line
+
+
+def exit_words(code: int) -> str:
+    """A process's exit as a user reads it: `exit status 3`, `killed by signal 4 (SIGILL)`."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 class RunDir:
@@ -141,6 +155,19 @@ class RunDir:
             return
         for _, p in self.list_checkpoints()[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
+
+    def last_log_line(self, start: int = 0, width: int = 300) -> str:
+        """The last line with text in worker.log from byte `start` on (a progress bar's
+        carriage returns split lines too), shortened to `width` characters; "" without one."""
+        try:
+            with open(self.log_path, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                f.seek(max(start, end - LOG_TAIL_BYTES))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        line = next((ln.strip() for ln in reversed(re.split(r"[\r\n]+", text)) if ln.strip()), "")
+        return line if len(line) <= width else line[: width - 1] + "…"
 
     def read_pid(self) -> int | None:
         try:

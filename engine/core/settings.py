@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from edgetune.engine.core.config_files import list_presets, load_yaml, read_run_yaml
+from edgetune.engine.core.config_files import TOO_LONG, list_presets, load_yaml, read_run_yaml
 from edgetune.engine.core.errors import ConfigError
 from edgetune.engine.core.methods import METHODS as RECORDS
 
@@ -46,6 +46,8 @@ def _num(v: float) -> str:
     """A number as the user would write it: 4294967294, 1, 0.5, 1.000e+300 (not 4.29497e+09,
     nor three hundred digits)."""
     if isinstance(v, int) and abs(v) >= 10**16:
+        if v.bit_length() > 10_000:  # more digits than Python turns into text
+            return f"{'-' if v < 0 else ''}about 2**{v.bit_length()}"
         d = str(abs(v))
         return f"{'-' if v < 0 else ''}{d[0]}.{d[1:4]}e+{len(d) - 1}"
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
@@ -89,6 +91,16 @@ class Range:
 
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
+# Upper bounds: far past any run a workstation trains, so that a typo's extra digits (or
+# 2**63) are refused where they are typed instead of reaching a progress bar, an int64
+# tensor or a memory plan.
+MAX_STEPS = 10**7
+STEPS = Range(1, MAX_STEPS)  # optimizer steps, generations
+EVERY = Range(0, MAX_STEPS)  # every N steps, 0 = never (or: only at the end)
+ROWS = Range(1, 2**16)  # rows, prompts or completions handled together
+COUNT = Range(0, 10**9)  # rows, prompts or batches to use, 0 = all
+TOKENS = Range(1, 2**20)  # tokens of a row or of a completion
+TEMPERATURE = Range(0, 100, low_open=True)
 SHARE = Range(0, 1, high_open=True)  # [0, 1)
 FRACTION = Range(0, 1, low_open=True)  # (0, 1]
 # AdamW moves every adapter weight by about lr per step: above 1 that is noise, and a huge
@@ -97,6 +109,15 @@ LEARNING_RATE = Range(0, 1, low_open=True, words="must be positive and at most 1
 # Every consumer of the seed takes it: numpy's legacy seeding (loop.seed_everything) up to
 # 2**32 - 1, and CMA-ES (engine/methods/essa.py), which is handed seed + 1.
 SEED = Range(0, 2**32 - 2)
+
+# Numbers typed on the command line (and in the app's fields of the same meaning) that are
+# not settings: each checked with `typed_number`.
+GPUS = Range(1, 1024)  # --gpus: ranks on this machine
+NODES = Range(1, 1024)  # --nnodes
+NODE_RANK = Range(0, NODES.high - 1)  # --node-rank
+MORE_STEPS = STEPS  # --more-steps: steps added to a run (its steps stay within STEPS too)
+PORT = Range(1, 65535)  # edgetune ui --port
+CHAT_TOKENS = Range(8, 512)  # the app's Try-it tab: the most tokens of each reply
 
 OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "paged_adamw_8bit")
 AUTO_ON_OFF = ("auto", "on", "off")
@@ -124,12 +145,12 @@ def _lr(default: float) -> Any:
 
 def _warmup_steps(default: int) -> Any:
     return setting(default, "Steps of linear learning-rate warmup (then cosine decay).", section="optimisation",
-                   range=NON_NEGATIVE)
+                   range=EVERY)
 
 
 def _max_grad_norm() -> Any:
     return setting(1.0, "Clip the gradient norm to this (0 = no clipping).", section="optimisation",
-                   range=NON_NEGATIVE)
+                   range=Range(0, 1e6))
 
 
 def _optimizer() -> Any:
@@ -192,7 +213,7 @@ class ModelSettings:
         0.0,
         "GiB the run may use on the GPU (gradient_checkpointing: auto plans to it; rollouts' bf16 "
         "copy of the base stays within it); 0 = the card's free memory minus a margin.",
-        range=NON_NEGATIVE)
+        range=Range(0, 2**20))
     offload_activations: bool = setting(
         False,
         "With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU memory "
@@ -234,7 +255,7 @@ class LoraSettings:
     """The adapter that is trained (PEFT LoRA)."""
 
     r: int = setting(16, "LoRA rank: the adapter's inner dimension (more capacity and memory as it grows).",
-                     range=POSITIVE)
+                     range=Range(1, 4096))
     # alpha / r scales every adapter output: a huge alpha overflows the adapter to inf/NaN.
     alpha: int = setting(32, "LoRA scale numerator: the adapter's output is multiplied by alpha / r.",
                          range=Range(0, 4096, low_open=True))
@@ -266,7 +287,7 @@ class DataSettings:
         "SFT: the most tokens of a whole row, prompt and answer (longer rows: data.overlong). "
         "F-GRPO / ESSA: the most tokens of a prompt (longer prompts are dropped); completions add "
         "max_new_tokens.",
-        range=POSITIVE)
+        range=TOKENS)
     overlong: str = setting(
         "truncate",
         "What to do with rows longer than max_seq_len: truncate | drop (both are counted).",
@@ -274,7 +295,7 @@ class DataSettings:
     system_prompt: str = setting(
         "",
         "Prepended as a system turn when a row has none; \"\" keeps the template's default.")
-    max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.", range=NON_NEGATIVE)
+    max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.", range=COUNT)
 
 
 @dataclass
@@ -288,10 +309,10 @@ class RunSettings:
         "Seeds the data order and split, sampling and the adapter's initialisation: the same seed "
         "gives the same run.",
         range=SEED)
-    log_every: int = setting(1, "Report a step every N steps (0 = only the last).", range=NON_NEGATIVE)
-    checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end", range=NON_NEGATIVE)
+    log_every: int = setting(1, "Report a step every N steps (0 = only the last).", range=EVERY)
+    checkpoint_every: int = setting(50, "steps (generations for ESSA); 0 = only at the end", range=EVERY)
     keep_checkpoints: int = setting(2, "How many of the latest checkpoints a run keeps (0 = all).",
-                                    range=NON_NEGATIVE)
+                                    range=EVERY)
     report_to: str = setting(
         "tensorboard",
         "Where the run's curves also go: tensorboard (<run>/tensorboard/), mlflow (a file store in "
@@ -304,23 +325,23 @@ class SFTSettings:
     """Supervised fine-tuning. See engine/methods/sft.py for the loop."""
 
     lr: float = _lr(2e-4)
-    steps: int = setting(60, "Optimizer steps.", section="optimisation", range=POSITIVE)
-    batch_size: int = setting(4, "Rows per micro-batch.", section="optimisation", range=POSITIVE)
+    steps: int = setting(60, "Optimizer steps.", section="optimisation", range=STEPS)
+    batch_size: int = setting(4, "Rows per micro-batch.", section="optimisation", range=ROWS)
     grad_accum: int = setting(
         1,
         "Micro-batches per optimizer step: a step trains on batch_size x grad_accum rows, each "
         "label token weighing the same.",
-        section="optimisation", range=POSITIVE)
+        section="optimisation", range=ROWS)
     warmup_steps: int = _warmup_steps(5)
     weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation",
-                                  range=NON_NEGATIVE)
+                                  range=Range(0, 100))
     max_grad_norm: float = _max_grad_norm()
     optimizer: str = _optimizer()
     eval_every: int = setting(
         20,
         "Held-out loss every N steps and at the end (0 = never).",
-        section="evaluation", range=NON_NEGATIVE)
-    eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=NON_NEGATIVE)
+        section="evaluation", range=EVERY)
+    eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=COUNT)
     samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
     packing: bool = setting(
@@ -335,14 +356,14 @@ class SFTSettings:
 class FGRPOSettings:
     """F-GRPO: group-relative RL with verifiable rewards and focal group weights."""
 
-    num_generations: int = setting(8, "G, completions per prompt", section="rollouts", range=Range(2))
+    num_generations: int = setting(8, "G, completions per prompt", section="rollouts", range=Range(2, 1024))
     prompts_per_step: int = setting(
         4,
         "Prompts per step; each gets num_generations completions.",
-        section="rollouts", range=POSITIVE)
-    max_new_tokens: int = setting(48, MAX_NEW_TOKENS_HELP, section="rollouts", range=POSITIVE)
+        section="rollouts", range=ROWS)
+    max_new_tokens: int = setting(48, MAX_NEW_TOKENS_HELP, section="rollouts", range=TOKENS)
     temperature: float = setting(0.9, "Sampling temperature of the completions.", section="rollouts",
-                                 range=POSITIVE)
+                                 range=TEMPERATURE)
     top_p: float = setting(
         1.0,
         "Nucleus sampling: sample from the smallest set of tokens whose probabilities reach top_p "
@@ -361,7 +382,7 @@ class FGRPOSettings:
     # gamma 2 with normalised weights is the default because it gained most over GRPO on the
     # learning benchmark's held-out tasks (bench/README.md); its cost there: completions of
     # some tasks grew towards max_new_tokens.
-    gamma: float = setting(2.0, "focal exponent; 0 = plain GRPO", section="loss", range=NON_NEGATIVE)
+    gamma: float = setting(2.0, "focal exponent; 0 = plain GRPO", section="loss", range=Range(0, 100))
     focal_normalize: bool = setting(
         True,
         "Divide the focal weights by their mean over the step's groups whose rewards differ: gamma then "
@@ -371,13 +392,13 @@ class FGRPOSettings:
         section="loss")
     scale_rewards: str = setting("group", "group | batch | none", section="loss",
                                  choices=("group", "batch", "none"))
-    epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss", range=NON_NEGATIVE)
+    epsilon: float = setting(0.2, "The ratio is clipped below at 1 - epsilon.", section="loss", range=Range(0, 1))
     epsilon_high: float = setting(
         0.28,
         "The ratio is clipped above at 1 + epsilon_high; cispo: an absolute cap on the ratio "
         "instead (e.g. 5.0).",
-        section="loss", range=NON_NEGATIVE)
-    beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss", range=NON_NEGATIVE)
+        section="loss", range=Range(0, 1e6))
+    beta: float = setting(0.0, "KL to the base model (adapter off)", section="loss", range=Range(0, 1e6))
     mask_truncated: bool = setting(
         False,
         "Leave completions that hit max_new_tokens out of the loss and its token count (DAPO's "
@@ -390,15 +411,15 @@ class FGRPOSettings:
         1,
         "Optimizer steps per rollout batch (more than 1 reuses the rollouts, with the clipped "
         "ratio).",
-        section="loss", range=POSITIVE)
+        section="loss", range=Range(1, 1000))
     lr: float = _lr(1e-4)
     steps: int = setting(30, "Optimizer steps (each on a fresh rollout batch).", section="optimisation",
-                         range=POSITIVE)
+                         range=STEPS)
     micro_batch_size: int = setting(
         16,
         "Completions per forward and backward of the update (bounds memory; the update itself does "
         "not depend on it); 0 = all at once.",
-        section="optimisation", range=NON_NEGATIVE)
+        section="optimisation", range=Range(0, ROWS.high))
     warmup_steps: int = _warmup_steps(0)
     max_grad_norm: float = _max_grad_norm()
     optimizer: str = _optimizer()
@@ -406,17 +427,17 @@ class FGRPOSettings:
         0,
         "Held-out success and pass@k every N steps; always before the first and after the last "
         "step.",
-        section="evaluation", range=NON_NEGATIVE)
+        section="evaluation", range=EVERY)
     eval_prompts: int = setting(
         50,
         "Held-out prompts per evaluation (0 = the whole held-out split). No held-out rows "
         "(data.eval_fraction 0 and no data.eval_path) = no evaluation during training; "
         "`edgetune eval` measures the adapter afterwards.",
-        section="evaluation", range=NON_NEGATIVE)
+        section="evaluation", range=COUNT)
     eval_k: int = setting(4, "pass@k; n = 2k samples per prompt (0 = greedy success only)", section="evaluation",
-                          range=NON_NEGATIVE)
+                          range=Range(0, 512))
     sample_every: int = setting(5, "Report one sample completion every N steps (0 = never).", section="evaluation",
-                                range=NON_NEGATIVE)
+                                range=EVERY)
     samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
 
@@ -435,7 +456,7 @@ class ESSASettings:
     warm_start_steps: int = setting(
         40,
         "Steps of the warm-start SFT run when essa.warm_start is unset.",
-        section="warm start", range=NON_NEGATIVE)
+        section="warm start", range=EVERY)
     warm_start_data: str = setting(
         "",
         'SFT data for the warm start ("" = the embedded set)',
@@ -447,11 +468,11 @@ class ESSASettings:
     population: int = setting(
         16,
         "Candidates per generation (the paper finds 24 or more works best).",
-        section="CMA-ES", range=Range(3))
+        section="CMA-ES", range=Range(3, 4096))
     sigma0: float = setting(
         0.05,
         "CMA-ES's initial step size, in units of the singular values' offsets.",
-        section="CMA-ES", range=POSITIVE)
+        section="CMA-ES", range=Range(0, 1e3, low_open=True))
     step: str = setting(
         "absolute",
         "absolute = sigma0 in the singular values' own units, alike for every value; relative = each "
@@ -459,15 +480,15 @@ class ESSASettings:
         "warm start a LoRA B holds much smaller singular values than its A, so one absolute step "
         "can flip B's values while it barely moves A's. Results of both: bench/README.md.",
         section="CMA-ES", choices=("absolute", "relative"))
-    generations: int = setting(10, "CMA-ES generations.", section="CMA-ES", range=POSITIVE)
+    generations: int = setting(10, "CMA-ES generations.", section="CMA-ES", range=STEPS)
     reward: Any = setting("last_number", REWARD_HELP, section=FITNESS)
     reward_file: str = setting("", REWARD_FILE_HELP, section=FITNESS)
     prompts_per_generation: int = setting(
         32,
         "Prompts every candidate of a generation is scored on (the mean reward of its completions "
         "is its fitness).",
-        section=FITNESS, range=POSITIVE)
-    max_new_tokens: int = setting(32, MAX_NEW_TOKENS_HELP, section=FITNESS, range=POSITIVE)
+        section=FITNESS, range=ROWS)
+    max_new_tokens: int = setting(32, MAX_NEW_TOKENS_HELP, section=FITNESS, range=TOKENS)
     fitness: str = setting(
         "reward",
         "reward = mean reward of the candidate's completions; gold_logprob = mean log-probability "
@@ -501,15 +522,15 @@ class ESSASettings:
     candidates_per_batch: int = setting(
         0,
         "K for batched; 0 = the population on CPU, as many as memory allows on CUDA",
-        section="evaluation mode", range=NON_NEGATIVE)
+        section="evaluation mode", range=Range(0, 4096))
     eval_every: int = setting(
         5,
         "generations between held-out evaluations (0 = only before and after)",
-        section="evaluation mode", range=NON_NEGATIVE)
+        section="evaluation mode", range=EVERY)
     eval_prompts: int = setting(
         50,
         "held-out prompts per evaluation (0 = no held-out evaluation)",
-        section="evaluation mode", range=NON_NEGATIVE)
+        section="evaluation mode", range=COUNT)
     export: str = setting(
         "mean",
         "mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.",
@@ -521,10 +542,10 @@ class ESSASettings:
             _check_range("essa.warm_start_steps (or set essa.warm_start to an adapter folder)",
                          self.warm_start_steps, POSITIVE)
         if not self.greedy:
-            _check_range("essa.temperature", self.temperature, POSITIVE)
+            _check_range("essa.temperature", self.temperature, TEMPERATURE)
         if self.fitness != "reward" and "{answer}" not in self.gold_template:
             raise ConfigError(f"essa.gold_template must contain {{answer}} (fitness {self.fitness}), "
-                              f"got {self.gold_template!r}")
+                              f"got {_brief(self.gold_template)}")
 
 
 @dataclass
@@ -594,11 +615,19 @@ ALIASES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "lora_dropout": "d
 
 
 def _suggest(key: str, known: list[str]) -> str:
-    key = str(key)  # a YAML key or value may be a number, a list or null
+    key = str(key)[:100]  # a YAML key or value may be a number, a list or null (or a pasted page)
     if ALIASES.get(key) in known:
         return f" (did you mean '{ALIASES[key]}'?)"
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     return f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(known)})"
+
+
+def _brief(value: Any, n: int = 60) -> str:
+    """repr(value) for a message, at most `n` characters (a pasted megabyte stays one short line)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return _num(value)
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _coerce(path: str, value: Any, typ: Any) -> Any:
@@ -610,24 +639,24 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
             return value.lower() in ("true", "yes", "1", "on")
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        raise ConfigError(f"{path}: expected true/false, got {_brief(value)}")
     if typ is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_brief(value)}")
         if isinstance(value, int):
             return value
         try:
             f = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
+            raise ConfigError(f"{path}: expected an integer, got {_brief(value)}") from None
         if not math.isfinite(f) or f != int(f):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_brief(value)}")
         return int(f)
     if typ is float:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{path}: expected a number, got {_brief(value)}") from None
         except OverflowError:  # an integer beyond any float
             raise ConfigError(f"{path} must be a finite number, got {_num(value)}") from None
     if typ is str:
@@ -639,14 +668,14 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
 
 def _apply(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of settings, got {_brief(data)}")
     types = field_types(type(obj))
     for key, value in data.items():
         path = f"{prefix}{key}"
         if not prefix and key == "effective":
             continue  # a run's config.yaml records what was decided (engine/planning/effective.py): not a setting
         if key not in types:
-            shown = path if path.isprintable() else repr(path)[1:-1]  # a key with a newline stays one line
+            shown = path if path.isprintable() and len(path) <= 60 else _brief(str(path)).strip("'\"")  # one line
             raise ConfigError(f"unknown setting '{shown}'{_suggest(key, list(types))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -658,12 +687,14 @@ def _apply(obj: Any, data: dict, prefix: str = "") -> None:
 def parse_override(text: str) -> tuple[str, Any]:
     """'lora.r=32' -> ('lora.r', 32); the value is read as YAML (numbers, lists, bools)."""
     if "=" not in text:
-        raise ConfigError(f"--set expects key=value, got {text!r}")
+        raise ConfigError(f"--set expects key=value, got {_brief(text)}")
     key, raw = text.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except ValueError:  # an integer of more digits than Python converts
+        raise ConfigError(f"{key.strip()}: {TOO_LONG}") from None
     return key.strip(), value
 
 
@@ -735,9 +766,9 @@ def from_dict(data: dict) -> Config:
 
 
 def _choice_error(path: str, value: Any, allowed) -> ConfigError:
-    near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
+    near = difflib.get_close_matches(str(value)[:100], [str(a) for a in allowed], n=1, cutoff=0.5)
     hint = f" (did you mean '{near[0]}'?)" if near else ""
-    return ConfigError(f"{path}: '{value}' is not one of {', '.join(map(str, allowed))}{hint}")
+    return ConfigError(f"{path}: {_brief(str(value))} is not one of {', '.join(map(str, allowed))}{hint}")
 
 
 def _check_finite(path: str, value: Any) -> None:
@@ -756,11 +787,20 @@ def _check_range(path: str, value: Any, rng: Range) -> None:
         raise ConfigError(f"{path} {rng.describe()}, got {shown}{hint}")
 
 
+def typed_number(name: str, value: Any, rng: Range, typ: type = int) -> Any:
+    """A number typed outside the settings (a command-line flag, an app field of the same
+    meaning) read like a setting's: text, a float or an int becomes `typ`, and anything
+    outside `rng` (or not a number) is refused in one line naming `name`."""
+    v = _coerce(name, value.strip() if isinstance(value, str) else value, typ)
+    _check_range(name, v, rng)
+    return v
+
+
 def _check_reward(path: str, spec: Any) -> None:
     if spec is None or spec == "":
         return
     if not isinstance(spec, (str, dict)) or not spec:
-        raise ConfigError(f"{path}: expected a reward name or a mapping {{name: weight}}, got {spec!r}")
+        raise ConfigError(f"{path}: expected a reward name or a mapping {{name: weight}}, got {_brief(spec)}")
     for name in [spec] if isinstance(spec, str) else spec:
         if isinstance(spec, dict):
             _check_finite(f"{path}.{name}", spec[name])
@@ -784,7 +824,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
-                          f"got {cfg.model.gradient_checkpointing!r}")
+                          f"got {_brief(cfg.model.gradient_checkpointing)}")
     if cfg.model.shard == "fsdp" and RECORDS[cfg.method].fsdp:
         built = " and ".join(name for name, m in RECORDS.items() if not m.fsdp)
         raise ConfigError(f"model.shard: fsdp is built for {built}; {cfg.method} {RECORDS[cfg.method].fsdp}; "

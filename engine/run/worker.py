@@ -7,7 +7,10 @@ the adapter), like the STOP file.
 
 On several GPUs (`edgetune train --gpus N`) the process that engine/run/api.py starts is a
 launcher (`--nproc N`): it runs `torchrun`, which starts N copies of this module, one a
-GPU (engine/core/distributed.py). Rank 0 writes the run folder and watches the other ranks:
+GPU (engine/core/distributed.py). The run has one writer however it ends: torchrun holds
+the runs folder's lock beside the launcher and dies with it, and the ranks die with
+torchrun, so killing any of these processes ends them all (a dead rank: see below) and
+the lock is free only once none of them can write. Rank 0 writes the run folder and watches the other ranks:
 one that dies ends the run with an `error` event that names it. The launcher writes the
 error itself when the ranks ended without one (rank 0 itself died): the rank, pid and exit
 status torchrun reports as the first failure.
@@ -29,7 +32,7 @@ from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
-                                            disk_full)
+                                            disk_full, exit_words)
 from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config
 
 HEARTBEAT_SECONDS = 1.0
@@ -311,11 +314,22 @@ def _wait_for_dead_peer(watch: RankWatch, seconds: float = 3.0) -> bool:
 # --------------------------------------------------------------------------- launcher
 
 
-def launch(run_dir: str, resume: bool, nproc: int) -> int:
+def _die_with_launcher() -> None:
+    """torchrun's preexec: SIGKILL when the launcher dies (Linux's PDEATHSIG, kept through
+    exec); the ranks die with torchrun in turn (engine/core/distributed.py)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before the prctl
+        os._exit(1)
+
+
+def launch(run_dir: str, resume: bool, nproc: int, lock_fd: int | None = None) -> int:
     """The process engine/run/api.py starts for a run on several GPUs: torchrun with one
     rank a GPU on this machine. SIGTERM asks the ranks for a graceful stop (the STOP
     file); when they end without a terminal event (rank 0 died), the error is written
-    here."""
+    here. `lock_fd`: the runs folder's lock this process inherited, which torchrun holds
+    too."""
     run = RunDir(run_dir).require().refuse_links()
     atomic_write_text(run.pid_path, str(os.getpid()))
     before = EventWriter(run.events_path)
@@ -337,8 +351,9 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
     import subprocess
 
     log_start = run.log_path.stat().st_size if run.log_path.is_file() else 0
+    fds = (lock_fd,) if lock_fd is not None and _fd_open(lock_fd) else ()
     try:
-        rc = subprocess.call(cmd, env=env, stdin=subprocess.DEVNULL)
+        rc = subprocess.call(cmd, env=env, stdin=subprocess.DEVNULL, pass_fds=fds, preexec_fn=_die_with_launcher)
     except KeyboardInterrupt:
         rc = 130
     try:
@@ -348,13 +363,14 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
             dead = _first_failure(run.log_path, log_start)  # rank 0 died: torchrun named it in worker.log
             if dead is not None:
                 w.emit("error", kind="killed" if dead["exitcode"] < 0 else "bug",
-                       message=f"rank {dead['rank']} (pid {dead['pid']}) died: {_exit_words(dead['exitcode'])}; "
+                       message=f"rank {dead['rank']} (pid {dead['pid']}) died: {exit_words(dead['exitcode'])}; "
                                f"the run stopped (its output is in {run.log_path}); edgetune resume {run.path} "
                                "continues from the last checkpoint")
             else:
-                how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+                last = run.last_log_line(log_start)
                 w.emit("error", kind="bug" if rc > 0 else "killed",
-                       message=f"the training processes ended without a word (torchrun: {how}); see {run.log_path}")
+                       message=f"the training processes ended without a final event (torchrun: {exit_words(rc)}); "
+                               + (f"the last line of {run.log_path}: {last}" if last else f"{run.log_path} is empty"))
             w.close()
     finally:
         try:
@@ -362,6 +378,14 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
         except FileNotFoundError:
             pass
     return rc if rc >= 0 else 1
+
+
+def _fd_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
@@ -382,23 +406,15 @@ def _first_failure(log_path, start: int = 0, tail_bytes: int = 65536) -> dict | 
     return {"rank": int(m[1]), "exitcode": int(m[2]), "pid": int(m[3])} if m else None
 
 
-def _exit_words(code: int) -> str:
-    if code >= 0:
-        return f"exit status {code}"
-    try:
-        return f"killed by signal {-code} ({signal.Signals(-code).name})"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="edgetune-worker")
     p.add_argument("run_dir")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (> 1: start them with torchrun)")
+    p.add_argument("--lock-fd", type=int, help="the runs folder's lock, inherited: torchrun holds it too")
     a = p.parse_args(argv)
     if a.nproc > 1:
-        return launch(a.run_dir, a.resume, a.nproc)
+        return launch(a.run_dir, a.resume, a.nproc, a.lock_fd)
     return run(a.run_dir, a.resume)
 
 

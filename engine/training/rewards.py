@@ -42,6 +42,7 @@ import os
 import pickle
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -111,6 +112,9 @@ class Reward:
                 if not part.shaping and weight != 0 and v < part.best:
                     reached[i] = False
             parts[part.name] = values
+            worker = getattr(part.score, "worker", None)
+            if worker is not None:  # what the user's function left running ends with this batch
+                worker.end_step()
         if threshold is None:
             success = reached
         else:
@@ -281,6 +285,9 @@ USER_REWARD_MAX_CONSECUTIVE_FAILURES = 32
 # Starting the reward process includes importing the user's file and what it imports
 # (sympy and the like take seconds); a file that takes longer than this is reported.
 USER_REWARD_START_TIMEOUT_S = 120.0
+# What the user's function (and what it starts) may print into the run's worker.log, for
+# the whole run; past it one line says the rest is left out.
+USER_REWARD_LOG_CAP_BYTES = 1 << 20
 
 
 class RewardFailing(ConfigError):
@@ -291,20 +298,26 @@ class UserRewardProcess:
     """The user's reward function in a child process (engine/training/reward_worker.py): `call`
     sends one completion and waits at most `timeout` seconds for its score; past that the
     process is killed (a limit the function cannot catch) and the next call starts a new
-    one. Calls are serialised (one pipe)."""
+    one. Calls are serialised (one pipe). The process leads a process group of its own:
+    whatever the function starts is in it, and ends with it (`close`) or, when it outlives
+    its call, at the end of the step (`end_step`). What they print reaches the log through
+    this process, USER_REWARD_LOG_CAP_BYTES at most."""
 
     def __init__(self, file: str, shown: str):
         self.file, self.shown = file, shown
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self._procs: list = []  # what the finaliser kills when this object goes away
+        self._log_left = [USER_REWARD_LOG_CAP_BYTES]  # shared by every process of this reward
         weakref.finalize(self, _kill_all, self._procs)
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgetune.engine.training.reward_worker", self.file, str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, process_group=0)
+        threading.Thread(target=_forward_capped, args=(self.proc.stderr, self._log_left, self.shown),
+                         name="edgetune-reward-log", daemon=True).start()
         self._procs[:] = [self.proc]
         kind, detail = self._receive(USER_REWARD_START_TIMEOUT_S, starting=True)
         if kind != "ready":
@@ -359,6 +372,63 @@ class UserRewardProcess:
         _kill_all(self._procs)
         self.proc = None
 
+    def end_step(self) -> None:
+        """End what the function started and left running (a subprocess, a fork): the
+        members of the reward process's group other than itself."""
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                _kill_group(self.proc.pid, spare=self.proc.pid)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of a process group (Linux: /proc)."""
+    out = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(name))
+    return out
+
+
+def _kill_group(pgid: int, spare: int | None = None) -> None:
+    """SIGKILL every member of a process group (but `spare`)."""
+    if spare is None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+    for pid in _group_members(pgid):
+        if pid != spare:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _forward_capped(pipe, left: list, shown: str) -> None:
+    """Copy what the reward's processes print to this process's stderr (the run's
+    worker.log) while `left[0]` bytes remain; then one line, and the rest is read and
+    dropped (a writer never blocks on a full pipe)."""
+    out = sys.stderr
+    try:
+        for chunk in iter(lambda: pipe.read1(65536), b""):
+            if left[0] > 0:
+                part = chunk[: left[0]]
+                left[0] -= len(part)
+                out.write(part.decode("utf-8", "replace"))
+                if left[0] <= 0:
+                    out.write(f"\n[reward_file {shown}: what it prints past {USER_REWARD_LOG_CAP_BYTES:,} bytes is "
+                              "left out of this log]\n")
+                out.flush()
+    except (OSError, ValueError):
+        pass
+
 
 class _RewardError(Exception):
     """The user's function raised, in its process: "Type: message" of what it raised."""
@@ -370,9 +440,9 @@ def describe(e: Exception) -> str:
 
 
 def _kill_all(procs: list) -> None:
+    """Each reward process and what it started (its process group)."""
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_group(proc.pid)
         proc.wait()
         for f in (proc.stdin, proc.stdout):
             if f is not None:

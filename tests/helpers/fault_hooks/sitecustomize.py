@@ -2,11 +2,13 @@
 PYTHONPATH (Python imports `sitecustomize` at start-up), so the engine carries no test
 hooks. EDGETUNE_FAULT=<where>:<n> pauses the n-th call of <where> after writing the file
 EDGETUNE_FAULT_MARKER (holding the pid), until the file EDGETUNE_FAULT_UNTIL exists (or
-for ever, for a test that kills the process there):
+for ever, for a test that kills the process there); with EDGETUNE_FAULT_HOLD, a Ctrl-C
+there writes that file and the pause goes on (as a long cleanup would):
 
 - `save`: the checkpoint's training-state write; the adapter weights are already in the
   checkpoint's temporary folder, so a kill leaves half a checkpoint
 - `step`: gradient clipping, between the backward and the optimizer step
+- `copy`: a file copy (shutil.copyfileobj), as an export copies the adapter's files
 """
 
 import os
@@ -14,8 +16,6 @@ import os
 _spec = os.environ.get("EDGETUNE_FAULT")
 if _spec:
     import time
-
-    import torch
 
     _where, _n = _spec.split(":")
     _calls = [0]
@@ -27,9 +27,28 @@ if _spec:
         with open(os.environ["EDGETUNE_FAULT_MARKER"], "w") as f:
             f.write(str(os.getpid()))
         until = os.environ.get("EDGETUNE_FAULT_UNTIL")
+        held = os.environ.get("EDGETUNE_FAULT_HOLD")  # a cleanup that takes long: the first Ctrl-C is held here
         while not (until and os.path.exists(until)):
-            time.sleep(0.05)
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                if not held:
+                    raise
+                with open(held, "w") as f:
+                    f.write("interrupted")
 
+    if _where == "copy":
+        import shutil
+
+        _copy = shutil.copyfileobj
+
+        def _paused_copy(*args, **kwargs):
+            _pause()
+            return _copy(*args, **kwargs)
+
+        shutil.copyfileobj = _paused_copy
+    elif _where in ("save", "step"):
+        import torch
     if _where == "save":
         _save = torch.save
 
