@@ -73,15 +73,29 @@ def duration(seconds) -> str:
     return f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
-def progress(events: list[dict]) -> dict:
-    """Where a run stands: step, total, elapsed, eta, phase text, last headline values."""
+def _elapsed(events: list[dict], started: dict | None, now: float | None) -> float | None:
+    """Wall time of this attempt: from its `started` event to its end, or to `now` while it
+    has none (a live clock: it moves during set-up and evaluations too, between steps)."""
+    if started is None:
+        return None
+    end = next((e for e in reversed(events) if e["type"] in ("finished", "stopped", "error")
+                and e["i"] > started["i"]), None)
+    if end is None and now is None:  # a run that ended without a word: its last event
+        end = events[-1]
+    stop = end["time"] if end is not None else now
+    return max(0.0, stop - started["time"]) if isinstance(started.get("time"), (int, float)) else None
+
+
+def progress(events: list[dict], now: float | None = None) -> dict:
+    """Where a run stands: step, total, elapsed (this attempt's wall time, live with `now`),
+    eta (from the training steps' pace, set-up excluded), phase text, last headline values."""
     started = next((e for e in reversed(events) if e["type"] == "started"), None)
     method = BY_KEY.get((started or {}).get("method", ""), None)
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
     total = (last_step or {}).get("total")
     if total is None and started and method:
         total = method.record.total(started.get("config", {}))
-    out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": (last_step or {}).get("elapsed"),
+    out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": _elapsed(events, started, now),
            "eta": (last_step or {}).get("eta"), "phase": "", "values": {},
            "unit": method.record.unit if method else "step"}
     if last_step and method:
@@ -131,8 +145,10 @@ def _phase_of(events: list[dict], started: dict | None, out: dict) -> None:
 
 
 
-def progress_html(events: list[dict], status: str) -> str:
-    p = progress(events)
+def progress_html(events: list[dict], status: str, now: float | None = None) -> str:
+    """The progress bar and its lines; `now`: the clock of a run still active (its elapsed
+    time moves on every tick)."""
+    p = progress(events, now if status in ("running", "starting") else None)
     if status == "crashed":
         p["phase"] = "the worker ended without a final event (see worker.log in the run folder); Resume continues"
     if status == "none":

@@ -8,6 +8,7 @@ app re-attaches to the same run and replays its history.
 from __future__ import annotations
 
 import json
+import time
 
 import gradio as gr
 
@@ -78,7 +79,7 @@ class TrainTab:
         except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
             mem = last.get("mem")
         key = {"path": path, "n": len(events), "status": status}
-        out = {self.progress: live.progress_html(events, status),
+        out = {self.progress: live.progress_html(events, status, time.time()),
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
                p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
         if {k: last.get(k) for k in key} != key:

@@ -140,8 +140,8 @@ def test_sft_events_become_loss_plot_progress_and_logs():
         {"step": 2, "value": 2.0, "series": "train loss"}, {"step": 2, "value": 1.9, "series": "eval loss"}]
     p = live.progress(SFT_EVENTS)
     assert (p["step"], p["total"], p["eta"], p["phase"], p["values"]) == (2, 10, 16.0, "training", {"loss": 2.0})
-    html = live.progress_html(SFT_EVENTS, "running")
-    assert 'data-step="2"' in html and "step 2 / 10 · 4s elapsed · ETA 16s" in html and "width:20.0%" in html
+    html = live.progress_html(SFT_EVENTS, "running", now=SFT_EVENTS[0]["time"] + 6)
+    assert 'data-step="2"' in html and "step 2 / 10 · 6s elapsed · ETA 16s" in html and "width:20.0%" in html
     logs = live.log_lines(SFT_EVENTS)
     assert "started sft on cpu" in logs and "data: 9/10 rows kept (messages)" in logs
     assert "step 2/10: loss 2" in logs and "eta" not in logs.split("step 2/10")[1]
@@ -158,6 +158,22 @@ def test_progress_before_the_first_step_and_at_the_end():
     assert live.progress(failed)["phase"] == "data.path: file not found"
     assert "ETA –" in live.progress_html(done, "stopped")
     assert "stopped at step 2: loss 2" in live.log_lines(done)
+
+
+def test_elapsed_ticks_from_the_start_through_set_up_and_evaluations():
+    """Elapsed is this attempt's wall time, live on every tick: during set-up (no step yet)
+    and during an evaluation it moves on; at the end it is the time to the final event."""
+    t0 = SFT_EVENTS[0]["time"]
+    setting_up = SFT_EVENTS[:2] + [_ev(2, "phase", phase="initial_eval", done=1, total=4, unit="batches")]
+    assert "1m 35s elapsed" in live.progress_html(setting_up, "running", now=t0 + 95)
+    assert "2m 05s elapsed" in live.progress_html(setting_up, "running", now=t0 + 125)
+    evaluating = SFT_EVENTS + [_ev(6, "phase", phase="final_eval", done=0, total=4, unit="batches")]
+    assert live.progress(evaluating, now=t0 + 300)["elapsed"] == 300
+    resumed = SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={}, elapsed=5),
+                            _ev(20, "started", method="sft", config={"sft": {"steps": 10}})]
+    assert live.progress(resumed, now=t0 + 30)["elapsed"] == 10  # this attempt's clock
+    done = SFT_EVENTS + [_ev(9, "finished", step=10, adapter="a", metrics={}, elapsed=8)]
+    assert "9s elapsed · ETA –" in live.progress_html(done, "finished", now=t0 + 1000)
 
 
 def test_fgrpo_events_become_reward_success_and_kl_plots_and_samples():

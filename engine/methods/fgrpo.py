@@ -53,10 +53,10 @@ from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, emit_samples,
+from edgetune.engine.training.loop import (RunContext, check_finite, check_seed, emit_samples,
                                            every, finish, load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_last_checkpoint,
-                                           seed_everything)
+                                           seed_everything, start_training)
 from edgetune.engine.training.passk import mean_pass_at_k
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.training.rewards import Reward, build_reward
@@ -330,8 +330,7 @@ def train(ctx: RunContext) -> dict:
         if start_step == 0 and held_out:
             held_out_eval(0, "start", "initial_eval")
 
-        phases.emit(ctx.emit, "training")
-        progress = Progress(s.steps, start_step)
+        progress = start_training(ctx, s.steps, start_step)
         step, stopped, warned = start_step, False, 0
         cut_shares: list[float] = []  # per step, for cut_warning (once a run)
         cut_warned = False
