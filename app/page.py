@@ -16,6 +16,8 @@ from pathlib import Path
 import gradio as gr
 import psutil
 
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.run import api
 
 from . import form
@@ -66,7 +68,7 @@ class Page:
     # ------------------------------------------------------------------ settings widgets
 
     def widget(self, spec: form.FieldSpec, value):
-        common = dict(label=spec.name, info=spec.help[:180] or None, elem_id=spec.elem_id,
+        common = dict(label=spec.name, info=spec.help or None, elem_id=spec.elem_id,
                       scale=2 if spec.name in ("path", "name") else 1)
         if spec.choices:
             return gr.Dropdown(choices=list(spec.choices), value=value, **common)
@@ -122,6 +124,20 @@ class Page:
         out.update({col: gr.Column(visible=key == cfg.method) for key, col in self.method_cols.items()})
         return out
 
+    def fill_from_run(self, path: str) -> dict:
+        """The form showing the settings of the run in `path` (a new Start from them gets a
+        fresh name); {} when it has none that read (no run, a damaged config.yaml)."""
+        run = self.run_of(path)
+        if run is None:
+            return {}
+        try:
+            cfg = S.from_dict(run.config())
+        except EdgetuneError:
+            return {}
+        cfg.run.name = ""
+        cfg.run.runs_dir = str(self.runs_dir)
+        return self.fill_from(cfg)
+
     # ------------------------------------------------------------------ runs
 
     def adopt(self, run):
@@ -142,9 +158,12 @@ class Page:
         return str(runs[0].path) if runs else ""
 
     def said(self, path: str) -> dict:
-        """Where a message was made: the Train tab clears it when that run's state moves on."""
+        """Where a message was made: the run and how many events it had. The Train tab's
+        message stays until the next action, the page showing another run, or that run
+        reaching a new end (finished, stopped, failed) after it."""
         run = self.run_of(path)
-        return {"path": path, "status": run.status() if run else "none"}
+        events = list(run.events()) if run is not None and run.dir.events_path.is_file() else []
+        return {"path": path, "n": events[-1]["i"] + 1 if events else 0}
 
     def banner_text(self, path: str) -> str:
         run = self.run_of(path)

@@ -37,7 +37,10 @@ class ExportTab:
             return "No run open."
         s = run.summary()
         if not s["has_adapter"]:
-            return f"Run **{run.name}** ({s['status']}) has no adapter yet: stop it or let it finish."
+            if s["status"] in api.ACTIVE:
+                return f"Run **{run.name}** ({s['status']}) has no adapter yet: stop it or let it finish."
+            return (f"Run **{run.name}** ({s['status']}) ended without an adapter: Resume it on the Train tab "
+                    "(from its last checkpoint), or open another run in the Runs tab.")
         return f"Run **{run.name}** ({s['status']}): adapter in `{run.dir.adapter}` (PEFT format + model card)."
 
     def do_zip(self, path: str) -> dict:
@@ -75,7 +78,23 @@ class ExportTab:
             return {self.msg: message(f"Exported to `{dest}` (the merged bf16 model is in `{dest / 'merged'}`)", "ok")}
         return {self.msg: message(f"Exported to `{dest}`", "ok")}
 
+    def busy(self, values: dict) -> dict:
+        """What the Export tab says while an export runs (a merge or a GGUF conversion takes
+        minutes), in place of the last export's message; the buttons wait for it."""
+        what = "the merged model and GGUF files" if values.get(self.merged) and values.get(self.gguf) else \
+            "GGUF files" if values.get(self.gguf) else "the merged model" if values.get(self.merged) else "the adapter"
+        return {self.msg: message(f"Exporting {what}…"), self.zip_btn: gr.Button(interactive=False),
+                self.folder_btn: gr.Button(interactive=False)}
+
+    def idle(self) -> dict:
+        return {self.zip_btn: gr.Button(interactive=True), self.folder_btn: gr.Button(interactive=True)}
+
     def wire(self) -> None:
         p = self.page
-        self.zip_btn.click(self.do_zip, p.attached, [self.download, self.msg])
-        self.folder_btn.click(self.do_folder, {p.attached, self.out_dir, self.merged, self.gguf}, [self.msg])
+        busy = [self.msg, self.zip_btn, self.folder_btn]
+        self.zip_btn.click(lambda: self.busy({}), None, busy, show_progress="hidden") \
+            .then(self.do_zip, p.attached, [self.download, self.msg]) \
+            .then(self.idle, None, [self.zip_btn, self.folder_btn], show_progress="hidden")
+        self.folder_btn.click(self.busy, {self.merged, self.gguf}, busy, show_progress="hidden") \
+            .then(self.do_folder, {p.attached, self.out_dir, self.merged, self.gguf}, [self.msg]) \
+            .then(self.idle, None, [self.zip_btn, self.folder_btn], show_progress="hidden")

@@ -55,7 +55,7 @@ class RunsTab:
         board = p.runs_dir / name / "tensorboard"
         said = f"Opened **{name}**" + (f" (TensorBoard: `tensorboard --logdir {board}`)." if board.is_dir() else ".")
         return {p.attached: path, p.train_tab.msg: message(said, "ok"),
-                p.tabs: gr.Tabs(selected="train"), p.msg_at: p.said(path)}
+                p.tabs: gr.Tabs(selected="train"), p.msg_at: p.said(path), **p.fill_from_run(path)}
 
     def do_more(self, name: str, n) -> dict:
         """Train the picked run `n` steps further (api.resume with more), shown in the Train tab."""
@@ -63,17 +63,19 @@ class RunsTab:
         if not name:
             return {p.train_tab.msg: message("Pick a run.", "error")}
         path = str(p.runs_dir / name)
+        said = p.said(path)  # before: the run's old end must not take the message away
         try:
             run = p.adopt(api.resume(path, more=int(n or 0)))
         except EdgetuneError as e:
             return {p.train_tab.msg: message(str(e), "error"), p.attached: path, p.msg_at: p.said(path)}
         return {p.train_tab.msg: message(f"Training **{run.name}** {int(n)} more steps.", "ok"), p.attached: path,
-                p.tabs: gr.Tabs(selected="train"), p.msg_at: {"path": path, "status": "starting"}}
+                p.tabs: gr.Tabs(selected="train"), p.msg_at: said}
 
     def wire(self) -> None:
         p = self.page
         self.refresh_btn.click(self.refresh, p.attached, self.outputs)
-        self.open_btn.click(self.do_open, self.select, [p.attached, p.train_tab.msg, p.tabs, p.msg_at]) \
+        self.open_btn.click(self.do_open, self.select, [p.attached, p.train_tab.msg, p.tabs, p.msg_at,
+                                                        *p.form_outputs]) \
             .then(p.train_tab.draw, p.train_tab.live_inputs, p.train_tab.live_outputs)
         self.more_btn.click(self.do_more, [self.select, self.more], [p.attached, p.train_tab.msg, p.tabs, p.msg_at]) \
             .then(p.train_tab.draw, p.train_tab.live_inputs, p.train_tab.live_outputs)

@@ -26,8 +26,8 @@ class TrainTab:
         self.page = page
         with gr.Row():
             self.start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
-            self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
-            self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
+            self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn", interactive=False)
+            self.resume_btn = gr.Button("Resume", elem_id="resume-btn", interactive=False)
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
             self.gpus = gr.Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
                                   label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
@@ -59,7 +59,8 @@ class TrainTab:
         """Everything draw() may update."""
         p = self.page
         return [self.progress, *self.plots, self.memory, self.logs, self.samples, self.msg, p.banner, p.seen,
-                p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info]
+                p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info, self.start_btn, self.stop_btn,
+                self.resume_btn]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
         """The Train tab for one run (plots only when its events changed), the banner, and
@@ -69,7 +70,7 @@ class TrainTab:
         if run is None:
             return {self.progress: live.progress_html([], "none"),
                     self.memory: live.memory_html(None, p.host_total, False),
-                    p.banner: p.banner_text(path), p.seen: last}
+                    p.banner: p.banner_text(path), p.seen: last, **self.buttons("none")}
         events = list(run.events())
         status = run.status()
         try:
@@ -96,13 +97,24 @@ class TrainTab:
             # The Try-it / Export notes follow the run's status (an adapter appears when it stops).
             out[p.chat_tab.info] = p.chat_tab.describe(path)
             out[p.export_tab.info] = p.export_tab.describe(path)
-        # A message belongs to the action that made it: it goes when the page shows another
-        # run or that run's state moves on (starting -> running is still the same state).
-        if msg and (msg.get("path") != path or (
-                msg.get("status") != status and (msg.get("status"), status) != ("starting", "running"))):
+        if status != last.get("status") or path != last.get("path"):
+            out.update(self.buttons(status))
+        # A message belongs to the action that made it: it stays until the next action, and
+        # goes when the page shows another run or that run reaches a new end.
+        if msg and (msg.get("path") != path or any(
+                e["type"] in ("finished", "stopped", "error") and e["i"] >= int(msg.get("n") or 0) for e in events)):
             out[self.msg] = ""
             out[p.msg_at] = {}
         return out
+
+    def buttons(self, status: str) -> dict:
+        """Start, Stop and Resume enabled only where they apply to the run shown: Stop while
+        it trains, Resume once it stopped, failed or crashed (a finished run trains further
+        from the Runs tab), Start whenever it is not training."""
+        active = status in api.ACTIVE
+        return {self.start_btn: gr.Button(interactive=not active),
+                self.stop_btn: gr.Button(interactive=active),
+                self.resume_btn: gr.Button(interactive=status in ("stopped", "failed", "crashed"))}
 
     # ------------------------------------------------------------------ actions
 
@@ -121,22 +133,24 @@ class TrainTab:
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
         return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),
-                p.attached: str(run.path), p.msg_at: {"path": str(run.path), "status": "starting"}}
+                p.attached: str(run.path), p.msg_at: p.said(str(run.path))}
 
     def do_stop(self, path: str) -> dict:
         p = self.page
         run = p.run_of(path)
         if run is None or run.status() not in ("running", "starting"):
             return {self.msg: message("No run is training.", "error"), p.msg_at: p.said(path)}
+        said = p.said(path)
         run.stop()
         return {self.msg: message(f"Stopping **{run.name}** after the current step; the adapter will be saved."),
-                p.msg_at: p.said(path)}
+                p.msg_at: said}
 
     def do_resume(self, path: str) -> dict:
         p = self.page
         run = p.run_of(path)
         if run is None:
             return {self.msg: message("Open a run first (Runs tab).", "error"), p.msg_at: p.said(path)}
+        said = p.said(path)  # before the resume: the run's old end must not take the message away
         try:
             # No code confirmation here: a run whose settings run Python (reward_file,
             # trust_remote_code) is refused with the one line naming the CLI command.
@@ -146,8 +160,7 @@ class TrainTab:
         # The worker picks the checkpoint (it skips a damaged newest one): its `started`
         # event in the log below names the step it continues from.
         return {self.msg: message(f"Resuming **{run.name}**: the log below says from which checkpoint.", "ok"),
-                p.attached: str(run.path),
-                p.msg_at: {"path": str(run.path), "status": "starting"}}
+                p.attached: str(run.path), p.msg_at: said}
 
     def wire(self, tab: gr.Tab) -> None:
         p = self.page

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine.core import settings as S
-from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.run import api
 
 from .page import Page
 from .tab_chat import ChatTab
@@ -49,6 +48,19 @@ CSS = """
 #run-banner { font-size: 0.95em; }
 #samples pre, #samples code { white-space: pre-wrap; word-break: break-word; }
 """
+
+
+def fresh_page(page: Page) -> dict:
+    """A page (re)loaded: attach to the active (or newest) run, draw it, fill the form with
+    its settings (a new Start from them gets a fresh name), and open the Train tab while
+    that run trains."""
+    path = page.default_run()
+    out = {page.attached: path, **page.train_tab.draw(path, {}, {}),
+           page.runs_tab.select: page.runs_tab.choices(path), **page.fill_from_run(path)}
+    run = page.run_of(path)
+    if run is not None and run.status() in api.ACTIVE:
+        out[page.tabs] = gr.Tabs(selected="train")
+    return out
 
 
 def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
@@ -88,22 +100,8 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
         train = page.train_tab
         gr.Timer(TICK_SECONDS).tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
 
-        def on_load() -> dict:
-            """A fresh page: attach to the active (or newest) run, draw it, and fill the form
-            with its settings (a new Start from them gets a fresh name)."""
-            path = page.default_run()
-            out = {page.attached: path, **train.draw(path, {}, {}), page.runs_tab.select: page.runs_tab.choices(path)}
-            run = page.run_of(path)
-            if run is not None:
-                try:
-                    cfg = S.from_dict(run.config())
-                    cfg.run.name = ""
-                    out.update(page.fill_from(cfg))
-                except EdgetuneError:
-                    pass
-            return out
-
-        demo.load(on_load, None, [page.attached, *train.live_outputs, page.runs_tab.select, *page.form_outputs])
+        demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,
+                                                    *page.form_outputs, page.tabs])
 
     demo.edgetune_chat = page.chat  # so launch() can stop the chat worker on exit
     demo.edgetune_page = page

@@ -452,8 +452,9 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
     assert 'data-step="2"' in first[train.progress] and "sft-by-hand" in first[page.banner]
     assert "step 2/10: loss 2" in first[train.logs] and first[train.plots[0]].visible
     assert first[page.runs_tab.table]["run"].tolist() == ["sft-by-hand"]
-    assert "no saved adapter yet" in first[page.chat_tab.info] and "no adapter yet" in first[page.export_tab.info]
-    again = train.draw(str(run), first[page.seen], {"path": str(run), "status": "crashed"})
+    assert "no saved adapter yet" in first[page.chat_tab.info]
+    assert "ended without an adapter" in first[page.export_tab.info]  # crashed: the advice is Resume
+    again = train.draw(str(run), first[page.seen], page.said(str(run)))
     assert train.logs not in again and train.plots[0] not in again and train.msg not in again
     moved = train.draw(str(run), first[page.seen], {"path": "elsewhere", "status": "running"})
     assert moved[train.msg] == "" and moved[page.msg_at] == {}
@@ -591,3 +592,134 @@ def test_the_train_tab_shows_what_start_would_decide(page):
     assert "packing on" in train.show_decided(values)[train.decided]
     values[page.fields["sft.lr"]] = -1.0
     assert "sft.lr must be positive" in train.show_decided(values)[train.decided]
+
+
+# --------------------------------------------------------------------------- the page follows the run
+
+
+@pytest.fixture
+def own_page(tmp_path):
+    """A page on a runs folder of its own (these tests leave a run 'training')."""
+    from edgetune.app.ui import build_app
+
+    demo = build_app(tmp_path / "runs")
+    yield demo.edgetune_page
+    demo.edgetune_chat.close()
+
+
+def _hand_run(page, name: str, preset: str, events: list[dict], alive: bool) -> "Path":
+    import os
+
+    run = page.runs_dir / name
+    run.mkdir()
+    (run / "config.yaml").write_text(S.resolve(preset=preset, overrides=[f"run.runs_dir={page.runs_dir}"]).to_yaml())
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    if alive:  # a live process stands in for the worker
+        (run / "worker.pid").write_text(str(os.getpid()))
+    return run
+
+
+def _append(run, *events):
+    with open(run / "events.jsonl", "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+
+
+def _interactive(out: dict, *buttons) -> list:
+    return [out[b].interactive for b in buttons]
+
+
+def test_a_reload_lands_on_the_training_run_with_its_settings_and_buttons(own_page):
+    from edgetune.app.ui import fresh_page
+
+    page, train = own_page, own_page.train_tab
+    empty = fresh_page(page)
+    assert page.tabs not in empty  # no run: the page opens where it always does
+    assert _interactive(empty, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, False]
+    run = _hand_run(page, "rl", "fgrpo-quickstart", [
+        _ev(0, "started", method="fgrpo", config={"fgrpo": {"steps": 32}}, device="cpu"),
+        _ev(1, "phase", phase="training")], alive=True)
+    out = fresh_page(page)
+    assert out[page.attached] == str(run) and out[page.tabs].selected == "train"
+    assert out[page.method_radio] == BY_KEY["fgrpo"].label
+    assert out[page.fields["fgrpo.steps"]] == S.resolve(preset="fgrpo-quickstart").fgrpo.steps
+    assert _interactive(out, train.start_btn, train.stop_btn, train.resume_btn) == [False, True, False]
+    # the run stops: Stop goes grey, Resume and Start come back; a finished run has no Resume
+    _append(run, _ev(2, "stopped", step=3, adapter=None, metrics={}))
+    (run / "worker.pid").unlink()
+    after = train.draw(str(run), out[page.seen], {})
+    assert _interactive(after, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, True]
+    assert page.tabs not in fresh_page(page)  # nothing trains: no tab is forced
+    _append(run, _ev(3, "started", method="fgrpo", config={}), _ev(4, "finished", step=32, adapter="a", metrics={}))
+    done = train.draw(str(run), after[page.seen], {})
+    assert _interactive(done, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, False]
+
+
+def test_a_resume_confirmation_stays_until_the_run_ends_again(own_page):
+    page, train = own_page, own_page.train_tab
+    run = _hand_run(page, "cut", "sft-quickstart", SFT_EVENTS + [
+        _ev(6, "stopped", step=2, adapter="a", metrics={})], alive=False)
+    said = page.said(str(run))  # what do_resume records, before its worker starts
+    assert said == {"path": str(run), "n": 7}
+    seen = {}
+    for _ in range(3):  # ticks while the resumed worker has not written its `started` yet
+        out = train.draw(str(run), seen, said)
+        assert train.msg not in out
+        seen = out[page.seen]
+    _append(run, _ev(7, "started", method="sft", config={"sft": {"steps": 10}}, resumed_from=2))
+    (run / "worker.pid").write_text(str(__import__("os").getpid()))
+    out = train.draw(str(run), seen, said)
+    assert train.msg not in out and out[train.stop_btn].interactive
+    _append(run, _ev(8, "finished", step=10, adapter="a", metrics={}))
+    (run / "worker.pid").unlink()
+    assert train.draw(str(run), out[page.seen], said)[train.msg] == ""
+
+
+def test_opening_a_run_fills_the_form_with_its_settings(own_page):
+    page = own_page
+    _hand_run(page, "essa-run", "essa-quickstart", [_ev(0, "started", method="essa", config={})], alive=False)
+    opened = page.runs_tab.do_open("essa-run")
+    cfg = S.resolve(preset="essa-quickstart")
+    assert opened[page.method_radio] == BY_KEY["essa"].label and opened[page.tabs].selected == "train"
+    assert opened[page.fields["essa.population"]] == cfg.essa.population
+    assert opened[page.fields["run.name"]] == ""  # a Start from them gets a name of its own
+    values = {c: v for c, v in opened.items() if c in page.form_inputs}
+    again = page.config(values)
+    again.run.name = cfg.run.name = ""
+    again.run.runs_dir = cfg.run.runs_dir
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_the_export_tab_says_exporting_and_advice_fits_the_state(own_page):
+    page, tab = own_page, own_page.export_tab
+    busy = tab.busy({tab.merged: False, tab.gguf: True})
+    assert busy[tab.msg] == "Exporting GGUF files…" and not busy[tab.folder_btn].interactive
+    assert tab.busy({})[tab.msg] == "Exporting the adapter…"
+    assert all(b.interactive for b in tab.idle().values())
+    failed = _hand_run(page, "failed", "sft-quickstart", SFT_EVENTS + [
+        _ev(6, "error", message="boom", kind="bug")], alive=False)
+    advice = tab.describe(str(failed))
+    assert "ended without an adapter" in advice and "Resume" in advice and "let it finish" not in advice
+    training = _hand_run(page, "training", "sft-quickstart", SFT_EVENTS, alive=True)
+    assert "stop it or let it finish" in tab.describe(str(training))
+
+
+def test_clearing_an_upload_clears_data_path_and_its_report(own_page):
+    page, tab = own_page, own_page.data_tab
+    page.uploads.mkdir(parents=True, exist_ok=True)
+    src = page.runs_dir.parent / "mine.jsonl"
+    src.write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    taken = tab.take_upload(str(src))
+    path = taken[page.fields["data.path"]]
+    assert path == str(page.uploads / "mine.jsonl")
+    out = tab.drop_upload(path)
+    assert out[page.fields["data.path"]] == "" and "removed" in out[tab.report]
+    assert out[tab.preview].visible is False and out[tab.hist].visible is False
+    typed = tab.drop_upload("embedded:arith-sft")  # a path the user typed is not the upload's to clear
+    assert all(not isinstance(v, str) for v in typed.values())
+
+
+def test_every_setting_shows_its_whole_help(own_page):
+    long = [s for s in own_page.specs if len(s.help) > 180]
+    assert long  # the help that used to be cut mid-word
+    for s in long:
+        assert own_page.fields[s.key].info == s.help
