@@ -187,7 +187,10 @@ def _fmt_event(ev: dict) -> str:
                 f"{r.get('train_rows')} train, {r.get('eval_rows')} eval")
     if kind == "started":
         resumed = f", resumed from its step-{ev['resumed_from']} checkpoint" if ev.get("resumed_from") else ""
-        return f"{t} started {ev.get('method')} on {ev.get('device')}{resumed}"
+        threads = ev.get("cpu_threads")
+        on = f"{ev.get('device')}" + (f" ({threads} CPU thread{'s' if threads != 1 else ''})"
+                                      if ev.get("device") == "cpu" and threads else "")
+        return f"{t} started {ev.get('method')} on {on}{resumed}"
     if kind == "phase":
         return f"{t} phase: {phases.describe(ev)}"
     if kind in ("warning", "error"):

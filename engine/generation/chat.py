@@ -27,6 +27,7 @@ import threading
 import time
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.threads import worker_env
 
 
 # --------------------------------------------------------------------------- the worker
@@ -157,7 +158,7 @@ class ChatSession:
     def _ensure(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+            env = worker_env(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
             self.proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.generation.chat"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                                          start_new_session=True)

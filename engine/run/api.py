@@ -25,9 +25,11 @@ from typing import Iterator
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
+from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
                                             lock_runs_folder, open_append, pid_alive)
 from edgetune.engine.core.settings import Config, load_run_config, resolve  # noqa: F401  (resolve: re-exported)
+from edgetune.engine.core.threads import worker_env
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -130,12 +132,14 @@ class Run:
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
         model = cfg.get("model")
+        record = METHODS.get(cfg.get("method")) if isinstance(cfg.get("method"), str) else None
+        total = last_step.get("total") if last_step else record.total(cfg) if record else None
         return {
             "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
             "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
-            "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
+            "step": last_step["step"] if last_step else 0, "total": total,
             "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
             "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
             "damaged_event_lines": damaged,
@@ -168,7 +172,7 @@ def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess
     log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
         (["--nproc", str(gpus)] if gpus > 1 else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = worker_env(PYTHONUNBUFFERED="1")  # torch threads: engine/core/threads.py
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
     # The worker inherits the runs folder's lock and holds it until it exits.
