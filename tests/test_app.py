@@ -338,6 +338,28 @@ def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_d
     json.dumps(both)
 
 
+def test_chat_worker_streams_each_side_and_samples(tiny_model_dir, chat_worker):
+    """Streamed: each side's text grows token by token (the adapter's side first) and ends as
+    the final answer; greedy by default, sampled at a temperature with a seed that repeats."""
+    ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
+    chat, log = chat_worker
+    req = {"model": ms, "adapter": "", "messages": [{"role": "user", "content": "What is 2 plus 3?"}],
+           "max_new_tokens": 6}
+    said = list(chat.stream(req, timeout=300))
+    final, parts = said[-1], [m for m in said if "partial" in m]
+    assert final["ok"] and "partial" not in final, (final, log.read_text()[-2000:])
+    assert {m["partial"] for m in parts} == {"base"} and len(parts) >= 2
+    assert parts[-1]["text"] == final["base"] == chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300)["base"]
+    assert all(parts[i]["text"] in parts[-1]["text"] for i in range(len(parts)))
+    hot = dict(req, temperature=1.5, top_p=0.9, seed=7)
+    one, two = (chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300, temperature=1.5, top_p=0.9,
+                         seed=s) for s in (7, 7))
+    assert one["ok"] and one["base"] == two["base"]  # the same seed, the same sample
+    assert list(chat.stream(hot, timeout=300))[-1]["base"] == one["base"]
+    bad = chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300, temperature=-1)
+    assert not bad["ok"] and "temperature" in bad["error"]
+
+
 def test_chat_history_from_gradio_becomes_plain_turns():
     """What the Chatbot hands back on the second message (content as a list of parts)
     becomes string turns; the second and third turns used to fail on exactly this."""
@@ -549,19 +571,24 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
 
     worker, sent = _Chat(), []
 
-    def ask(model, messages, adapter="", max_new_tokens=128, timeout=600, tuned_messages=None, system_prompt=""):
-        req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
-               "tuned_messages": tuned_messages, "system_prompt": system_prompt}
+    def stream(req, timeout=600, partial=True):
         sent.append(json.loads(json.dumps(req)))  # what goes down the pipe
-        return worker.answer(req)
+        said = []
+        final = worker.answer(req, said.append)
+        yield from said
+        yield final
 
-    monkeypatch.setattr(page.chat, "ask", ask)
+    monkeypatch.setattr(page.chat, "stream", stream)
     tab = page.chat_tab
     values = {tab.prompt: "What is 2 plus 3?", page.attached: str(run), tab.base: [], tab.tuned: [],
               tab.max_new: 4}
-    out = tab.do_chat(values)
-    assert "error" not in out[tab.info] and out[tab.prompt] == "", out[tab.info]
-    assert len(sent) == 1 and sent[0]["system_prompt"] == system
+    steps = list(tab.do_chat(values))
+    # the question shows at once on both sides, before any reply; then the replies grow
+    assert steps[0][tab.prompt] == "" and steps[0][tab.base][-2] == {"role": "user", "content": "What is 2 plus 3?"}
+    assert steps[0][tab.base][-1]["content"] == "…" and len(steps) > 3
+    out = steps[-1]
+    assert "error" not in out[tab.info], out[tab.info]
+    assert len(sent) == 1 and sent[0]["system_prompt"] == system and sent[0]["temperature"] == 0
     assert sent[0]["adapter"] == str(run / "adapter") and sent[0]["model"]["name"] == str(tiny_model_dir)
     assert out[tab.tuned][-1]["role"] == "assistant" and out[tab.base][-1]["role"] == "assistant"
     # what the model read: the run's system turn first, in place of the template's default
