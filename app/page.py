@@ -60,6 +60,7 @@ class Page:
                          daemon=True).start()
         # Laid out by ui.build_app and the tabs:
         self.attached = self.seen = self.msg_at = None  # gr.State: run folder shown, last drawing, message origin
+        self.timer, self.tick_seconds = None, {}  # the live view's gr.Timer and its paces (ui.py)
         self.banner = self.tabs = self.method_radio = None
         self.method_cols: dict[str, gr.Column] = {}
         self.model_tab = self.data_tab = self.method_tab = None

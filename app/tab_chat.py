@@ -16,6 +16,9 @@ from . import panels
 from .page import message
 
 
+ANSWERING = "Answering: the adapter's side first, then the base's…"
+
+
 class ChatTab:
     def __init__(self, page):
         self.page = page
@@ -85,7 +88,8 @@ class ChatTab:
             return {self.base: hist_base + [user, {"role": "assistant", "content": shown["base"]}],
                     self.tuned: hist_tuned + [user, {"role": "assistant", "content": shown["tuned"]}], **(extra or {})}
 
-        yield view({self.prompt: ""})  # the question at once, the prompt box ready for the next
+        # the question at once, the prompt box ready for the next
+        yield view({self.prompt: "", self.info: ANSWERING if adapter else "Answering: the base model…"})
         system = (values.get(self.system) or "").strip() or cfg.data.system_prompt
         req = {"model": dataclasses.asdict(cfg.model), "adapter": adapter, "messages": hist_base + [user],
                "tuned_messages": hist_tuned + [user], "max_new_tokens": int(values[self.max_new]),

@@ -60,7 +60,7 @@ class TrainTab:
         p = self.page
         return [self.progress, *self.plots, self.memory, self.logs, self.samples, self.msg, p.banner, p.seen,
                 p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info, self.start_btn, self.stop_btn,
-                self.resume_btn]
+                self.resume_btn, *([p.timer] if p.timer is not None else [])]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
         """The Train tab for one run (plots only when its events changed), the banner, and
@@ -68,11 +68,17 @@ class TrainTab:
         p = self.page
         run = p.run_of(path)
         if run is None:
+            if last.get("path") == path and last.get("status") == "none":
+                return {}  # nothing shown, nothing changed: no update goes to the browser
             return {self.progress: live.progress_html([], "none"),
                     self.memory: live.memory_html(None, p.host_total, False),
-                    p.banner: p.banner_text(path), p.seen: last, **self.buttons("none")}
+                    p.banner: p.banner_text(path), p.seen: {"path": path, "status": "none"},
+                    **self.buttons("none"), **self.pace("none")}
         events = list(run.events())
         status = run.status()
+        if status not in api.ACTIVE and last.get("path") == path and last.get("status") == status \
+                and last.get("n") == len(events) and not msg:
+            return {}  # an ended run, unchanged since the last tick: nothing to redraw
         try:
             mem = json.loads(run.dir.memory_path.read_text())
         except FileNotFoundError:
@@ -99,6 +105,7 @@ class TrainTab:
             out[p.export_tab.info] = p.export_tab.describe(path)
         if status != last.get("status") or path != last.get("path"):
             out.update(self.buttons(status))
+            out.update(self.pace(status))
         # A message belongs to the action that made it: it stays until the next action, and
         # goes when the page shows another run or that run reaches a new end.
         if msg and (msg.get("path") != path or any(
@@ -106,6 +113,13 @@ class TrainTab:
             out[self.msg] = ""
             out[p.msg_at] = {}
         return out
+
+    def pace(self, status: str) -> dict:
+        """The live view's timer: every second while the run trains, slower otherwise."""
+        if self.page.timer is None:
+            return {}
+        key = "active" if status in api.ACTIVE else "idle"
+        return {self.page.timer: gr.Timer(value=self.page.tick_seconds[key])}
 
     def buttons(self, status: str) -> dict:
         """Start, Stop and Resume enabled only where they apply to the run shown: Stop while

@@ -586,6 +586,7 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
     # the question shows at once on both sides, before any reply; then the replies grow
     assert steps[0][tab.prompt] == "" and steps[0][tab.base][-2] == {"role": "user", "content": "What is 2 plus 3?"}
     assert steps[0][tab.base][-1]["content"] == "…" and len(steps) > 3
+    assert "Answering" in steps[0][tab.info] and "Answering" not in steps[-1][tab.info]
     out = steps[-1]
     assert "error" not in out[tab.info], out[tab.info]
     assert len(sent) == 1 and sent[0]["system_prompt"] == system and sent[0]["temperature"] == 0
@@ -679,6 +680,13 @@ def test_a_reload_lands_on_the_training_run_with_its_settings_and_buttons(own_pa
     _append(run, _ev(3, "started", method="fgrpo", config={}), _ev(4, "finished", step=32, adapter="a", metrics={}))
     done = train.draw(str(run), after[page.seen], {})
     assert _interactive(done, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, False]
+    # an idle page: the timer slows down, and a tick on an unchanged ended run sends nothing
+    from edgetune.app.ui import IDLE_TICK_SECONDS, TICK_SECONDS
+
+    assert out[page.timer].value == TICK_SECONDS and done[page.timer].value == IDLE_TICK_SECONDS
+    assert train.draw(str(run), done[page.seen], {}) == {}
+    nothing = train.draw("", {}, {})
+    assert train.draw("", nothing[page.seen], {}) == {}
 
 
 def test_a_resume_confirmation_stays_until_the_run_ends_again(own_page):
