@@ -31,7 +31,9 @@ def plot_frame(events: list[dict], plot: Plot) -> pd.DataFrame:
         for s in plot.series:
             if s.event == key and isinstance(ev.get(s.key), (int, float)) and ev.get("step") is not None:
                 rows.append({"step": int(ev["step"]), "value": float(ev[s.key]), "series": s.label})
-    return pd.DataFrame(rows, columns=["step", "value", "series"])
+    # by step: an evaluation may be reported after later steps (F-GRPO's base, step 0, at the end)
+    return pd.DataFrame(rows, columns=["step", "value", "series"]).sort_values("step", kind="stable",
+                                                                            ignore_index=True)
 
 
 def plot_frames(events: list[dict], method: Method) -> list[pd.DataFrame]:
