@@ -96,6 +96,10 @@ def _wait(cond, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _enabled(page) -> dict:
+    return {name: page.locator(f"#{name}-btn").is_enabled() for name in ("start", "stop", "resume")}
+
+
 def _tab(page, name: str) -> None:
     page.get_by_role("tab", name=name).click()
 
@@ -189,10 +193,21 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.wait_for_timeout(1500)  # let the plot redraw
         page.screenshot(path=str(SHOTS / "02-train-running.png"), full_page=True)
 
-        # -- reload mid-run: the page re-attaches and replays the history
+        # while it trains, Stop is the one button that applies
+        _wait(lambda: _enabled(page) == {"start": False, "stop": True, "resume": False}, 30, "buttons of a running run")
+        # elapsed moves between steps (it used to freeze until the next step event)
+        ticks = set()
+        for _ in range(4):
+            ticks.add(page.locator("#train-progress .et-progress-text").inner_text().split(" elapsed")[0]
+                      .split("· ")[-1])
+            page.wait_for_timeout(1100)
+        assert len(ticks) >= 2 and "–" not in ticks, ticks
+
+        # -- reload mid-run: the page lands on the run's Train tab, re-attached, with its history
         page.reload()
         page.wait_for_selector("#tabs")
-        _tab(page, "4 · Train")
+        _wait(lambda: page.locator("#train-progress").is_visible(), 60, "the Train tab after the reload")
+        assert page.get_by_role("tab", name="4 · Train").get_attribute("aria-selected") == "true"
         _wait(lambda: _progress(page)["step"] >= first["step"] and _progress(page)["status"] == "running", 60,
               "the re-attached progress")
         logs = _wait(lambda: page.locator("#log-lines textarea").input_value(), 30, "replayed log lines")
@@ -215,18 +230,19 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         _wait(lambda: table_step() > before, 240, "the Runs table to move with the run")
         _tab(page, "4 · Train")
 
-        # -- a second start is refused with the engine's message
-        page.click("#start-btn")
-        page.wait_for_selector("#train-message:has-text('one run at a time')")
+        # -- a second start cannot be clicked while the run trains
+        assert _enabled(page)["start"] is False
 
         # -- stop: the worker finishes its step and saves the adapter
         page.click("#stop-btn")
         page.mouse.move(5, 5)
+        page.wait_for_selector("#train-message:has-text('Stopping')")
         _wait(lambda: _progress(page)["status"] == "stopped", 420, "the run to stop")
         stopped_at = _progress(page)["step"]
         assert 2 <= stopped_at < STEPS
-        # the messages of the refused start and of the stop went when the run's state moved on
+        # the stop's message went when the run reached its end; Resume and Start apply now
         _wait(lambda: page.locator("#train-message").inner_text().strip() == "", 10, "the stale message to go")
+        _wait(lambda: _enabled(page) == {"start": True, "stop": False, "resume": True}, 30, "buttons of a stopped run")
         page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
 
         # -- the Runs tab lists it with its status and final metrics
@@ -256,12 +272,18 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
             page.locator("#chat-prompt textarea").fill(text)
             page.click("#chat-send")
             page.mouse.move(5, 5)
+            # the question shows at once on both sides and the box is ready for the next one
+            for side in ("#chat-base", "#chat-tuned"):
+                _wait(lambda side=side: page.locator(f'{side} [data-testid="user"]').count() >= turn, 10,
+                      f"question {turn} in {side}")
+            assert page.locator("#chat-prompt textarea").input_value() == ""
+            _wait(lambda: "Answering" not in page.locator("#chat-info").inner_text(), 300, f"reply {turn} to end")
             for side in ("#chat-base", "#chat-tuned"):
                 bot = page.locator(f'{side} [data-testid="bot"]')
                 _wait(lambda bot=bot: bot.count() >= turn or "error" in page.locator("#chat-info").inner_text(),
                       300, f"reply {turn} in {side}")
                 assert "error" not in page.locator("#chat-info").inner_text(), page.locator("#chat-info").inner_text()
-                assert bot.nth(turn - 1).inner_text().strip()
+                assert bot.nth(turn - 1).inner_text().strip() not in ("", "…")
         page.screenshot(path=str(SHOTS / "06-try-it.png"), full_page=True)
 
         # -- a malformed data file: the report names the row, no traceback
