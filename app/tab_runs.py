@@ -1,4 +1,5 @@
-"""5 · Runs: the table of runs in the runs folder, and opening one in the Train tab."""
+"""5 · Runs: the table of runs in the runs folder, opening one in the Train tab, training
+one further, renaming it, and deleting it to the trash (<runs_dir>/.trash, restorable)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ class RunsTab:
         with gr.Row():
             self.more = gr.Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
             self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
+        with gr.Row():
+            self.new_name = gr.Textbox(label="New name", max_lines=1, elem_id="run-new-name", scale=2)
+            self.rename_btn = gr.Button("Rename the run", elem_id="rename-run-btn", scale=1)
+            self.delete_btn = gr.Button("Delete the run (to the trash)", variant="stop", elem_id="delete-run-btn",
+                                        scale=1)
+        with gr.Row():
+            self.trashed = gr.Dropdown(choices=api.trashed_runs(page.runs_dir), label=f"In {page.runs_dir / api.TRASH}",
+                                       elem_id="trash-select", scale=3)
+            self.restore_btn = gr.Button("Restore", elem_id="restore-run-btn", scale=1)
+        self.msg = gr.Markdown("", elem_id="runs-message")
 
     def frame(self):
         return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
@@ -71,8 +82,53 @@ class RunsTab:
         return {p.train_tab.msg: message(f"Training **{run.name}** {int(n)} more steps.", "ok"), p.attached: path,
                 p.tabs: gr.Tabs(selected="train"), p.msg_at: said}
 
+    def after_change(self, selected: str, said: str, ok: bool = True) -> dict:
+        return {self.table: self.frame(), self.select: self.choices(selected),
+                self.trashed: gr.Dropdown(choices=api.trashed_runs(self.page.runs_dir), value=None),
+                self.msg: message(said, "ok" if ok else "error")}
+
+    def do_delete(self, name: str, attached: str) -> dict:
+        """The picked run to <runs_dir>/.trash (never one that trains); the page lets go of it."""
+        p = self.page
+        if not name:
+            return {self.msg: message("Pick a run.", "error")}
+        try:
+            where = api.trash_run(p.runs_dir / name)
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error")}
+        out = self.after_change("", f"Moved **{name}** to `{where}`: Restore brings it back.")
+        if attached and Path(attached).name == name:
+            out[p.attached] = p.default_run()
+        return out
+
+    def do_restore(self, name: str) -> dict:
+        if not name:
+            return {self.msg: message("Pick a run in the trash.", "error")}
+        try:
+            where = api.restore_run(self.page.runs_dir, name)
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error")}
+        return self.after_change(str(where), f"Restored **{where.name}**.")
+
+    def do_rename(self, name: str, new: str, attached: str) -> dict:
+        p = self.page
+        if not name:
+            return {self.msg: message("Pick a run.", "error")}
+        try:
+            where = api.rename_run(p.runs_dir / name, (new or "").strip())
+        except EdgetuneError as e:
+            return {self.msg: message(str(e), "error")}
+        out = self.after_change(str(where), f"Renamed **{name}** to **{where.name}**.")
+        if attached and Path(attached).name == name:
+            out[p.attached] = str(where)
+        return out
+
     def wire(self) -> None:
         p = self.page
+        changed = [self.table, self.select, self.trashed, self.msg, p.attached]
+        self.delete_btn.click(self.do_delete, [self.select, p.attached], changed)
+        self.restore_btn.click(self.do_restore, self.trashed, changed)
+        self.rename_btn.click(self.do_rename, [self.select, self.new_name, p.attached], changed)
         self.refresh_btn.click(self.refresh, p.attached, self.outputs)
         self.open_btn.click(self.do_open, self.select, [p.attached, p.train_tab.msg, p.tabs, p.msg_at,
                                                         *p.form_outputs]) \

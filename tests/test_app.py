@@ -758,3 +758,32 @@ def test_every_setting_shows_its_whole_help(own_page):
     assert long  # the help that used to be cut mid-word
     for s in long:
         assert own_page.fields[s.key].info == s.help
+
+
+def test_runs_are_renamed_deleted_to_the_trash_and_restored(own_page):
+    from edgetune.engine.run import api
+
+    page, tab = own_page, own_page.runs_tab
+    run = _hand_run(page, "first", "sft-quickstart", SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={})],
+                    alive=False)
+    (run / "adapter").mkdir()
+    (run / "adapter" / "weights").write_text("w")
+    renamed = tab.do_rename("first", "arith-v1", str(run))
+    moved = page.runs_dir / "arith-v1"
+    assert renamed[page.attached] == str(moved) and not run.exists()
+    assert api.Run(moved).config()["run"]["name"] == "arith-v1" and (moved / "adapter" / "weights").read_text() == "w"
+    assert renamed[tab.table]["run"].tolist() == ["arith-v1"] and "Renamed" in renamed[tab.msg]
+    assert "give a plain folder name" in tab.do_rename("arith-v1", "../x", str(moved))[tab.msg]
+    training = _hand_run(page, "busy", "sft-quickstart", SFT_EVENTS, alive=True)
+    assert "stop it before you delete it" in tab.do_delete("busy", str(moved))[tab.msg]
+    assert "stop it before you rename it" in tab.do_rename("busy", "other", str(moved))[tab.msg]
+    assert training.is_dir()
+
+    gone = tab.do_delete("arith-v1", str(moved))
+    assert not moved.exists() and (page.runs_dir / api.TRASH / "arith-v1" / "adapter" / "weights").is_file()
+    assert gone[page.attached] == str(training)  # the page lets go of it: the run training now
+    assert gone[tab.trashed].choices[0][0] == "arith-v1"
+    assert "arith-v1" not in gone[tab.table]["run"].tolist()
+    back = tab.do_restore("arith-v1")
+    assert (moved / "adapter" / "weights").read_text() == "w" and "Restored **arith-v1**" in back[tab.msg]
+    assert api.trashed_runs(page.runs_dir) == []

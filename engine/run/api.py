@@ -395,6 +395,67 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
         os.close(fd)
 
 
+TRASH = ".trash"  # <runs_dir>/.trash: runs deleted from the app or `trash_run`, restorable
+
+
+def _idle_run(path: str | os.PathLike, doing: str) -> Run:
+    r = Run(path)
+    r.dir.require()
+    status = r.status()
+    if status in ACTIVE:
+        raise RunError(f"run '{r.name}' is {status}: stop it before you {doing} it")
+    return r
+
+
+def trash_run(path: str | os.PathLike) -> Path:
+    """Move a run folder (not a training one) into <runs_dir>/.trash/, whole and under its
+    own name (a suffix if the trash holds one of that name); `restore_run` brings it back."""
+    r = _idle_run(path, "delete")
+    trash = r.path.parent / TRASH
+    trash.mkdir(exist_ok=True)
+    dest = trash / _unique_name(trash, r.name)
+    os.rename(r.path, dest)
+    return dest
+
+
+def trashed_runs(runs_dir: str | os.PathLike = "runs") -> list[str]:
+    """The names of the runs in <runs_dir>/.trash/, newest deletion first."""
+    trash = Path(runs_dir) / TRASH
+    if not trash.is_dir():
+        return []
+    found = [p for p in trash.iterdir() if (p / "config.yaml").is_file()]
+    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
+    """A run of <runs_dir>/.trash/ back among the runs (a suffix if its name was taken since)."""
+    src = Path(runs_dir) / TRASH / check_run_name(name)
+    if not (src / "config.yaml").is_file():
+        raise RunError(f"no run '{name}' in {Path(runs_dir) / TRASH}")
+    dest = Path(runs_dir) / _unique_name(Path(runs_dir), name)
+    os.rename(src, dest)
+    return dest
+
+
+def rename_run(path: str | os.PathLike, new_name: str) -> Path:
+    """Give a run folder (not a training one) a new name in the same runs folder; its
+    config.yaml's run.name follows."""
+    r = _idle_run(path, "rename")
+    new_name = check_run_name(new_name)
+    dest = r.path.parent / new_name
+    if dest.exists():
+        raise RunError(f"{dest} exists already: pick another name")
+    text = r.dir.config_path.read_text()
+    os.rename(r.path, dest)
+    try:
+        cfg = load_run_config(dest / "config.yaml")
+        cfg.run.name = new_name
+        atomic_write_text(dest / "config.yaml", cfg.to_yaml())
+    except ConfigError:  # a damaged config.yaml keeps its text; the folder is renamed all the same
+        atomic_write_text(dest / "config.yaml", text)
+    return dest
+
+
 def open_run(path: str | os.PathLike) -> Run:
     r = Run(path)
     r.dir.require()
