@@ -64,6 +64,40 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
     return fig
 
 
+def compare_figure(runs: list[tuple[str, list[dict]]], label: str):
+    """One of the methods' series (COMPARABLE's `label`) for several runs, a line each,
+    against their step: the Runs tab's comparison. A run without that series is named in
+    the legend as having none."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    from .methods import COMPARABLE
+
+    series, plot = COMPARABLE[label]
+    one = Plot(plot.title, plot.y_title, (series,), plot.x_title)
+    fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    drawn = 0
+    for name, events in runs:
+        frame = plot_frame(events, one)
+        if len(frame):
+            ax.plot(frame["step"], frame["value"], marker="o", markersize=3, linewidth=1.5, label=name)
+            drawn += 1
+        else:
+            ax.plot([], [], " ", label=f"{name}: no {label}")
+    ax.set_title(f"{label}, {len(runs)} run{'s' if len(runs) != 1 else ''}", fontsize=11)
+    ax.set_xlabel(plot.x_title)
+    ax.set_ylabel(plot.y_title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if runs:
+        ax.legend(fontsize=8, loc="best")
+    if not drawn:
+        ax.text(0.5, 0.5, "pick runs that have this curve", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+    return fig
+
+
 def duration(seconds) -> str:
     if seconds is None:
         return "–"

@@ -76,6 +76,14 @@ METHODS = (
     ),
 )
 
+# What the Runs tab can compare across runs: every series of every method's plots, once
+# per label ("train loss", "eval pass@1", ...), with the plot it belongs to.
+COMPARABLE = {}
+for _m in METHODS:
+    for _p in _m.plots:
+        for _s in _p.series:
+            COMPARABLE.setdefault(_s.label, (_s, _p))
+
 BY_KEY = {m.key: m for m in METHODS}
 BY_LABEL = {m.label: m for m in METHODS}
 MAX_PLOTS = max(len(m.plots) for m in METHODS)

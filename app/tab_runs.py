@@ -10,7 +10,8 @@ import gradio as gr
 from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.run import api
 
-from . import panels
+from . import live, panels
+from .methods import COMPARABLE
 from .page import message
 
 
@@ -41,6 +42,13 @@ class RunsTab:
                                        elem_id="trash-select", scale=3)
             self.restore_btn = gr.Button("Restore", elem_id="restore-run-btn", scale=1)
         self.msg = gr.Markdown("", elem_id="runs-message")
+        gr.Markdown("**Compare runs**: one curve, a line per run")
+        with gr.Row():
+            self.compare = gr.Dropdown(choices=[], multiselect=True, label="Runs", elem_id="compare-runs", scale=3)
+            self.curve = gr.Dropdown(choices=list(COMPARABLE), value="train loss", label="Curve",
+                                     elem_id="compare-curve", scale=1)
+            self.compare_btn = gr.Button("Compare", elem_id="compare-btn", scale=1)
+        self.compare_plot = gr.Plot(show_label=False, elem_id="compare-plot", format="png", visible=False)
 
     def frame(self):
         return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
@@ -53,10 +61,11 @@ class RunsTab:
 
     @property
     def outputs(self) -> list:
-        return [self.table, self.select]
+        return [self.table, self.select, self.compare]
 
     def refresh(self, selected: str = "") -> dict:
-        return {self.table: self.frame(), self.select: self.choices(selected)}
+        return {self.table: self.frame(), self.select: self.choices(selected),
+                self.compare: gr.Dropdown(choices=[r.name for r in api.list_runs(self.page.runs_dir)])}
 
     def do_open(self, name: str) -> dict:
         p = self.page
@@ -82,8 +91,16 @@ class RunsTab:
         return {p.train_tab.msg: message(f"Training **{run.name}** {int(n)} more steps.", "ok"), p.attached: path,
                 p.tabs: gr.Tabs(selected="train"), p.msg_at: said}
 
+    def do_compare(self, names: list[str] | None, label: str) -> dict:
+        names = [n for n in names or [] if (self.page.runs_dir / n / "config.yaml").is_file()]
+        if not names:
+            return {self.msg: message("Pick the runs to compare.", "error"),
+                    self.compare_plot: gr.Plot(visible=False)}
+        runs = [(n, list(api.open_run(self.page.runs_dir / n).events())) for n in names]
+        return {self.compare_plot: gr.Plot(value=live.compare_figure(runs, label), visible=True), self.msg: ""}
+
     def after_change(self, selected: str, said: str, ok: bool = True) -> dict:
-        return {self.table: self.frame(), self.select: self.choices(selected),
+        return {**self.refresh(selected),
                 self.trashed: gr.Dropdown(choices=api.trashed_runs(self.page.runs_dir), value=None),
                 self.msg: message(said, "ok" if ok else "error")}
 
@@ -125,7 +142,8 @@ class RunsTab:
 
     def wire(self) -> None:
         p = self.page
-        changed = [self.table, self.select, self.trashed, self.msg, p.attached]
+        changed = [self.table, self.select, self.compare, self.trashed, self.msg, p.attached]
+        self.compare_btn.click(self.do_compare, [self.compare, self.curve], [self.compare_plot, self.msg])
         self.delete_btn.click(self.do_delete, [self.select, p.attached], changed)
         self.restore_btn.click(self.do_restore, self.trashed, changed)
         self.rename_btn.click(self.do_rename, [self.select, self.new_name, p.attached], changed)

@@ -267,6 +267,9 @@ def test_runs_table_rows():
                              "metrics": {"loss": 0.123456, "eval_loss": 0.2}, "created": 1_700_000_000}])
     row = df.iloc[0].to_dict()
     assert row["run"] == "sft-1" and row["step"] == "40/40" and "loss 0.1235" in row["metrics"]
+    rl = panels.runs_frame([{"name": "rl", "status": "finished", "method": "fgrpo", "step": 32, "total": 32,
+                             "metrics": {"success_rate_start": 0.1, "pass@1_end": 0.94, "eval_loss": 0.2}}])
+    assert rl.iloc[0]["metrics"] == "success rate before 0.1, pass@1 after 0.94, eval loss 0.2"
 
 
 # --------------------------------------------------------------------------- engine helpers the app calls
@@ -787,3 +790,25 @@ def test_runs_are_renamed_deleted_to_the_trash_and_restored(own_page):
     back = tab.do_restore("arith-v1")
     assert (moved / "adapter" / "weights").read_text() == "w" and "Restored **arith-v1**" in back[tab.msg]
     assert api.trashed_runs(page.runs_dir) == []
+
+
+def test_the_runs_tab_plots_chosen_runs_curves_together(own_page):
+    page, tab = own_page, own_page.runs_tab
+    _hand_run(page, "a", "sft-quickstart", SFT_EVENTS, alive=False)
+    _hand_run(page, "b", "sft-quickstart", [dict(e, loss=e["loss"] / 2) if e["type"] == "step" else e
+                                            for e in SFT_EVENTS], alive=False)
+    _hand_run(page, "rl", "fgrpo-quickstart", [_ev(0, "started", method="fgrpo", config={}),
+                                               _ev(1, "step", step=1, total=4, reward_mean=0.5)], alive=False)
+    assert set(tab.refresh("")[tab.compare].choices) == {("a", "a"), ("b", "b"), ("rl", "rl")}
+    from edgetune.engine.run import api
+
+    out = tab.do_compare(["a", "b", "rl"], "train loss")
+    assert out[tab.compare_plot].visible and out[tab.compare_plot].value is not None
+    # the figure the button draws: a line per run, named; a run without the curve says so
+    fig = live.compare_figure([(n, list(api.open_run(page.runs_dir / n).events())) for n in ("a", "b", "rl")],
+                              "train loss")
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines["a"] == [2.4, 2.0] and lines["b"] == [1.2, 1.0] and "rl: no train loss" in lines
+    reward = live.compare_figure([("rl", [_ev(1, "step", step=1, reward_mean=0.5)])], "reward")
+    assert [list(line.get_ydata()) for line in reward.axes[0].lines] == [[0.5]]
+    assert "Pick the runs" in tab.do_compare([], "train loss")[tab.msg]
