@@ -40,9 +40,10 @@ def plot_frames(events: list[dict], method: Method) -> list[pd.DataFrame]:
     return [plot_frame(events, p) for p in method.plots]
 
 
-def plot_figure(frame: pd.DataFrame, plot: Plot):
+def plot_figure(frame: pd.DataFrame, plot: Plot, stepped: bool = False):
     """A small matplotlib figure: one line with markers per series (a lone eval point
-    still shows). Figure objects, not pyplot: handlers run in several threads."""
+    still shows). Figure objects, not pyplot: handlers run in several threads. `stepped`:
+    the run has reported steps (an empty plot then says why, not "no data yet")."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -60,7 +61,8 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
     if len(frame):
         ax.legend(fontsize=8, loc="best")
     else:
-        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.text(0.5, 0.5, plot.none_after_steps if stepped else "no data yet", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
     return fig
 
 

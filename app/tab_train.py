@@ -92,7 +92,8 @@ class TrainTab:
         if {k: last.get(k) for k in key} != key:
             method = BY_KEY.get(run.summary()["method"], METHODS[0])  # a damaged config.yaml: the first method
             frames = live.plot_frames(events, method)
-            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
+            stepped = any(e["type"] == "step" for e in events)
+            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped), visible=True)
                         if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
             out[self.logs] = live.log_lines(events)
             shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]

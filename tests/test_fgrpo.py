@@ -308,6 +308,19 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files,
     assert kl[0] < 1e-9  # step 1: a fresh LoRA (B = 0) is the base model exactly
     assert kl[2] > 1e-6  # after two updates the policy has left the base
     assert all(e["dropped"] == 0 for e in events if e["type"] == "step")  # KL keeps every row
+    # at beta = 0 the loss has no KL term and none is measured: the step says so (None), and
+    # the Train tab's KL plot says why it is empty
+    cfg0 = config(tiny_model_dir, rl_files, tmp_path, beta=0.0, eval_prompts=0, steps=1)
+    _, _, events0 = run_fgrpo(cfg0, tmp_path / "no-kl")
+    assert [e["kl"] for e in events0 if e["type"] == "step"] == [None]
+    from edgetune.app import live
+    from edgetune.app.methods import BY_KEY
+
+    kl_plot = BY_KEY["fgrpo"].plots[2]
+    fig = live.plot_figure(live.plot_frame(events0, kl_plot), kl_plot, stepped=True)
+    assert "fgrpo.beta is 0" in fig.axes[0].texts[0].get_text()
+    fig = live.plot_figure(live.plot_frame(events, kl_plot), kl_plot, stepped=True)
+    assert not fig.axes[0].texts and len(fig.axes[0].lines[0].get_ydata()) == 3
 
 
 def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):

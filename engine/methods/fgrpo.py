@@ -389,7 +389,9 @@ def train(ctx: RunContext) -> dict:
                          reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
                          all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
                          focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
-                         loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
+                         # no KL term at fgrpo.beta = 0: none measured (not a flat 0 that looks like one)
+                         loss=upd["loss"], kl=upd["kl"] if s.beta > 0 else None, clip_ratio=upd["clip_ratio"],
+                         ratio=upd["ratio"],
                          grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
                          completion_len=gen_tokens / max(len(all_rewards), 1),
                          truncated=cut_shares[-1],
