@@ -15,7 +15,7 @@ import gradio as gr
 from edgetune.engine.run import api
 from edgetune.engine.core.errors import EdgetuneError
 
-from . import live
+from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import message
 from .tab_model import decided_text
@@ -138,7 +138,7 @@ class TrainTab:
             cfg = self.page.config(values)
         except EdgetuneError as e:
             return {self.decided: message(f"Settings problem: {e}", "error")}
-        return {self.decided: decided_text(cfg)}
+        return {self.decided: decided_text(cfg) + f"\n\nThe same run from a terminal: `{form.cli_command(cfg)}`"}
 
     def do_start(self, values: dict) -> dict:
         p = self.page

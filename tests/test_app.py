@@ -812,3 +812,27 @@ def test_the_runs_tab_plots_chosen_runs_curves_together(own_page):
     reward = live.compare_figure([("rl", [_ev(1, "step", step=1, reward_mean=0.5)])], "reward")
     assert [list(line.get_ydata()) for line in reward.axes[0].lines] == [[0.5]]
     assert "Pick the runs" in tab.do_compare([], "train loss")[tab.msg]
+
+
+@pytest.mark.parametrize("preset, changes", [
+    ("sft-quickstart", {}),
+    ("sft-quickstart", {"sft": {"steps": 16, "packing": True}, "lora": {"target_modules": ["q_proj", "v_proj"]},
+                        "data": {"system_prompt": "Answer with: true"}, "model": {"quant": "none"}}),
+    ("fgrpo-quickstart", {"fgrpo": {"beta": 0.05, "reward": "math"}, "run": {"name": "my run"}}),
+    ("essa-quickstart", {"essa": {"population": 8}}),
+])
+def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, preset, changes):
+    """The command line shown beside Start, read back by the CLI's own parser: the same
+    settings, whatever their type (lists, booleans, a string that looks like a boolean)."""
+    import shlex
+
+    from edgetune.engine import cli
+
+    cfg = S.resolve(preset=preset, overrides={**changes, "run": {**changes.get("run", {}),
+                                                                  "runs_dir": str(tmp_path / "my runs")}})
+    command = form.cli_command(cfg)
+    words = shlex.split(command)
+    assert words[:4] == ["edgetune", "train", "--preset", preset]
+    assert words.count("--set") == sum(len(v) for k, v in changes.items() if k != "run")
+    back = cli._config(cli.build_parser().parse_args(words[1:]))
+    assert back.to_dict() == cfg.to_dict()
