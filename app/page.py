@@ -54,6 +54,8 @@ class Page:
         self.start_values = dict(zip([s.key for s in self.specs],
                                      form.values_from_config(self.start_cfg, self.specs)))
         self.fields: dict[str, gr.components.Component] = {}  # setting key -> its widget
+        # Settings whose widget offers what this machine has (the model: embedded and cached ones).
+        self.suggest = {"model.name": api.known_models}
         self._workers: list = []  # runs this app started: reaped when they end
         self._workers_lock = threading.Lock()
         threading.Thread(target=_reaper, args=(self._workers, self._workers_lock), name="edgetune-reaper",
@@ -73,6 +75,9 @@ class Page:
                       scale=2 if spec.name in ("path", "name") else 1)
         if spec.choices:
             return gr.Dropdown(choices=list(spec.choices), value=value, **common)
+        if spec.key in self.suggest:  # a list to pick from, and any other value typed in
+            options = list(dict.fromkeys([*self.suggest[spec.key](), value]))
+            return gr.Dropdown(choices=options, value=value, allow_custom_value=True, **common)
         if spec.kind == "bool":
             return gr.Checkbox(value=bool(value), **common)
         if spec.kind == "int":

@@ -836,3 +836,28 @@ def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, prese
     assert words.count("--set") == sum(len(v) for k, v in changes.items() if k != "run")
     back = cli._config(cli.build_parser().parse_args(words[1:]))
     assert back.to_dict() == cfg.to_dict()
+
+
+def test_the_model_picker_lists_the_embedded_and_cached_models(tmp_path, monkeypatch):
+    from edgetune.app.ui import build_app
+    from edgetune.engine.run import api
+
+    cache = tmp_path / "hub"
+    (cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc").mkdir(parents=True)
+    (cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc" / "config.json").write_text("{}")
+    (cache / "models--half--downloaded" / "snapshots" / "x").mkdir(parents=True)  # no config.json: not offered
+    (cache / "datasets--some--data").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert api.known_models() == [S.EMBEDDED_MODEL, "Qwen/Qwen2.5-0.5B-Instruct"]
+    demo = build_app(tmp_path / "runs")
+    try:
+        page = demo.edgetune_page
+        box = page.fields["model.name"]
+        assert [c[0] for c in box.choices] == [S.EMBEDDED_MODEL, "Qwen/Qwen2.5-0.5B-Instruct"]
+        assert box.allow_custom_value  # a folder or a hub id typed in still goes
+        cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
+        values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+        values[box] = str(tmp_path / "my-model")
+        assert page.config(values).model.name == str(tmp_path / "my-model")
+    finally:
+        demo.edgetune_chat.close()

@@ -487,6 +487,29 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
 
 
+def hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded models, as huggingface_hub finds it (HF_HUB_CACHE,
+    else HF_HOME/hub, else ~/.cache/huggingface/hub); read without importing it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def known_models() -> list[str]:
+    """Models this machine has without a download, for the page's model picker: the embedded
+    model, then every model in the Hugging Face cache (hub ids, a snapshot with a config.json)."""
+    from edgetune.engine.core.settings import EMBEDDED_MODEL
+
+    found = []
+    cache = hub_cache()
+    if cache.is_dir():
+        for d in sorted(cache.glob("models--*")):
+            if any((snap / "config.json").is_file() for snap in (d / "snapshots").glob("*")):
+                found.append(d.name.removeprefix("models--").replace("--", "/"))
+    return [EMBEDDED_MODEL, *found]
+
+
 def gpu_count() -> int:
     """CUDA devices this machine shows (nvidia-smi, honouring CUDA_VISIBLE_DEVICES); no
     torch in the calling process. 0 without a GPU."""
