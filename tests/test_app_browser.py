@@ -1,9 +1,11 @@
 """The app in a real Chromium (Playwright): preset -> start -> a status line per phase that
-matches the worker's events -> live progress and memory -> reload re-attaches with the
-history -> the Runs table follows the run without Refresh -> a second start is refused ->
-stop (the stale message goes) -> download the adapter zip (loaded with PEFT at the end) ->
-a three-turn chat, base and adapter side by side; and a malformed data file shows its row
-number. No finished worker stays behind as a defunct process of the app.
+matches the worker's events -> live progress and memory, elapsed ticking -> the buttons
+follow the run's state -> reload lands on the Train tab, re-attached with the history ->
+the Runs table follows the run without Refresh -> stop (the stale message goes) -> the
+run's curve in the Runs tab's comparison -> download the adapter zip (loaded with PEFT at
+the end) and a folder export's zip -> a three-turn chat, the question shown at once, base
+and adapter side by side; a malformed data file shows its row number; the run deleted to
+the trash and restored. No finished worker stays behind as a defunct process of the app.
 
 Trains the embedded SmolLM2-135M (fp32) on the CPU for a few steps (a minute or two).
 Screenshots of each stage go to artifacts/screenshots/.
@@ -250,6 +252,12 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.click("#refresh-runs-btn")
         _wait(lambda: "stopped" in page.locator("#runs-table").inner_text(), 30, "the stopped run in the table")
         assert "sft" in page.locator("#runs-table").inner_text() and "loss" in page.locator("#runs-table").inner_text()
+        # -- its curve, plotted from the Runs tab's comparison
+        page.locator("#compare-runs input").click()
+        page.get_by_role("option", name=run_dir.name, exact=True).click()
+        page.keyboard.press("Escape")
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-plot img", timeout=60_000)
 
         # -- export: download the zip and load it with PEFT on the embedded base
         _tab(page, "7 · Export")
@@ -259,6 +267,17 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
             page.click("#download-btn")
         zip_path = tmp_path / "adapter.zip"
         dl.value.save_as(zip_path)
+        # -- a folder export: "Exporting …" while it runs, then the folder to download as a zip
+        page.locator("#export-path input, #export-path textarea").first.fill(str(tmp_path / "exported"))
+        page.click("#export-folder-btn")
+        page.wait_for_selector("#export-files a", timeout=120_000)
+        assert "Exported to" in page.locator("#export-message").inner_text()
+        with page.expect_download() as folder_dl:
+            page.locator("#export-files a").first.click()
+        folder_zip = tmp_path / "exported.zip"
+        folder_dl.value.save_as(folder_zip)
+        with zipfile.ZipFile(folder_zip) as z:
+            assert "exported/adapter_config.json" in z.namelist()
         page.screenshot(path=str(SHOTS / "05-export.png"), full_page=True)
 
         # -- try it: a three-turn conversation, base and base + adapter side by side (one chat
@@ -296,6 +315,18 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         report = page.locator("#data-report").inner_text()
         assert "broken.jsonl" in report and "Traceback" not in report
         page.screenshot(path=str(SHOTS / "07-data-bad-file.png"), full_page=True)
+
+        # -- delete the run to the trash, then restore it
+        _tab(page, "5 · Runs")
+        page.click("#delete-run-btn")
+        page.wait_for_selector("#runs-message:has-text('Moved')")
+        assert not run_dir.exists() and (runs / ".trash" / run_dir.name / "adapter").is_dir()
+        page.locator("#trash-select input").click()
+        page.get_by_role("option", name=run_dir.name, exact=True).click()
+        page.click("#restore-run-btn")
+        page.wait_for_selector("#runs-message:has-text('Restored')")
+        assert (run_dir / "adapter" / "adapter_config.json").is_file()
+        assert run_dir.name in page.locator("#runs-table").inner_text()
         browser.close()
 
     # finished workers are reaped by the app (they used to stay <defunct> until it exited)
