@@ -13,6 +13,9 @@ from edgetune.engine.run import api
 
 def test_half_the_cores_and_one_on_two():
     assert [threads.torch_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 8]
+    # the ranks of one run share the half: 8 ranks on 16 cores, one thread each
+    assert [threads.torch_threads(16, processes=p) for p in (2, 8, 32)] == [4, 1, 1]
+    assert threads.worker_env({}, processes=4)["OMP_NUM_THREADS"] == str(threads.torch_threads(processes=4))
 
 
 def test_the_users_thread_count_is_kept():

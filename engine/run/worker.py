@@ -333,7 +333,7 @@ def launch(run_dir: str, resume: bool, nproc: int) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "-m", "edgetune.engine.run.worker", str(run.path)] + \
           (["--resume"] if resume else [])
-    env = worker_env(PYTHONUNBUFFERED="1")  # each rank's torch threads: engine/core/threads.py
+    env = worker_env(processes=nproc, PYTHONUNBUFFERED="1")  # each rank's torch threads: engine/core/threads.py
     import subprocess
 
     log_start = run.log_path.stat().st_size if run.log_path.is_file() else 0
