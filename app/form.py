@@ -178,3 +178,40 @@ def save_preset(name: str, cfg: S.Config, folder: Path | None = None) -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(f"# {name}: saved from the edgetune app\n" + yaml.safe_dump(out, sort_keys=False))
     return path
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _yaml_value(value) -> str:
+    """A value as `--set` reads it back (YAML: numbers, lists, bools; a string that would
+    read as something else is quoted)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    return text[:-3].strip() if text.endswith("...") else text
+
+
+def cli_command(cfg: S.Config) -> str:
+    """The `edgetune train` command that starts the same run as `cfg`: the built-in preset of
+    its method that differs from it least, then a --set for each setting that differs."""
+    import shlex
+
+    mine = _flat(cfg.to_dict())
+    skip = {"run.runs_dir", "run.name"}
+
+    def differs(name: str) -> list[str]:
+        theirs = _flat(S.resolve(preset=name).to_dict())
+        return [k for k in mine if k not in skip and theirs.get(k) != mine[k]]
+
+    same_method = [n for n in config_files.list_presets() if S.resolve(preset=n).method == cfg.method]
+    best = min(same_method, key=lambda n: len(differs(n)))
+    words = ["edgetune", "train", "--preset", best] + \
+        [w for k in differs(best) for w in ("--set", f"{k}={_yaml_value(mine[k])}")] + \
+        (["--name", cfg.run.name] if cfg.run.name else []) + ["--runs-dir", cfg.run.runs_dir]
+    return shlex.join(words)

@@ -32,16 +32,19 @@ def plot_frame(events: list[dict], plot: Plot) -> pd.DataFrame:
         for s in plot.series:
             if s.event == key and isinstance(ev.get(s.key), (int, float)) and ev.get("step") is not None:
                 rows.append({"step": int(ev["step"]), "value": float(ev[s.key]), "series": s.label})
-    return pd.DataFrame(rows, columns=["step", "value", "series"])
+    # by step: an evaluation may be reported after later steps (F-GRPO's base, step 0, at the end)
+    return pd.DataFrame(rows, columns=["step", "value", "series"]).sort_values("step", kind="stable",
+                                                                            ignore_index=True)
 
 
 def plot_frames(events: list[dict], method: Method) -> list[pd.DataFrame]:
     return [plot_frame(events, p) for p in method.plots]
 
 
-def plot_figure(frame: pd.DataFrame, plot: Plot):
+def plot_figure(frame: pd.DataFrame, plot: Plot, stepped: bool = False):
     """A small matplotlib figure: one line with markers per series (a lone eval point
-    still shows). Figure objects, not pyplot: handlers run in several threads."""
+    still shows). Figure objects, not pyplot: handlers run in several threads. `stepped`:
+    the run has reported steps (an empty plot then says why, not "no data yet")."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -59,19 +62,68 @@ def plot_figure(frame: pd.DataFrame, plot: Plot):
     if len(frame):
         ax.legend(fontsize=8, loc="best")
     else:
-        ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.text(0.5, 0.5, plot.none_after_steps if stepped else "no data yet", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
     return fig
 
 
-def progress(events: list[dict]) -> dict:
-    """Where a run stands: step, total, elapsed, eta, phase text, last headline values."""
+def compare_figure(runs: list[tuple[str, list[dict]]], label: str):
+    """One of the methods' series (COMPARABLE's `label`) for several runs, a line each,
+    against their step: the Runs tab's comparison. A run without that series is named in
+    the legend as having none."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    from .methods import COMPARABLE
+
+    series, plot = COMPARABLE[label]
+    one = Plot(plot.title, plot.y_title, (series,), plot.x_title)
+    fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    drawn = 0
+    for name, events in runs:
+        frame = plot_frame(events, one)
+        if len(frame):
+            ax.plot(frame["step"], frame["value"], marker="o", markersize=3, linewidth=1.5, label=name)
+            drawn += 1
+        else:
+            ax.plot([], [], " ", label=f"{name}: no {label}")
+    ax.set_title(f"{label}, {len(runs)} run{'s' if len(runs) != 1 else ''}", fontsize=11)
+    ax.set_xlabel(plot.x_title)
+    ax.set_ylabel(plot.y_title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if runs:
+        ax.legend(fontsize=8, loc="best")
+    if not drawn:
+        ax.text(0.5, 0.5, "pick runs that have this curve", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+    return fig
+
+
+def _elapsed(events: list[dict], started: dict | None, now: float | None) -> float | None:
+    """Wall time of this attempt: from its `started` event to its end, or to `now` while it
+    has none (a live clock: it moves during set-up and evaluations too, between steps)."""
+    if started is None:
+        return None
+    end = next((e for e in reversed(events) if e["type"] in ("finished", "stopped", "error")
+                and e["i"] > started["i"]), None)
+    if end is None and now is None:  # a run that ended without a word: its last event
+        end = events[-1]
+    stop = end["time"] if end is not None else now
+    return max(0.0, stop - started["time"]) if isinstance(started.get("time"), (int, float)) else None
+
+
+def progress(events: list[dict], now: float | None = None) -> dict:
+    """Where a run stands: step, total, elapsed (this attempt's wall time, live with `now`),
+    eta (from the training steps' pace, set-up excluded), phase text, last headline values."""
     started = next((e for e in reversed(events) if e["type"] == "started"), None)
     method = BY_KEY.get((started or {}).get("method", ""), None)
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
     total = (last_step or {}).get("total")
     if total is None and started and method:
         total = method.record.total(started.get("config", {}))
-    out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": (last_step or {}).get("elapsed"),
+    out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": _elapsed(events, started, now),
            "eta": (last_step or {}).get("eta"), "phase": "", "values": {},
            "unit": method.record.unit if method else "step"}
     if last_step and method:
@@ -121,9 +173,10 @@ def _phase_of(events: list[dict], started: dict | None, out: dict) -> None:
 
 
 
-def progress_html(events: list[dict], status: str, death: str = "") -> str:
-    """`death`: why a crashed run's worker ended (api.Run.death)."""
-    p = progress(events)
+def progress_html(events: list[dict], status: str, death: str = "", now: float | None = None) -> str:
+    """The progress bar and its lines; `death`: why a crashed run's worker ended (api.Run.death);
+    `now`: the clock of a run still active (its elapsed time moves on every tick)."""
+    p = progress(events, now if status in ("running", "starting") else None)
     if status == "crashed":
         p["phase"] = f"{death or 'the worker ended without a final event (see worker.log in the run folder)'}; " \
                      "Resume continues"
@@ -163,7 +216,10 @@ def _fmt_event(ev: dict) -> str:
                 f"{r.get('train_rows')} train, {r.get('eval_rows')} eval")
     if kind == "started":
         resumed = f", resumed from its step-{ev['resumed_from']} checkpoint" if ev.get("resumed_from") else ""
-        return f"{t} started {ev.get('method')} on {ev.get('device')}{resumed}"
+        threads = ev.get("cpu_threads")
+        on = f"{ev.get('device')}" + (f" ({threads} CPU thread{'s' if threads != 1 else ''})"
+                                      if ev.get("device") == "cpu" and threads else "")
+        return f"{t} started {ev.get('method')} on {on}{resumed}"
     if kind == "phase":
         return f"{t} phase: {phases.describe(ev)}"
     if kind in ("warning", "error"):

@@ -23,6 +23,8 @@ class Plot:
     y_title: str
     series: tuple[Series, ...]
     x_title: str = "step"
+    # What an empty plot says once the run has steps ("no data yet" before them).
+    none_after_steps: str = "no data"
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ METHODS = (
             Plot("Reward", "mean reward", (Series("step", "reward_mean", "reward"),)),
             Plot("Success", "share", (Series("step", "success_rate", "success rate"),
                                       Series("eval", "pass@1", "eval pass@1"))),
-            Plot("KL to the base", "KL", (Series("step", "kl", "KL"),)),
+            Plot("KL to the base", "KL", (Series("step", "kl", "KL"),),
+                 none_after_steps="not measured: fgrpo.beta is 0 (no KL term in the loss)"),
         ),
         samples=True, headline=("reward_mean", "success_rate"),
     ),
@@ -75,6 +78,14 @@ METHODS = (
         samples=False, headline=("best", "mean"),
     ),
 )
+
+# What the Runs tab can compare across runs: every series of every method's plots, once
+# per label ("train loss", "eval pass@1", ...), with the plot it belongs to.
+COMPARABLE = {}
+for _m in METHODS:
+    for _p in _m.plots:
+        for _s in _p.series:
+            COMPARABLE.setdefault(_s.label, (_s, _p))
 
 BY_KEY = {m.key: m for m in METHODS}
 BY_LABEL = {m.label: m for m in METHODS}

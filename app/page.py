@@ -16,6 +16,8 @@ from pathlib import Path
 import gradio as gr
 import psutil
 
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.run import api
 
 from . import form
@@ -78,6 +80,8 @@ class Page:
         self.start_values = dict(zip([s.key for s in self.specs],
                                      form.values_from_config(self.start_cfg, self.specs)))
         self.fields: dict[str, gr.components.Component] = {}  # setting key -> its widget
+        # Settings whose widget offers what this machine has (the model: embedded and cached ones).
+        self.suggest = {"model.name": api.known_models}
         self._workers: list = []  # runs this app started: reaped when they end
         self._exits: dict[str, int] = {}  # run folder -> its last worker's exit status, once reaped
         self._workers_lock = threading.Lock()
@@ -85,6 +89,7 @@ class Page:
                          name="edgetune-reaper", daemon=True).start()
         # Laid out by ui.build_app and the tabs:
         self.attached = self.seen = self.msg_at = None  # gr.State: run folder shown, last drawing, message origin
+        self.timer, self.tick_seconds = None, {}  # the live view's gr.Timer and its paces (ui.py)
         self.banner = self.tabs = self.method_radio = None
         self.method_cols: dict[str, gr.Column] = {}
         self.model_tab = self.data_tab = self.method_tab = None
@@ -93,10 +98,13 @@ class Page:
     # ------------------------------------------------------------------ settings widgets
 
     def widget(self, spec: form.FieldSpec, value):
-        common = dict(label=spec.name, info=spec.help[:180] or None, elem_id=spec.elem_id,
+        common = dict(label=spec.name, info=spec.help or None, elem_id=spec.elem_id,
                       scale=2 if spec.name in ("path", "name") else 1)
         if spec.choices:
             return gr.Dropdown(choices=list(spec.choices), value=value, **common)
+        if spec.key in self.suggest:  # a list to pick from, and any other value typed in
+            options = list(dict.fromkeys([*self.suggest[spec.key](), value]))
+            return gr.Dropdown(choices=options, value=value, allow_custom_value=True, **common)
         if spec.kind == "bool":
             return gr.Checkbox(value=bool(value), **common)
         if spec.kind == "int":
@@ -149,6 +157,20 @@ class Page:
         out.update({col: gr.Column(visible=key == cfg.method) for key, col in self.method_cols.items()})
         return out
 
+    def fill_from_run(self, path: str) -> dict:
+        """The form showing the settings of the run in `path` (a new Start from them gets a
+        fresh name); {} when it has none that read (no run, a damaged config.yaml)."""
+        run = self.run_of(path)
+        if run is None:
+            return {}
+        try:
+            cfg = S.from_dict(run.config())
+        except EdgetuneError:
+            return {}
+        cfg.run.name = ""
+        cfg.run.runs_dir = str(self.runs_dir)
+        return self.fill_from(cfg)
+
     # ------------------------------------------------------------------ runs
 
     def adopt(self, run):
@@ -177,9 +199,12 @@ class Page:
         return str(runs[0].path) if runs else ""
 
     def said(self, path: str) -> dict:
-        """Where a message was made: the Train tab clears it when that run's state moves on."""
+        """Where a message was made: the run and how many events it had. The Train tab's
+        message stays until the next action, the page showing another run, or that run
+        reaching a new end (finished, stopped, failed) after it."""
         run = self.run_of(path)
-        return {"path": path, "status": run.status() if run else "none"}
+        events = list(run.events()) if run is not None and run.dir.events_path.is_file() else []
+        return {"path": path, "n": events[-1]["i"] + 1 if events else 0}
 
     def banner_text(self, path: str) -> str:
         run = self.run_of(path)

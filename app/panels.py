@@ -135,9 +135,18 @@ def effective_markdown(eff: dict, title: str = "Decided for this run", layers: i
 RUN_COLUMNS = ["run", "status", "method", "step", "metrics", "created"]
 
 
+def metric_words(key: str) -> str:
+    """A metric's key in words: eval_loss_start -> 'eval loss before', success_rate_end ->
+    'success rate after' (the held-out figures before and after training)."""
+    for end, words in (("_start", " before"), ("_end", " after"), ("_last", " (latest eval)")):
+        if key.endswith(end):
+            key = key[: -len(end)] + words
+    return key.replace("_", " ")
+
+
 def _metrics_text(metrics: dict) -> str:
-    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
-                     if not isinstance(v, (dict, list)))
+    return ", ".join(f"{metric_words(k)} {v:.4g}" if isinstance(v, float) else f"{metric_words(k)} {v}"
+                     for k, v in metrics.items() if not isinstance(v, (dict, list)))
 
 
 def runs_frame(summaries: list[dict]) -> pd.DataFrame:

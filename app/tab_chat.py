@@ -1,6 +1,7 @@
 """6 · Try it: the same prompt to the base model and to the base with the run's adapter,
 side by side, each side continuing its own conversation (one chat worker process), both
-after the run's data.system_prompt as its training data had it."""
+after the run's data.system_prompt as its training data had it (or a system prompt typed
+here); greedy, or sampled at a temperature and top-p; the replies stream in token by token."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from . import panels
 from .page import Slider, message
 
 
+ANSWERING = "Answering: the adapter's side first, then the base's…"
+
+
 class ChatTab:
     def __init__(self, page):
         self.page = page
@@ -27,6 +31,13 @@ class ChatTab:
                                      elem_id="chat-prompt", scale=4)
             self.max_new = Slider(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8, label="max new tokens",
                                   scale=1, elem_id="chat-max-new")
+        with gr.Row():
+            self.temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="temperature (0 = greedy)", scale=1,
+                                         elem_id="chat-temperature")
+            self.top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p (when sampling)", scale=1,
+                                   elem_id="chat-top-p")
+            self.system = gr.Textbox(label="System prompt (empty: the run's data.system_prompt)", max_lines=3,
+                                     elem_id="chat-system", scale=3)
         with gr.Row():
             self.send_btn = gr.Button("Send to both", variant="primary", elem_id="chat-send")
             self.clear_btn = gr.Button("Clear", elem_id="chat-clear")
@@ -45,12 +56,15 @@ class ChatTab:
             return f"Run **{run.name}** has no saved adapter yet: only the base model answers."
         return f"Left: the base of run **{run.name}**; right: the same base with its adapter (`{adapter}`)."
 
-    def do_chat(self, values: dict) -> dict:
+    def do_chat(self, values: dict):
+        """Send the prompt to both sides: the question shows at once, then each reply as
+        its tokens come (the adapter's side first), then the final texts."""
         p = self.page
         text, path = values[self.prompt], values[p.attached]
         hist_base, hist_tuned = list(values[self.base] or []), list(values[self.tuned] or [])
         if not (text or "").strip():
-            return {self.info: self.describe(path)}
+            yield {self.info: self.describe(path)}
+            return
         run, adapter = self.target(path)
         try:
             max_new = S.typed_number("max new tokens", values[self.max_new], S.CHAT_TOKENS)
@@ -58,28 +72,48 @@ class ChatTab:
             # it was trained, and its data.system_prompt, put first as training put it
             cfg = S.from_dict(run.config()) if run else p.config(values)
         except EdgetuneError as e:
-            return {self.info: message(str(e), "error")}
+            yield {self.info: message(str(e), "error")}
+            return
         if run is not None and cfg.model.trust_remote_code:  # a run folder may come from anyone
-            return {self.info: message(f"{run.dir.config_path}: model.trust_remote_code would run the Python code "
-                                       f"that model {cfg.model.name} ships; the app does not run it for a run "
-                                       "folder", "error")}
+            yield {self.info: message(f"{run.dir.config_path}: model.trust_remote_code would run the Python code "
+                                      f"that model {cfg.model.name} ships; the app does not run it for a run "
+                                      "folder", "error")}
+            return
         user = {"role": "user", "content": text}
         # Each side continues its own conversation: the adapter's earlier replies are
         # part of what the adapter answers next.
         hist_base, hist_tuned = panels.chat_messages(hist_base), panels.chat_messages(hist_tuned)
-        reply = p.chat.ask(dataclasses.asdict(cfg.model), hist_base + [user], adapter, max_new,
-                           tuned_messages=hist_tuned + [user], system_prompt=cfg.data.system_prompt)
+        shown = {"base": "…", "tuned": "…" if adapter else "(no adapter saved yet)"}
+
+        def view(extra: dict | None = None) -> dict:
+            return {self.base: hist_base + [user, {"role": "assistant", "content": shown["base"]}],
+                    self.tuned: hist_tuned + [user, {"role": "assistant", "content": shown["tuned"]}], **(extra or {})}
+
+        # the question at once, the prompt box ready for the next
+        yield view({self.prompt: "", self.info: ANSWERING if adapter else "Answering: the base model…"})
+        system = (values.get(self.system) or "").strip() or cfg.data.system_prompt
+        req = {"model": dataclasses.asdict(cfg.model), "adapter": adapter, "messages": hist_base + [user],
+               "tuned_messages": hist_tuned + [user], "max_new_tokens": max_new,
+               "system_prompt": system, "temperature": float(values.get(self.temperature) or 0),
+               "top_p": float(values.get(self.top_p) or 1)}
+        reply = {}
+        for reply in p.chat.stream(req):
+            if "partial" in reply:
+                shown[reply["partial"]] = reply["text"] or "…"
+                yield view()
         if not reply.get("ok"):
-            return {self.base: hist_base, self.tuned: hist_tuned,
-                    self.info: message(reply.get("error", "chat failed"), "error")}
-        hist_base += [user, {"role": "assistant", "content": reply["base"]}]
-        tuned = reply["tuned"] if reply.get("tuned") is not None else "(no adapter saved yet)"
-        hist_tuned += [user, {"role": "assistant", "content": tuned}]
-        return {self.base: hist_base, self.tuned: hist_tuned, self.prompt: "", self.info: self.describe(path)}
+            yield {self.base: hist_base, self.tuned: hist_tuned, self.prompt: text,
+                   self.info: message(reply.get("error", "chat failed"), "error")}
+            return
+        shown["base"] = reply["base"]
+        if reply.get("tuned") is not None:
+            shown["tuned"] = reply["tuned"]
+        yield view({self.info: self.describe(path)})
 
     def wire(self) -> None:
         p = self.page
-        inputs = p.form_inputs | {self.prompt, self.base, self.tuned, self.max_new, p.attached}
+        inputs = p.form_inputs | {self.prompt, self.base, self.tuned, self.max_new, self.temperature, self.top_p,
+                                  self.system, p.attached}
         outputs = [self.base, self.tuned, self.prompt, self.info]
         self.send_btn.click(self.do_chat, inputs, outputs)
         self.prompt.submit(self.do_chat, inputs, outputs)

@@ -12,6 +12,8 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
 
+NOT_CHECKED = "_Press “Check data” to validate the file with the model's tokenizer._"
+
 # The file types the upload offers; app/guard.py refuses any other upload on the server.
 DATA_TYPES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz")
 # The largest upload the server takes (Gradio refuses a bigger one before keeping it); a
@@ -57,8 +59,7 @@ class DataTab:
                                       file_types=list(DATA_TYPES),
                                       type="filepath", elem_id="data-upload")
                 self.check_btn = gr.Button("Check data", variant="primary", elem_id="check-data-btn")
-        self.report = gr.Markdown("_Press “Check data” to validate the file with the model's tokenizer._",
-                                  elem_id="data-report")
+        self.report = gr.Markdown(NOT_CHECKED, elem_id="data-report")
         with gr.Row():
             # hidden until a check has rows to show
             self.preview = gr.Dataframe(label="Preview (first rows)", elem_id="data-preview", wrap=True,
@@ -88,8 +89,20 @@ class DataTab:
             return {path_box: gr.skip()}
         return {path_box: str(keep_upload(Path(tmp_path), self.page.uploads))}
 
+    def drop_upload(self, path: str) -> dict:
+        """The upload cleared: data.path no longer names its copy, and its report goes."""
+        path_box = self.page.fields["data.path"]
+        gone = bool(path) and Path(path).parent == self.page.uploads
+        return {path_box: "" if gone else gr.skip(),
+                self.report: "_The uploaded file was removed: give data.path or upload a file._" if gone else
+                gr.skip(),
+                self.preview: gr.Dataframe(visible=False) if gone else gr.skip(),
+                self.hist: gr.Plot(visible=False) if gone else gr.skip()}
+
     def wire(self) -> None:
         outputs = [self.report, self.preview, self.hist]
+        path_box = self.page.fields["data.path"]
+        self.upload.clear(self.drop_upload, path_box, [path_box, *outputs])
         self.check_btn.click(self.do_check, self.page.form_inputs, outputs)
         self.upload.upload(self.take_upload, self.upload, [self.page.fields["data.path"]]) \
             .then(self.do_check, self.page.form_inputs, outputs)

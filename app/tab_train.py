@@ -8,13 +8,14 @@ app re-attaches to the same run and replays its history.
 from __future__ import annotations
 
 import json
+import time
 
 import gradio as gr
 
 from edgetune.engine.run import api
 from edgetune.engine.core.errors import EdgetuneError
 
-from . import live
+from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import Number, message
 from .tab_model import decided_text
@@ -25,8 +26,8 @@ class TrainTab:
         self.page = page
         with gr.Row():
             self.start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
-            self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
-            self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
+            self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn", interactive=False)
+            self.resume_btn = gr.Button("Resume", elem_id="resume-btn", interactive=False)
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
             self.gpus = Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
                                   label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
@@ -58,7 +59,8 @@ class TrainTab:
         """Everything draw() may update."""
         p = self.page
         return [self.progress, *self.plots, self.memory, self.logs, self.samples, self.msg, p.banner, p.seen,
-                p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info]
+                p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info, self.start_btn, self.stop_btn,
+                self.resume_btn, *([p.timer] if p.timer is not None else [])]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
         """The Train tab for one run (plots only when its events changed), the banner, and
@@ -66,11 +68,17 @@ class TrainTab:
         p = self.page
         run = p.run_of(path)
         if run is None:
+            if last.get("path") == path and last.get("status") == "none":
+                return {}  # nothing shown, nothing changed: no update goes to the browser
             return {self.progress: live.progress_html([], "none"),
                     self.memory: live.memory_html(None, p.host_total, False),
-                    p.banner: p.banner_text(path), p.seen: last}
+                    p.banner: p.banner_text(path), p.seen: {"path": path, "status": "none"},
+                    **self.buttons("none"), **self.pace("none")}
         events = list(run.events())
         status = run.status()
+        if status not in api.ACTIVE and last.get("path") == path and last.get("status") == status \
+                and last.get("n") == len(events) and not msg:
+            return {}  # an ended run, unchanged since the last tick: nothing to redraw
         try:
             mem = json.loads(run.dir.memory_path.read_text())
         except FileNotFoundError:
@@ -78,13 +86,15 @@ class TrainTab:
         except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
             mem = last.get("mem")
         key = {"path": path, "n": len(events), "status": status}
-        out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else ""),
+        out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else "",
+                                                 time.time()),
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
                p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
         if {k: last.get(k) for k in key} != key:
             method = BY_KEY.get(run.summary()["method"], METHODS[0])  # a damaged config.yaml: the first method
             frames = live.plot_frames(events, method)
-            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
+            stepped = any(e["type"] == "step" for e in events)
+            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped), visible=True)
                         if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
             out[self.logs] = live.log_lines(events)
             shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]
@@ -95,13 +105,32 @@ class TrainTab:
             # The Try-it / Export notes follow the run's status (an adapter appears when it stops).
             out[p.chat_tab.info] = p.chat_tab.describe(path)
             out[p.export_tab.info] = p.export_tab.describe(path)
-        # A message belongs to the action that made it: it goes when the page shows another
-        # run or that run's state moves on (starting -> running is still the same state).
-        if msg and (msg.get("path") != path or (
-                msg.get("status") != status and (msg.get("status"), status) != ("starting", "running"))):
+        if status != last.get("status") or path != last.get("path"):
+            out.update(self.buttons(status))
+            out.update(self.pace(status))
+        # A message belongs to the action that made it: it stays until the next action, and
+        # goes when the page shows another run or that run reaches a new end.
+        if msg and (msg.get("path") != path or any(
+                e["type"] in ("finished", "stopped", "error") and e["i"] >= int(msg.get("n") or 0) for e in events)):
             out[self.msg] = ""
             out[p.msg_at] = {}
         return out
+
+    def pace(self, status: str) -> dict:
+        """The live view's timer: every second while the run trains, slower otherwise."""
+        if self.page.timer is None:
+            return {}
+        key = "active" if status in api.ACTIVE else "idle"
+        return {self.page.timer: gr.Timer(value=self.page.tick_seconds[key])}
+
+    def buttons(self, status: str) -> dict:
+        """Start, Stop and Resume enabled only where they apply to the run shown: Stop while
+        it trains, Resume once it stopped, failed or crashed (a finished run trains further
+        from the Runs tab), Start whenever it is not training."""
+        active = status in api.ACTIVE
+        return {self.start_btn: gr.Button(interactive=not active),
+                self.stop_btn: gr.Button(interactive=active),
+                self.resume_btn: gr.Button(interactive=status in ("stopped", "failed", "crashed"))}
 
     # ------------------------------------------------------------------ actions
 
@@ -110,7 +139,7 @@ class TrainTab:
             cfg = self.page.config(values)
         except EdgetuneError as e:
             return {self.decided: message(f"Settings problem: {e}", "error")}
-        return {self.decided: decided_text(cfg)}
+        return {self.decided: decided_text(cfg) + f"\n\nThe same run from a terminal: `{form.cli_command(cfg)}`"}
 
     def do_start(self, values: dict) -> dict:
         p = self.page
@@ -121,22 +150,24 @@ class TrainTab:
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
         return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),
-                p.attached: str(run.path), p.msg_at: {"path": str(run.path), "status": "starting"}}
+                p.attached: str(run.path), p.msg_at: p.said(str(run.path))}
 
     def do_stop(self, path: str) -> dict:
         p = self.page
         run = p.run_of(path)
         if run is None or run.status() not in ("running", "starting"):
             return {self.msg: message("No run is training.", "error"), p.msg_at: p.said(path)}
+        said = p.said(path)
         run.stop()
         return {self.msg: message(f"Stopping **{run.name}** after the current step; the adapter will be saved."),
-                p.msg_at: p.said(path)}
+                p.msg_at: said}
 
     def do_resume(self, path: str) -> dict:
         p = self.page
         run = p.run_of(path)
         if run is None:
             return {self.msg: message("Open a run first (Runs tab).", "error"), p.msg_at: p.said(path)}
+        said = p.said(path)  # before the resume: the run's old end must not take the message away
         try:
             # No code confirmation here: a run whose settings run Python (reward_file,
             # trust_remote_code) is refused with the one line naming the CLI command.
@@ -146,8 +177,7 @@ class TrainTab:
         # The worker picks the checkpoint (it skips a damaged newest one): its `started`
         # event in the log below names the step it continues from.
         return {self.msg: message(f"Resuming **{run.name}**: the log below says from which checkpoint.", "ok"),
-                p.attached: str(run.path),
-                p.msg_at: {"path": str(run.path), "status": "starting"}}
+                p.attached: str(run.path), p.msg_at: said}
 
     def wire(self, tab: gr.Tab) -> None:
         p = self.page

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine.core import settings as S
-from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.run import api
 
 from .page import Page
 from .tab_chat import ChatTab
@@ -29,7 +28,10 @@ from .tab_model import ModelTab
 from .tab_runs import RunsTab
 from .tab_train import TrainTab
 
+# The live view's timer: every second while the run shown trains; an idle page (a run that
+# ended, or none) looks every IDLE_TICK_SECONDS only, for a run started elsewhere (the CLI).
 TICK_SECONDS = 1.0
+IDLE_TICK_SECONDS = 5.0
 
 CSS = """
 .et-progress { padding: 10px 12px; border: 1px solid var(--border-color-primary); border-radius: 8px; }
@@ -48,7 +50,21 @@ CSS = """
 .et-mem-note { font-size: 0.85em; color: var(--body-text-color-subdued); margin-top: 4px; }
 #run-banner { font-size: 0.95em; }
 #samples pre, #samples code { white-space: pre-wrap; word-break: break-word; }
+#samples th, #samples td { word-break: normal; overflow-wrap: normal; min-width: 6em; }
 """
+
+
+def fresh_page(page: Page) -> dict:
+    """A page (re)loaded: attach to the active (or newest) run, draw it, fill the form with
+    its settings (a new Start from them gets a fresh name), and open the Train tab while
+    that run trains."""
+    path = page.default_run()
+    out = {page.attached: path, **page.train_tab.draw(path, {}, {}),
+           **page.runs_tab.refresh(path), **page.fill_from_run(path)}
+    run = page.run_of(path)
+    if run is not None and run.status() in api.ACTIVE:
+        out[page.tabs] = gr.Tabs(selected="train")
+    return out
 
 
 def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
@@ -59,7 +75,9 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
     with gr.Blocks(title="edgetune") as demo:
         page.attached = gr.State("")  # the run folder this page shows
         page.seen = gr.State({})  # what the page last drew, to skip redrawing unchanged plots
-        page.msg_at = gr.State({})  # the run and status at which the Train tab's message was made
+        page.msg_at = gr.State({})  # the run and event count at which the Train tab's message was made
+        page.timer = gr.Timer(IDLE_TICK_SECONDS)  # draw() sets its pace from the run's state
+        page.tick_seconds = {"active": TICK_SECONDS, "idle": IDLE_TICK_SECONDS}
 
         with gr.Row():
             gr.Markdown("## edgetune · LoRA fine-tuning on one GPU")
@@ -86,24 +104,11 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
         page.train_tab.wire(train_tab)
 
         train = page.train_tab
-        gr.Timer(TICK_SECONDS).tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
+        page.timer.tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
 
-        def on_load() -> dict:
-            """A fresh page: attach to the active (or newest) run, draw it, and fill the form
-            with its settings (a new Start from them gets a fresh name)."""
-            path = page.default_run()
-            out = {page.attached: path, **train.draw(path, {}, {}), page.runs_tab.select: page.runs_tab.choices(path)}
-            run = page.run_of(path)
-            if run is not None:
-                try:
-                    cfg = S.from_dict(run.config())
-                    cfg.run.name = ""
-                    out.update(page.fill_from(cfg))
-                except EdgetuneError:
-                    pass
-            return out
-
-        demo.load(on_load, None, [page.attached, *train.live_outputs, page.runs_tab.select, *page.form_outputs])
+        demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,
+                                                    page.runs_tab.compare,
+                                                    *page.form_outputs, page.tabs])
 
     demo.edgetune_chat = page.chat  # so launch() can stop the chat worker on exit
     demo.edgetune_page = page

@@ -77,9 +77,23 @@ def more_steps_text(ev: dict) -> str:
 
 def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> int:
     """Follow a run's events from index `start` with a progress bar that shows the phase
-    at once. Ctrl-C asks for a graceful stop and keeps following this attempt to its
-    end; a second Ctrl-C kills the worker and returns. `resuming`: the first line says
-    from which checkpoint the worker continues."""
+    at once. Ctrl-C (or SIGTERM, a plain `kill`) asks for a graceful stop and keeps
+    following this attempt to its end; a second one kills the worker and returns (the
+    worker runs in its own session, so it would otherwise train on without its parent).
+    `resuming`: the first line says from which checkpoint the worker continues."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return _watch(run, start, quiet, resuming)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
     from tqdm import tqdm
 
     from edgetune.engine.core import phases
@@ -96,11 +110,14 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
     def on_event(ev: dict) -> None:
         t = ev["type"]
         if t == "started":
+            seen["t0"] = ev.get("time")  # elapsed: this attempt's wall time, as the page shows it
             bar.total = _step_total(ev)
             if resuming:
                 tqdm.write(_resumed_line(run, ev))
             if not quiet:
+                threads = ev.get("cpu_threads") if ev.get("device") == "cpu" else None
                 tqdm.write(f"run {run.name}: {ev['method']} on {ev['device']}"
+                           + (f" ({threads} CPU thread{'s' if threads != 1 else ''})" if threads else "")
                            + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") and not resuming
                               else ""))
             show_phase("starting")
@@ -108,8 +125,10 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
             show_phase(phases.describe(ev) if ev["phase"] != "training" or seen["step"] else "training · first step")
         elif t == "data" and not quiet:
             r = ev["report"]
-            tqdm.write(f"data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')}), "
-                       f"dropped {r.get('dropped')}, truncated {r.get('truncated')}")
+            dropped = "; ".join(f"dropped {n}: {why}" for why, n in (r.get("dropped") or {}).items())
+            tqdm.write(f"data: {r.get('rows_kept')}/{r.get('rows_total')} rows kept ({r.get('format')})"
+                       + (f"; {dropped}" if dropped else "")
+                       + (f"; truncated {r['truncated']} to max_seq_len" if r.get("truncated") else ""))
         elif t == "step":
             seen["step"] = ev["step"]
             bar.total = ev.get("total") or bar.total
@@ -118,7 +137,7 @@ def watch(run, start: int = 0, quiet: bool = False, resuming: bool = False) -> i
                     if isinstance(ev.get(k), (int, float))}
             if ev.get("gpu", {}).get("total"):
                 post["gpu"] = size(ev["gpu"]["peak"] or 0)
-            post["elapsed"] = duration(ev.get("elapsed"))
+            post["elapsed"] = duration(ev["time"] - seen["t0"] if seen.get("t0") and ev.get("time") else None)
             post["eta"] = duration(ev.get("eta"))
             bar.set_postfix(post, refresh=False)
             bar.set_description_str("training", refresh=False)
@@ -374,7 +393,8 @@ def cmd_runs(a) -> int:
             continue
         damaged = s.get("damaged_event_lines") or 0
         note = f"  ({damaged} damaged line{'s' if damaged != 1 else ''} in events.jsonl, skipped)" if damaged else ""
-        print(f"{s['name']:32s} {s['status']:9s} {s['method'] or '':6s} step {s['step']}/{s['total']}  {metrics}{note}")
+        print(f"{s['name']:32s} {s['status']:9s} {s['method'] or '':6s} step {s['step']}/{s['total'] or '?'}  "
+              f"{metrics}{note}")
     return 0
 
 
@@ -629,9 +649,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=cmd_eval)
 
     u = sub.add_parser("ui", help="start the browser app")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", default=7860)
-    u.add_argument("--runs-dir", default="runs")
+    u.add_argument("--host", default="127.0.0.1",
+                   help="the address to serve on (default 127.0.0.1: this machine only; another needs --auth)")
+    u.add_argument("--port", default=7860, help="the port to serve on (default 7860)")
+    u.add_argument("--runs-dir", default="runs",
+                   help="where the page lists, starts and reads runs (default runs/ in the current folder)")
     u.add_argument("--auth", metavar="USER:PASSWORD",
                    help="require this login (required with a --host other than 127.0.0.1)")
     u.add_argument("--insecure-no-auth", action="store_true",

@@ -141,8 +141,8 @@ def test_sft_events_become_loss_plot_progress_and_logs():
         {"step": 2, "value": 2.0, "series": "train loss"}, {"step": 2, "value": 1.9, "series": "eval loss"}]
     p = live.progress(SFT_EVENTS)
     assert (p["step"], p["total"], p["eta"], p["phase"], p["values"]) == (2, 10, 16.0, "training", {"loss": 2.0})
-    html = live.progress_html(SFT_EVENTS, "running")
-    assert 'data-step="2"' in html and "step 2 / 10 · 4s elapsed · ETA 16s" in html and "width:20.0%" in html
+    html = live.progress_html(SFT_EVENTS, "running", now=SFT_EVENTS[0]["time"] + 6)
+    assert 'data-step="2"' in html and "step 2 / 10 · 6s elapsed · ETA 16s" in html and "width:20.0%" in html
     logs = live.log_lines(SFT_EVENTS)
     assert "started sft on cpu" in logs and "data: 9/10 rows kept (messages)" in logs
     assert "step 2/10: loss 2" in logs and "eta" not in logs.split("step 2/10")[1]
@@ -159,6 +159,22 @@ def test_progress_before_the_first_step_and_at_the_end():
     assert live.progress(failed)["phase"] == "data.path: file not found"
     assert "ETA –" in live.progress_html(done, "stopped")
     assert "stopped at step 2: loss 2" in live.log_lines(done)
+
+
+def test_elapsed_ticks_from_the_start_through_set_up_and_evaluations():
+    """Elapsed is this attempt's wall time, live on every tick: during set-up (no step yet)
+    and during an evaluation it moves on; at the end it is the time to the final event."""
+    t0 = SFT_EVENTS[0]["time"]
+    setting_up = SFT_EVENTS[:2] + [_ev(2, "phase", phase="initial_eval", done=1, total=4, unit="batches")]
+    assert "1m 35s elapsed" in live.progress_html(setting_up, "running", now=t0 + 95)
+    assert "2m 05s elapsed" in live.progress_html(setting_up, "running", now=t0 + 125)
+    evaluating = SFT_EVENTS + [_ev(6, "phase", phase="final_eval", done=0, total=4, unit="batches")]
+    assert live.progress(evaluating, now=t0 + 300)["elapsed"] == 300
+    resumed = SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={}, elapsed=5),
+                            _ev(20, "started", method="sft", config={"sft": {"steps": 10}})]
+    assert live.progress(resumed, now=t0 + 30)["elapsed"] == 10  # this attempt's clock
+    done = SFT_EVENTS + [_ev(9, "finished", step=10, adapter="a", metrics={}, elapsed=8)]
+    assert "9s elapsed · ETA –" in live.progress_html(done, "finished", now=t0 + 1000)
 
 
 def test_fgrpo_events_become_reward_success_and_kl_plots_and_samples():
@@ -252,6 +268,9 @@ def test_runs_table_rows():
                              "metrics": {"loss": 0.123456, "eval_loss": 0.2}, "created": 1_700_000_000}])
     row = df.iloc[0].to_dict()
     assert row["run"] == "sft-1" and row["step"] == "40/40" and "loss 0.1235" in row["metrics"]
+    rl = panels.runs_frame([{"name": "rl", "status": "finished", "method": "fgrpo", "step": 32, "total": 32,
+                             "metrics": {"success_rate_start": 0.1, "pass@1_end": 0.94, "eval_loss": 0.2}}])
+    assert rl.iloc[0]["metrics"] == "success rate before 0.1, pass@1 after 0.94, eval loss 0.2"
 
 
 # --------------------------------------------------------------------------- engine helpers the app calls
@@ -321,6 +340,28 @@ def test_chat_worker_answers_with_and_without_the_adapter(tmp_path, tiny_model_d
     assert both["tuned"] != both["base"]
     assert not missing["ok"] and "no adapter" in missing["error"]
     json.dumps(both)
+
+
+def test_chat_worker_streams_each_side_and_samples(tiny_model_dir, chat_worker):
+    """Streamed: each side's text grows token by token (the adapter's side first) and ends as
+    the final answer; greedy by default, sampled at a temperature with a seed that repeats."""
+    ms = S.dataclasses.asdict(S.ModelSettings(name=str(tiny_model_dir), quant="none", attn_implementation="eager"))
+    chat, log = chat_worker
+    req = {"model": ms, "adapter": "", "messages": [{"role": "user", "content": "What is 2 plus 3?"}],
+           "max_new_tokens": 6}
+    said = list(chat.stream(req, timeout=300))
+    final, parts = said[-1], [m for m in said if "partial" in m]
+    assert final["ok"] and "partial" not in final, (final, log.read_text()[-2000:])
+    assert {m["partial"] for m in parts} == {"base"} and len(parts) >= 2
+    assert parts[-1]["text"] == final["base"] == chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300)["base"]
+    assert all(parts[i]["text"] in parts[-1]["text"] for i in range(len(parts)))
+    hot = dict(req, temperature=1.5, top_p=0.9, seed=7)
+    one, two = (chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300, temperature=1.5, top_p=0.9,
+                         seed=s) for s in (7, 7))
+    assert one["ok"] and one["base"] == two["base"]  # the same seed, the same sample
+    assert list(chat.stream(hot, timeout=300))[-1]["base"] == one["base"]
+    bad = chat.ask(ms, req["messages"], max_new_tokens=6, timeout=300, temperature=-1)
+    assert not bad["ok"] and "temperature" in bad["error"]
 
 
 def test_chat_history_from_gradio_becomes_plain_turns():
@@ -442,8 +483,9 @@ def test_the_live_view_draws_a_run_folder_by_component(page):
         in html.unescape(train.draw(str(run), {}, {})[train.progress])
     assert "step 2/10: loss 2" in first[train.logs] and first[train.plots[0]].visible
     assert first[page.runs_tab.table]["run"].tolist() == ["sft-by-hand"]
-    assert "no saved adapter yet" in first[page.chat_tab.info] and "no adapter yet" in first[page.export_tab.info]
-    again = train.draw(str(run), first[page.seen], {"path": str(run), "status": "crashed"})
+    assert "no saved adapter yet" in first[page.chat_tab.info]
+    assert "ended without an adapter" in first[page.export_tab.info]  # crashed: the advice is Resume
+    again = train.draw(str(run), first[page.seen], page.said(str(run)))
     assert train.logs not in again and train.plots[0] not in again and train.msg not in again
     moved = train.draw(str(run), first[page.seen], {"path": "elsewhere", "status": "running"})
     assert moved[train.msg] == "" and moved[page.msg_at] == {}
@@ -538,21 +580,27 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
 
     worker, sent = _Chat(), []
 
-    def ask(model, messages, adapter="", max_new_tokens=128, timeout=600, tuned_messages=None, system_prompt=""):
-        req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
-               "tuned_messages": tuned_messages, "system_prompt": system_prompt}
+    def stream(req, timeout=600, partial=True):
         sent.append(json.loads(json.dumps(req)))  # what goes down the pipe
-        return worker.answer(req)
+        said = []
+        final = worker.answer(req, said.append)
+        yield from said
+        yield final
 
-    monkeypatch.setattr(page.chat, "ask", ask)
+    monkeypatch.setattr(page.chat, "stream", stream)
     tab = page.chat_tab
     values = {tab.prompt: "What is 2 plus 3?", page.attached: str(run), tab.base: [], tab.tuned: [],
               tab.max_new: 8}  # the slider's least
-    assert tab.do_chat({**values, tab.max_new: 10**6})[tab.info] == \
-        "✗ max new tokens must be in [8, 512], got 1000000 (nearest allowed: 512)"  # the API takes any number
-    out = tab.do_chat(values)
-    assert "error" not in out[tab.info] and out[tab.prompt] == "", out[tab.info]
-    assert len(sent) == 1 and sent[0]["system_prompt"] == system
+    refused = list(tab.do_chat({**values, tab.max_new: 10**6}))  # the API takes any number
+    assert refused[-1][tab.info] == "✗ max new tokens must be in [8, 512], got 1000000 (nearest allowed: 512)"
+    steps = list(tab.do_chat(values))
+    # the question shows at once on both sides, before any reply; then the replies grow
+    assert steps[0][tab.prompt] == "" and steps[0][tab.base][-2] == {"role": "user", "content": "What is 2 plus 3?"}
+    assert steps[0][tab.base][-1]["content"] == "…" and len(steps) > 3
+    assert "Answering" in steps[0][tab.info] and "Answering" not in steps[-1][tab.info]
+    out = steps[-1]
+    assert "error" not in out[tab.info], out[tab.info]
+    assert len(sent) == 1 and sent[0]["system_prompt"] == system and sent[0]["temperature"] == 0
     assert sent[0]["adapter"] == str(run / "adapter") and sent[0]["model"]["name"] == str(tiny_model_dir)
     assert out[tab.tuned][-1]["role"] == "assistant" and out[tab.base][-1]["role"] == "assistant"
     # what the model read: the run's system turn first, in place of the template's default
@@ -583,3 +631,241 @@ def test_the_train_tab_shows_what_start_would_decide(page):
     assert "packing on" in train.show_decided(values)[train.decided]
     values[page.fields["sft.lr"]] = -1.0
     assert "sft.lr must be positive" in train.show_decided(values)[train.decided]
+
+
+# --------------------------------------------------------------------------- the page follows the run
+
+
+@pytest.fixture
+def own_page(tmp_path):
+    """A page on a runs folder of its own (these tests leave a run 'training')."""
+    from edgetune.app.ui import build_app
+
+    demo = build_app(tmp_path / "runs")
+    yield demo.edgetune_page
+    demo.edgetune_chat.close()
+
+
+def _hand_run(page, name: str, preset: str, events: list[dict], alive: bool) -> "Path":
+    import os
+
+    run = page.runs_dir / name
+    run.mkdir()
+    (run / "config.yaml").write_text(S.resolve(preset=preset, overrides=[f"run.runs_dir={page.runs_dir}"]).to_yaml())
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    if alive:  # a live process stands in for the worker
+        (run / "worker.pid").write_text(str(os.getpid()))
+    return run
+
+
+def _append(run, *events):
+    with open(run / "events.jsonl", "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+
+
+def _interactive(out: dict, *buttons) -> list:
+    return [out[b].interactive for b in buttons]
+
+
+def test_a_reload_lands_on_the_training_run_with_its_settings_and_buttons(own_page):
+    from edgetune.app.ui import fresh_page
+
+    page, train = own_page, own_page.train_tab
+    empty = fresh_page(page)
+    assert page.tabs not in empty  # no run: the page opens where it always does
+    assert _interactive(empty, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, False]
+    run = _hand_run(page, "rl", "fgrpo-quickstart", [
+        _ev(0, "started", method="fgrpo", config={"fgrpo": {"steps": 32}}, device="cpu"),
+        _ev(1, "phase", phase="training")], alive=True)
+    out = fresh_page(page)
+    assert out[page.attached] == str(run) and out[page.tabs].selected == "train"
+    assert out[page.method_radio] == BY_KEY["fgrpo"].label
+    assert out[page.fields["fgrpo.steps"]] == S.resolve(preset="fgrpo-quickstart").fgrpo.steps
+    assert _interactive(out, train.start_btn, train.stop_btn, train.resume_btn) == [False, True, False]
+    # the run stops: Stop goes grey, Resume and Start come back; a finished run has no Resume
+    _append(run, _ev(2, "stopped", step=3, adapter=None, metrics={}))
+    (run / "worker.pid").unlink()
+    after = train.draw(str(run), out[page.seen], {})
+    assert _interactive(after, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, True]
+    assert page.tabs not in fresh_page(page)  # nothing trains: no tab is forced
+    _append(run, _ev(3, "started", method="fgrpo", config={}), _ev(4, "finished", step=32, adapter="a", metrics={}))
+    done = train.draw(str(run), after[page.seen], {})
+    assert _interactive(done, train.start_btn, train.stop_btn, train.resume_btn) == [True, False, False]
+    # an idle page: the timer slows down, and a tick on an unchanged ended run sends nothing
+    from edgetune.app.ui import IDLE_TICK_SECONDS, TICK_SECONDS
+
+    assert out[page.timer].value == TICK_SECONDS and done[page.timer].value == IDLE_TICK_SECONDS
+    assert train.draw(str(run), done[page.seen], {}) == {}
+    nothing = train.draw("", {}, {})
+    assert train.draw("", nothing[page.seen], {}) == {}
+
+
+def test_a_resume_confirmation_stays_until_the_run_ends_again(own_page):
+    page, train = own_page, own_page.train_tab
+    run = _hand_run(page, "cut", "sft-quickstart", SFT_EVENTS + [
+        _ev(6, "stopped", step=2, adapter="a", metrics={})], alive=False)
+    said = page.said(str(run))  # what do_resume records, before its worker starts
+    assert said == {"path": str(run), "n": 7}
+    seen = {}
+    for _ in range(3):  # ticks while the resumed worker has not written its `started` yet
+        out = train.draw(str(run), seen, said)
+        assert train.msg not in out
+        seen = out[page.seen]
+    _append(run, _ev(7, "started", method="sft", config={"sft": {"steps": 10}}, resumed_from=2))
+    (run / "worker.pid").write_text(str(__import__("os").getpid()))
+    out = train.draw(str(run), seen, said)
+    assert train.msg not in out and out[train.stop_btn].interactive
+    _append(run, _ev(8, "finished", step=10, adapter="a", metrics={}))
+    (run / "worker.pid").unlink()
+    assert train.draw(str(run), out[page.seen], said)[train.msg] == ""
+
+
+def test_opening_a_run_fills_the_form_with_its_settings(own_page):
+    page = own_page
+    _hand_run(page, "essa-run", "essa-quickstart", [_ev(0, "started", method="essa", config={})], alive=False)
+    opened = page.runs_tab.do_open("essa-run")
+    cfg = S.resolve(preset="essa-quickstart")
+    assert opened[page.method_radio] == BY_KEY["essa"].label and opened[page.tabs].selected == "train"
+    assert opened[page.fields["essa.population"]] == cfg.essa.population
+    assert opened[page.fields["run.name"]] == ""  # a Start from them gets a name of its own
+    values = {c: v for c, v in opened.items() if c in page.form_inputs}
+    again = page.config(values)
+    again.run.name = cfg.run.name = ""
+    again.run.runs_dir = cfg.run.runs_dir
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_the_export_tab_says_exporting_and_advice_fits_the_state(own_page):
+    page, tab = own_page, own_page.export_tab
+    busy = tab.busy({tab.merged: False, tab.gguf: True})
+    assert busy[tab.msg] == "Exporting GGUF files…" and not busy[tab.folder_btn].interactive
+    assert tab.busy({})[tab.msg] == "Exporting the adapter…"
+    assert all(b.interactive for b in tab.idle().values())
+    failed = _hand_run(page, "failed", "sft-quickstart", SFT_EVENTS + [
+        _ev(6, "error", message="boom", kind="bug")], alive=False)
+    advice = tab.describe(str(failed))
+    assert "ended without an adapter" in advice and "Resume" in advice and "let it finish" not in advice
+    training = _hand_run(page, "training", "sft-quickstart", SFT_EVENTS, alive=True)
+    assert "stop it or let it finish" in tab.describe(str(training))
+
+
+def test_clearing_an_upload_clears_data_path_and_its_report(own_page):
+    page, tab = own_page, own_page.data_tab
+    page.uploads.mkdir(parents=True, exist_ok=True)
+    src = page.runs_dir.parent / "mine.jsonl"
+    src.write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    taken = tab.take_upload(str(src))
+    path = taken[page.fields["data.path"]]
+    assert path == str(page.uploads / "mine.jsonl")
+    out = tab.drop_upload(path)
+    assert out[page.fields["data.path"]] == "" and "removed" in out[tab.report]
+    assert out[tab.preview].visible is False and out[tab.hist].visible is False
+    typed = tab.drop_upload("embedded:arith-sft")  # a path the user typed is not the upload's to clear
+    assert all(not isinstance(v, str) for v in typed.values())
+
+
+def test_every_setting_shows_its_whole_help(own_page):
+    long = [s for s in own_page.specs if len(s.help) > 180]
+    assert long  # the help that used to be cut mid-word
+    for s in long:
+        assert own_page.fields[s.key].info == s.help
+
+
+def test_runs_are_renamed_deleted_to_the_trash_and_restored(own_page):
+    from edgetune.engine.run import api
+
+    page, tab = own_page, own_page.runs_tab
+    run = _hand_run(page, "first", "sft-quickstart", SFT_EVENTS + [_ev(6, "stopped", step=2, adapter="a", metrics={})],
+                    alive=False)
+    (run / "adapter").mkdir()
+    (run / "adapter" / "weights").write_text("w")
+    renamed = tab.do_rename("first", "arith-v1", str(run))
+    moved = page.runs_dir / "arith-v1"
+    assert renamed[page.attached] == str(moved) and not run.exists()
+    assert api.Run(moved).config()["run"]["name"] == "arith-v1" and (moved / "adapter" / "weights").read_text() == "w"
+    assert renamed[tab.table]["run"].tolist() == ["arith-v1"] and "Renamed" in renamed[tab.msg]
+    assert "give a plain folder name" in tab.do_rename("arith-v1", "../x", str(moved))[tab.msg]
+    training = _hand_run(page, "busy", "sft-quickstart", SFT_EVENTS, alive=True)
+    assert "stop it before you delete it" in tab.do_delete("busy", str(moved))[tab.msg]
+    assert "stop it before you rename it" in tab.do_rename("busy", "other", str(moved))[tab.msg]
+    assert training.is_dir()
+
+    gone = tab.do_delete("arith-v1", str(moved))
+    assert not moved.exists() and (page.runs_dir / api.TRASH / "arith-v1" / "adapter" / "weights").is_file()
+    assert gone[page.attached] == str(training)  # the page lets go of it: the run training now
+    assert gone[tab.trashed].choices[0][0] == "arith-v1"
+    assert "arith-v1" not in gone[tab.table]["run"].tolist()
+    back = tab.do_restore("arith-v1")
+    assert (moved / "adapter" / "weights").read_text() == "w" and "Restored **arith-v1**" in back[tab.msg]
+    assert api.trashed_runs(page.runs_dir) == []
+
+
+def test_the_runs_tab_plots_chosen_runs_curves_together(own_page):
+    page, tab = own_page, own_page.runs_tab
+    _hand_run(page, "a", "sft-quickstart", SFT_EVENTS, alive=False)
+    _hand_run(page, "b", "sft-quickstart", [dict(e, loss=e["loss"] / 2) if e["type"] == "step" else e
+                                            for e in SFT_EVENTS], alive=False)
+    _hand_run(page, "rl", "fgrpo-quickstart", [_ev(0, "started", method="fgrpo", config={}),
+                                               _ev(1, "step", step=1, total=4, reward_mean=0.5)], alive=False)
+    assert set(tab.refresh("")[tab.compare].choices) == {("a", "a"), ("b", "b"), ("rl", "rl")}
+    from edgetune.engine.run import api
+
+    out = tab.do_compare(["a", "b", "rl"], "train loss")
+    assert out[tab.compare_plot].visible and out[tab.compare_plot].value is not None
+    # the figure the button draws: a line per run, named; a run without the curve says so
+    fig = live.compare_figure([(n, list(api.open_run(page.runs_dir / n).events())) for n in ("a", "b", "rl")],
+                              "train loss")
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].lines}
+    assert lines["a"] == [2.4, 2.0] and lines["b"] == [1.2, 1.0] and "rl: no train loss" in lines
+    reward = live.compare_figure([("rl", [_ev(1, "step", step=1, reward_mean=0.5)])], "reward")
+    assert [list(line.get_ydata()) for line in reward.axes[0].lines] == [[0.5]]
+    assert "Pick the runs" in tab.do_compare([], "train loss")[tab.msg]
+
+
+@pytest.mark.parametrize("preset, changes", [
+    ("sft-quickstart", {}),
+    ("sft-quickstart", {"sft": {"steps": 16, "packing": True}, "lora": {"target_modules": ["q_proj", "v_proj"]},
+                        "data": {"system_prompt": "Answer with: true"}, "model": {"quant": "none"}}),
+    ("fgrpo-quickstart", {"fgrpo": {"beta": 0.05, "reward": "math"}, "run": {"name": "my run"}}),
+    ("essa-quickstart", {"essa": {"population": 8}}),
+])
+def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, preset, changes):
+    """The command line shown beside Start, read back by the CLI's own parser: the same
+    settings, whatever their type (lists, booleans, a string that looks like a boolean)."""
+    import shlex
+
+    from edgetune.engine import cli
+
+    cfg = S.resolve(preset=preset, overrides={**changes, "run": {**changes.get("run", {}),
+                                                                  "runs_dir": str(tmp_path / "my runs")}})
+    command = form.cli_command(cfg)
+    words = shlex.split(command)
+    assert words[:4] == ["edgetune", "train", "--preset", preset]
+    assert words.count("--set") == sum(len(v) for k, v in changes.items() if k != "run")
+    back = cli._config(cli.build_parser().parse_args(words[1:]))
+    assert back.to_dict() == cfg.to_dict()
+
+
+def test_the_model_picker_lists_the_embedded_and_cached_models(tmp_path, monkeypatch):
+    from edgetune.app.ui import build_app
+    from edgetune.engine.run import api
+
+    cache = tmp_path / "hub"
+    (cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc").mkdir(parents=True)
+    (cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc" / "config.json").write_text("{}")
+    (cache / "models--half--downloaded" / "snapshots" / "x").mkdir(parents=True)  # no config.json: not offered
+    (cache / "datasets--some--data").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert api.known_models() == [S.EMBEDDED_MODEL, "Qwen/Qwen2.5-0.5B-Instruct"]
+    demo = build_app(tmp_path / "runs")
+    try:
+        page = demo.edgetune_page
+        box = page.fields["model.name"]
+        assert [c[0] for c in box.choices] == [S.EMBEDDED_MODEL, "Qwen/Qwen2.5-0.5B-Instruct"]
+        assert box.allow_custom_value  # a folder or a hub id typed in still goes
+        cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
+        values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+        values[box] = str(tmp_path / "my-model")
+        assert page.config(values).model.name == str(tmp_path / "my-model")
+    finally:
+        demo.edgetune_chat.close()

@@ -1,9 +1,11 @@
 """The app in a real Chromium (Playwright): preset -> start -> a status line per phase that
-matches the worker's events -> live progress and memory -> reload re-attaches with the
-history -> the Runs table follows the run without Refresh -> a second start is refused ->
-stop (the stale message goes) -> download the adapter zip (loaded with PEFT at the end) ->
-a three-turn chat, base and adapter side by side; and a malformed data file shows its row
-number. No finished worker stays behind as a defunct process of the app.
+matches the worker's events -> live progress and memory, elapsed ticking -> the buttons
+follow the run's state -> reload lands on the Train tab, re-attached with the history ->
+the Runs table follows the run without Refresh -> stop (the stale message goes) -> the
+run's curve in the Runs tab's comparison -> download the adapter zip (loaded with PEFT at
+the end) and a folder export's zip -> a three-turn chat, the question shown at once, base
+and adapter side by side; a malformed data file shows its row number; the run deleted to
+the trash and restored. No finished worker stays behind as a defunct process of the app.
 
 Trains the embedded SmolLM2-135M (fp32) on the CPU for a few steps (a minute or two).
 Screenshots of each stage go to artifacts/screenshots/.
@@ -94,6 +96,10 @@ def _wait(cond, timeout: float, what: str, poll: float = 0.5):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _enabled(page) -> dict:
+    return {name: page.locator(f"#{name}-btn").is_enabled() for name in ("start", "stop", "resume")}
 
 
 def _tab(page, name: str) -> None:
@@ -189,10 +195,21 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.wait_for_timeout(1500)  # let the plot redraw
         page.screenshot(path=str(SHOTS / "02-train-running.png"), full_page=True)
 
-        # -- reload mid-run: the page re-attaches and replays the history
+        # while it trains, Stop is the one button that applies
+        _wait(lambda: _enabled(page) == {"start": False, "stop": True, "resume": False}, 30, "buttons of a running run")
+        # elapsed moves between steps (it used to freeze until the next step event)
+        ticks = set()
+        for _ in range(4):
+            ticks.add(page.locator("#train-progress .et-progress-text").inner_text().split(" elapsed")[0]
+                      .split("· ")[-1])
+            page.wait_for_timeout(1100)
+        assert len(ticks) >= 2 and "–" not in ticks, ticks
+
+        # -- reload mid-run: the page lands on the run's Train tab, re-attached, with its history
         page.reload()
         page.wait_for_selector("#tabs")
-        _tab(page, "4 · Train")
+        _wait(lambda: page.locator("#train-progress").is_visible(), 60, "the Train tab after the reload")
+        assert page.get_by_role("tab", name="4 · Train").get_attribute("aria-selected") == "true"
         _wait(lambda: _progress(page)["step"] >= first["step"] and _progress(page)["status"] == "running", 60,
               "the re-attached progress")
         logs = _wait(lambda: page.locator("#log-lines textarea").input_value(), 30, "replayed log lines")
@@ -215,18 +232,19 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         _wait(lambda: table_step() > before, 240, "the Runs table to move with the run")
         _tab(page, "4 · Train")
 
-        # -- a second start is refused with the engine's message
-        page.click("#start-btn")
-        page.wait_for_selector("#train-message:has-text('one run at a time')")
+        # -- a second start cannot be clicked while the run trains
+        assert _enabled(page)["start"] is False
 
         # -- stop: the worker finishes its step and saves the adapter
         page.click("#stop-btn")
         page.mouse.move(5, 5)
+        page.wait_for_selector("#train-message:has-text('Stopping')")
         _wait(lambda: _progress(page)["status"] == "stopped", 420, "the run to stop")
         stopped_at = _progress(page)["step"]
         assert 2 <= stopped_at < STEPS
-        # the messages of the refused start and of the stop went when the run's state moved on
+        # the stop's message went when the run reached its end; Resume and Start apply now
         _wait(lambda: page.locator("#train-message").inner_text().strip() == "", 10, "the stale message to go")
+        _wait(lambda: _enabled(page) == {"start": True, "stop": False, "resume": True}, 30, "buttons of a stopped run")
         page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
 
         # -- the Runs tab lists it with its status and final metrics
@@ -234,6 +252,12 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.click("#refresh-runs-btn")
         _wait(lambda: "stopped" in page.locator("#runs-table").inner_text(), 30, "the stopped run in the table")
         assert "sft" in page.locator("#runs-table").inner_text() and "loss" in page.locator("#runs-table").inner_text()
+        # -- its curve, plotted from the Runs tab's comparison
+        page.locator("#compare-runs input").click()
+        page.get_by_role("option", name=run_dir.name, exact=True).click()
+        page.keyboard.press("Escape")
+        page.click("#compare-btn")
+        page.wait_for_selector("#compare-plot img", timeout=60_000)
 
         # -- export: download the zip and load it with PEFT on the embedded base
         _tab(page, "7 · Export")
@@ -243,6 +267,17 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
             page.click("#download-btn")
         zip_path = tmp_path / "adapter.zip"
         dl.value.save_as(zip_path)
+        # -- a folder export: "Exporting …" while it runs, then the folder to download as a zip
+        page.locator("#export-path input, #export-path textarea").first.fill(str(tmp_path / "exported"))
+        page.click("#export-folder-btn")
+        page.wait_for_selector("#export-files a", timeout=120_000)
+        assert "Exported to" in page.locator("#export-message").inner_text()
+        with page.expect_download() as folder_dl:
+            page.locator("#export-files a").first.click()
+        folder_zip = tmp_path / "exported.zip"
+        folder_dl.value.save_as(folder_zip)
+        with zipfile.ZipFile(folder_zip) as z:
+            assert "exported/adapter_config.json" in z.namelist()
         page.screenshot(path=str(SHOTS / "05-export.png"), full_page=True)
 
         # -- try it: a three-turn conversation, base and base + adapter side by side (one chat
@@ -256,12 +291,18 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
             page.locator("#chat-prompt textarea").fill(text)
             page.click("#chat-send")
             page.mouse.move(5, 5)
+            # the question shows at once on both sides and the box is ready for the next one
+            for side in ("#chat-base", "#chat-tuned"):
+                _wait(lambda side=side: page.locator(f'{side} [data-testid="user"]').count() >= turn, 10,
+                      f"question {turn} in {side}")
+            assert page.locator("#chat-prompt textarea").input_value() == ""
+            _wait(lambda: "Answering" not in page.locator("#chat-info").inner_text(), 300, f"reply {turn} to end")
             for side in ("#chat-base", "#chat-tuned"):
                 bot = page.locator(f'{side} [data-testid="bot"]')
                 _wait(lambda bot=bot: bot.count() >= turn or "error" in page.locator("#chat-info").inner_text(),
                       300, f"reply {turn} in {side}")
                 assert "error" not in page.locator("#chat-info").inner_text(), page.locator("#chat-info").inner_text()
-                assert bot.nth(turn - 1).inner_text().strip()
+                assert bot.nth(turn - 1).inner_text().strip() not in ("", "…")
         page.screenshot(path=str(SHOTS / "06-try-it.png"), full_page=True)
 
         # -- a malformed data file: the report names the row, no traceback
@@ -274,6 +315,18 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         report = page.locator("#data-report").inner_text()
         assert "broken.jsonl" in report and "Traceback" not in report
         page.screenshot(path=str(SHOTS / "07-data-bad-file.png"), full_page=True)
+
+        # -- delete the run to the trash, then restore it
+        _tab(page, "5 · Runs")
+        page.click("#delete-run-btn")
+        page.wait_for_selector("#runs-message:has-text('Moved')")
+        assert not run_dir.exists() and (runs / ".trash" / run_dir.name / "adapter").is_dir()
+        page.locator("#trash-select input").click()
+        page.get_by_role("option", name=run_dir.name, exact=True).click()
+        page.click("#restore-run-btn")
+        page.wait_for_selector("#runs-message:has-text('Restored')")
+        assert (run_dir / "adapter" / "adapter_config.json").is_file()
+        assert run_dir.name in page.locator("#runs-table").inner_text()
         browser.close()
 
     # finished workers are reaped by the app (they used to stay <defunct> until it exited)

@@ -289,6 +289,48 @@ def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
     assert last["type"] in ("error", "stopped")  # killed, unless the stop finished first
 
 
+def test_sigterm_to_the_cli_stops_its_run_as_ctrl_c_does(tmp_path, tiny_model_dir):
+    """A plain `kill` of `edgetune train` asks its worker (in a session of its own) for a
+    graceful stop and follows it to the end: no worker is left training without a parent."""
+    args = ["train", "--preset", "sft-quickstart", "--runs-dir", str(tmp_path / "runs"), "--name", "term"]
+    for s in _tiny_sets(tiny_model_dir, steps=500):
+        args += ["--set", s]
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    events = tmp_path / "runs" / "term" / "events.jsonl"
+    _wait_for(lambda: proc.poll() is None and events.is_file()
+              and any(e["type"] == "step" for e in read_events(events)), 240, "a first step")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    last = read_events(events)[-1]
+    assert last["type"] == "stopped" and last["step"] < 500
+    assert "stopped: adapter in" in out + err
+    from edgetune.engine.run import api
+
+    assert not api.Run(tmp_path / "runs" / "term").alive()
+    listed = edgetune("runs", "--runs-dir", str(tmp_path / "runs")).stdout
+    assert re.search(r"term\s+stopped\s+sft\s+step \d+/500", listed), listed
+
+
+def test_every_ui_option_has_help():
+    text = " ".join(edgetune("ui", "--help").stdout.split())
+    for option, words in (("--host", "the address to serve on"), ("--port", "the port to serve on"),
+                          ("--runs-dir", "where the page lists, starts and reads runs")):
+        assert f"{option} " in text and words in text, (option, text)
+
+
+def test_a_run_without_steps_lists_its_step_count(tmp_path):
+    from edgetune.engine.core.settings import resolve
+
+    run = tmp_path / "runs" / "fresh"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(resolve(preset="fgrpo-quickstart").to_yaml())
+    listed = edgetune("runs", "--runs-dir", str(tmp_path / "runs")).stdout
+    steps = resolve(preset="fgrpo-quickstart").fgrpo.steps
+    assert f"step 0/{steps}" in listed and "None" not in listed
+
+
 def test_sigterm_during_the_initial_eval_is_a_graceful_stop(tmp_path, tiny_model_dir):
     """A plain `kill` of the worker while it evaluates ends the run within seconds, as Stop does."""
     from edgetune.engine.run import api

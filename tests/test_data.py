@@ -336,6 +336,21 @@ def test_malformed_json_names_the_line(tmp_path):
     bad("malformed JSON at line 3", D.read_rows, str(tmp_path / "arr.json"), row=3)
     (tmp_path / "s.jsonl").write_text('{"text": "a"}\n"just a string"\n')
     bad("expected a JSON object per row, got str", D.read_rows, str(tmp_path / "s.jsonl"), row=2)
+    assert "column" in msg  # a fault inside the line: where in it
+
+
+@pytest.mark.parametrize("cut", ['{"prompt": "3+3?", "completion": ', '{"prompt": "3+3?", "completion": "6"',
+                                 '{"prompt": "3+3?", "completion": "6'])
+def test_a_line_cut_short_is_said_so(tmp_path, cut):
+    f = tmp_path / "cut.jsonl"
+    f.write_text('{"prompt": "1+1?", "completion": "2"}\n' + cut + "\n")
+    msg = bad("malformed JSON on line 2: the line ends before its JSON object does", D.read_rows, str(f), row=2)
+    assert "delimiter" not in msg and "Expecting" not in msg
+    # the streamed reader (the training data's) says the same
+    from edgetune.engine.data.files import iter_rows
+
+    with pytest.raises(DataError, match="ends before its JSON object does"):
+        list(iter_rows(str(f)))
 
 
 def test_unknown_columns_lists_found_and_expected(tok, tmp_path):

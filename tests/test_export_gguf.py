@@ -5,6 +5,7 @@ exports in a real llama.cpp (llama-cpp-python) against edgetune's own chat."""
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,12 +158,13 @@ def test_llama_cpp_runs_the_exports_as_edgetune_does(tmp_path, capsys):
     check = json.loads((folder / CHECK_FILE).read_text())
     print(f"export + check {time.time() - t0:.0f} s:", json.dumps(check["per_file"], indent=1))
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [LORA_FILE, "Modelfile", "Modelfile.merged", "merged-f16.gguf", "merged-q8_0.gguf", CHECK_FILE])
+        [LORA_FILE, "Modelfile", "Modelfile.merged", "merged-f16.gguf", "merged-q8_0.gguf", CHECK_FILE,
+         "SmolLM2-135M-Instruct.Q4_1.gguf"])  # the base, which the Modelfile's FROM names
     assert check["status"] == "passed", check.get("first_difference")
     assert len(check["files"]) == 3 and all(len(rows) == check["prompts"] for rows in check["per_file"].values())
     assert "llama.cpp check passed" in printed
     modelfile = (folder / "Modelfile").read_text()
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "FROM ./SmolLM2-135M-Instruct.Q4_1.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
 
 
 def test_the_export_tab_shows_the_checks_line(tmp_path):
@@ -189,10 +191,49 @@ def test_the_export_tab_shows_the_checks_line(tmp_path):
     with gr.Blocks():
         tab = ExportTab(Page())
     out = tmp_path / "exp"
-    msg = tab.do_folder({"attached": str(run), tab.out_dir: str(out), tab.merged: False, tab.gguf: True})[tab.msg]
+    done = tab.do_folder({"attached": str(run), tab.out_dir: str(out), tab.merged: False, tab.gguf: True})
+    msg = done[tab.msg]
     check = json.loads((out / "gguf" / CHECK_FILE).read_text())
     assert "\n" not in msg.strip() and f"GGUF files in `{out / 'gguf'}`" in msg
     assert f"llama.cpp check not run: {check['why']}" in msg
+    # the export to download from the page: the folder zipped, and each GGUF file, in the run folder
+    import zipfile
+
+    files = done[tab.files]  # as Gradio serves them (its copies of the files in the run folder)
+    assert files.visible and [f["orig_name"] for f in files.value] == ["exp.zip", LORA_FILE]
+    assert sorted(p.name for p in (run / "exports").rglob("*") if p.is_file()) == sorted(["exp.zip", LORA_FILE])
+    with zipfile.ZipFile(files.value[0]["path"]) as z:
+        assert sorted(z.namelist()) == sorted(f"exp/{p.relative_to(out)}" for p in out.rglob("*") if p.is_file())
+    assert Path(files.value[1]["path"]).read_bytes() == (out / "gguf" / LORA_FILE).read_bytes()
+    failed = tab.do_folder({"attached": str(run), tab.out_dir: str(out), tab.merged: False, tab.gguf: True})
+    assert failed[tab.msg].startswith("✗") and not failed[tab.files].visible  # a second export: refused
+
+
+def test_the_modelfile_points_at_the_base_inside_the_export(tmp_path):
+    """A run trained on a GGUF file: the export holds that file (linked or copied) and the
+    Modelfile's FROM names it there, not where the run found it (for the embedded model:
+    inside the virtual environment)."""
+    import gguf
+
+    from edgetune.engine.core.settings import resolve
+    from edgetune.engine.models.export_gguf import write_gguf
+
+    run = tmp_path / "run"
+    run.mkdir()
+    adapter, _ = _adapter(run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    base = elsewhere / "my-base.Q8_0.gguf"
+    w = gguf.GGUFWriter(str(base), "llama")
+    w.add_block_count(2)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    (run / "config.yaml").write_text(resolve(overrides=[f"model.name={base}"]).to_yaml())
+    write_gguf(adapter, tmp_path / "out", merged=False)
+    modelfile = (tmp_path / "out" / "Modelfile").read_text()
+    assert "\nFROM ./my-base.Q8_0.gguf" in "\n" + modelfile and str(elsewhere) not in modelfile
+    assert (tmp_path / "out" / "my-base.Q8_0.gguf").read_bytes() == base.read_bytes()
+    assert f"ADAPTER ./{LORA_FILE}" in modelfile
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +300,8 @@ def test_a_llama_cpp_that_crashes_or_hangs_leaves_a_complete_export(embedded_run
     assert printed.out.splitlines()[-1] == line and "Traceback" not in printed.err
     check = json.loads((out / "gguf" / CHECK_FILE).read_text())
     assert check == {"status": "could not run", "why": line.removeprefix("llama.cpp check could not run: ")}
-    assert sorted(p.name for p in (out / "gguf").iterdir()) == sorted([LORA_FILE, "Modelfile", CHECK_FILE])
+    assert sorted(p.name for p in (out / "gguf").iterdir()) == sorted(
+        [LORA_FILE, "Modelfile", CHECK_FILE, "SmolLM2-135M-Instruct.Q4_1.gguf"])  # the base the Modelfile names
     import gguf
 
     assert len(gguf.GGUFReader(str(out / "gguf" / LORA_FILE)).tensors) > 0  # the export is whole

@@ -111,14 +111,21 @@ def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     assert want <= step.keys()
     assert step["reward_std"] > 0 and step["grad_norm"] > 0
     evals = [e for e in ev_full if e["type"] == "eval"]
-    assert [e["step"] for e in evals] == [0, 3]
-    assert {"success_rate", "pass@1", "pass@2"} <= evals[0].keys()
-    assert 0 <= evals[0]["pass@1"] <= evals[0]["pass@2"] <= 1
+    # the adapter's, then the base model's (step 0), measured after training with the adapter off
+    assert [e["step"] for e in evals] == [3, 0]
+    base = evals[-1]
+    assert {"success_rate", "pass@1", "pass@2"} <= base.keys()
+    assert 0 <= base["pass@1"] <= base["pass@2"] <= 1
+    # the same figures as the base model measured alone (`edgetune eval --adapter ''`)
+    alone = fgrpo.evaluate_adapter(cfg, None)
+    assert {k: alone[k] for k in ("success_rate", "pass@1", "pass@2")} == \
+        {k: base[k] for k in ("success_rate", "pass@1", "pass@2")}
+    assert m_full["success_rate_start"] == base["success_rate"]
     assert [e["step"] for e in ev_full if e["type"] == "sample"] == [2]
-    # Each evaluation's greedy completions of the first fgrpo.samples (3) held-out prompts,
-    # with their answers, as the Train tab and the CLI show them.
+    # The final evaluation's greedy completions of the first fgrpo.samples (3) held-out
+    # prompts, with their answers, as the Train tab and the CLI show them (the base's: none).
     samples = [e for e in ev_full if e["type"] == "samples"]
-    assert [e["step"] for e in samples] == [0, 3] and [len(e["samples"]) for e in samples] == [3, 3]
+    assert [e["step"] for e in samples] == [3] and [len(e["samples"]) for e in samples] == [3]
     for x in samples[-1]["samples"]:
         a, b = map(int, x["prompt"].removeprefix("What is ").removesuffix("?").split(" plus "))
         assert x["reference"] == str(a + b) and isinstance(x["completion"], str)
@@ -301,6 +308,19 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files,
     assert kl[0] < 1e-9  # step 1: a fresh LoRA (B = 0) is the base model exactly
     assert kl[2] > 1e-6  # after two updates the policy has left the base
     assert all(e["dropped"] == 0 for e in events if e["type"] == "step")  # KL keeps every row
+    # at beta = 0 the loss has no KL term and none is measured: the step says so (None), and
+    # the Train tab's KL plot says why it is empty
+    cfg0 = config(tiny_model_dir, rl_files, tmp_path, beta=0.0, eval_prompts=0, steps=1)
+    _, _, events0 = run_fgrpo(cfg0, tmp_path / "no-kl")
+    assert [e["kl"] for e in events0 if e["type"] == "step"] == [None]
+    from edgetune.app import live
+    from edgetune.app.methods import BY_KEY
+
+    kl_plot = BY_KEY["fgrpo"].plots[2]
+    fig = live.plot_figure(live.plot_frame(events0, kl_plot), kl_plot, stepped=True)
+    assert "fgrpo.beta is 0" in fig.axes[0].texts[0].get_text()
+    fig = live.plot_figure(live.plot_frame(events, kl_plot), kl_plot, stepped=True)
+    assert not fig.axes[0].texts and len(fig.axes[0].lines[0].get_ydata()) == 3
 
 
 def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
@@ -360,4 +380,6 @@ def test_finished_run_trains_more_steps_at_the_final_learning_rate(tiny_model_di
     assert events[-1]["type"] == "finished" and events[-1]["step"] == 3
     lrs = {e["step"]: e["lr"] for e in events if e["type"] == "step"}
     assert lrs == pytest.approx({1: lrs[1], 2: 0.1 * cfg.fgrpo.lr, 3: 0.1 * cfg.fgrpo.lr}) and lrs[1] > lrs[2]
-    assert [e["step"] for e in events if e["type"] == "samples"] == [0, 2, 3]
+    assert [e["step"] for e in events if e["type"] == "samples"] == [2, 3]
+    # the base model measured once, after the first two steps; not again after the third
+    assert [e["step"] for e in events if e["type"] == "eval"] == [2, 0, 3]

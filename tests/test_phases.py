@@ -98,7 +98,7 @@ def rl_file(tmp_path):
     return path
 
 
-def test_fgrpo_initial_eval_counts_prompts_and_stops_between_chunks(tiny_model_dir, rl_file, tmp_path):
+def test_fgrpo_evaluates_the_base_after_training_and_stops_between_chunks(tiny_model_dir, rl_file, tmp_path):
     from edgetune.engine.methods import fgrpo
 
     cfg = settings.resolve(overrides={
@@ -111,13 +111,70 @@ def test_fgrpo_initial_eval_counts_prompts_and_stops_between_chunks(tiny_model_d
                   "eval_prompts": 8, "eval_k": 0, "micro_batch_size": 4},
     })
     full = _run(fgrpo.train, cfg, tmp_path / "full")
-    assert _order(full) == ["loading", "data_check", "initial_eval", "training", "final_eval", "export"]
-    initial = [e for e in _phases(full) if e["phase"] == "initial_eval"]
-    assert initial[-1]["done"] == initial[-1]["total"] == 8 and initial[-1]["unit"] == "prompts"
-    assert len({e["done"] for e in initial}) >= 3  # 8 prompts in chunks of one rollout batch (4 rows)
+    # the first step right after loading: the base model is evaluated after training
+    assert _order(full) == ["loading", "data_check", "training", "final_eval", "base_eval", "export"]
+    base = [e for e in _phases(full) if e["phase"] == "base_eval"]
+    assert base[-1]["done"] == base[-1]["total"] == 8 and base[-1]["unit"] == "prompts"
+    assert len({e["done"] for e in base}) >= 3  # 8 prompts in chunks of one rollout batch (4 rows)
+    evals = [e for e in full if e["type"] == "eval"]
+    assert [e["step"] for e in evals] == [2, 0] and full[-1]["type"] == "finished"
+    assert {"success_rate_start", "success_rate_end"} <= set(full[-1]["metrics"])
 
-    cut = _run(fgrpo.train, cfg, tmp_path / "cut", stop_in="initial_eval")
-    done = [e["done"] for e in _phases(cut) if e["phase"] == "initial_eval"]
+    cut = _run(fgrpo.train, cfg, tmp_path / "cut", stop_in="final_eval")
+    done = [e["done"] for e in _phases(cut) if e["phase"] == "final_eval"]
     assert max(done) < 8
-    assert not [e for e in cut if e["type"] in ("step", "eval")]
-    assert cut[-1]["type"] == "stopped"
+    assert not [e for e in cut if e["type"] == "eval"]  # stopped: neither evaluation finished
+    assert not [e for e in _phases(cut) if e["phase"] == "base_eval"]  # a stop skips it too
+    assert cut[-1]["type"] == "finished" and "success_rate_start" not in cut[-1]["metrics"]
+
+
+def _slow_set_up(seconds: float):
+    """run_inline's emit, wrapped: the initial evaluation takes `seconds` longer."""
+    import time
+
+    def install(ctx_holder):
+        inner = ctx_holder.emit
+
+        def emit(type, **fields):
+            if type == "phase" and fields["phase"] == "initial_eval" and not fields.get("done"):
+                time.sleep(seconds)
+            return inner(type, **fields)
+        ctx_holder.emit = emit
+    return install
+
+
+def _timed(train, cfg, path):
+    def wrapped(ctx):
+        _slow_set_up(2.0)(ctx)
+        return train(ctx)
+    return run_inline(wrapped, cfg, path)[2]
+
+
+def _check_clock_starts_at_training(events):
+    training = next(e for e in _phases(events) if e["phase"] == "training")
+    first = next(e for e in events if e["type"] == "step")
+    # elapsed counts from the training phase: the slow set-up before it is not training time
+    assert first["elapsed"] <= first["time"] - training["time"] + 0.05
+    assert first["elapsed"] < 2.0
+    assert first["eta"] is not None and first["eta"] < 2.0 * first["total"]
+
+
+def test_sft_elapsed_and_eta_count_from_the_first_step(tiny_model_dir, tmp_path):
+    from edgetune.engine.methods import sft
+
+    _check_clock_starts_at_training(_timed(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run"))
+
+
+def test_fgrpo_elapsed_and_eta_count_from_the_first_step(tiny_model_dir, rl_file, tmp_path):
+    from edgetune.engine.methods import fgrpo
+
+    cfg = settings.resolve(overrides={
+        "method": "fgrpo",
+        "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"path": str(rl_file), "eval_fraction": 0.4},
+        "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
+        "fgrpo": {"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 4, "steps": 2,
+                  "eval_prompts": 4, "eval_k": 0, "micro_batch_size": 4},
+    })
+    _check_clock_starts_at_training(_timed(fgrpo.train, cfg, tmp_path / "run"))

@@ -15,6 +15,7 @@ LABELS = {
     "warm_start": "warm start (SFT)",
     "training": "training",
     "final_eval": "final eval",
+    "base_eval": "base model eval (the before-training figures)",
     "export": "saving the adapter",
 }
 

@@ -176,7 +176,7 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DataError(f"malformed JSON on line {n}: {e.msg} (column {e.colno})", file=shown, row=n) from None
+                raise DataError(f"malformed JSON on line {n}: {_json_problem(e, line)}", file=shown, row=n) from None
             except RecursionError:
                 raise DataError(_TOO_DEEP, file=shown, row=n) from None
     for i, r in enumerate(rows, start=1):
@@ -186,6 +186,14 @@ def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
 
 
 _TOO_DEEP = "JSON nested too deeply to read (thousands of levels of [ or {)"
+
+
+def _json_problem(e: json.JSONDecodeError, line: str) -> str:
+    """What is wrong with one line of JSON: a line that ends before its object does (a file
+    cut short, a row split over two lines) is said so, not as the parser's next expectation."""
+    if e.msg.startswith("Unterminated string") or e.pos >= len(line.rstrip()):
+        return "the line ends before its JSON object does (cut short, or a row split over lines?)"
+    return f"{e.msg} (column {e.colno})"
 
 
 def _too_long() -> str:
@@ -260,7 +268,7 @@ def _jsonl_rows(p: Path, shown: str, progress: Progress):
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"malformed JSON on line {n}: {e.msg} (column {e.colno})", file=shown,
+                raise DataError(f"malformed JSON on line {n}: {_json_problem(e, text)}", file=shown,
                                 row=n) from None
             except RecursionError:
                 raise DataError(_TOO_DEEP, file=shown, row=n) from None

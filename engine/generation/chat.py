@@ -10,10 +10,15 @@ Request:  {"model": {ModelSettings fields}, "adapter": "runs/x/adapter" or "",
            "messages": [{"role", "content"}, ...], "max_new_tokens": 128,
            "tuned_messages": the adapter side's own conversation (optional; default messages),
            "system_prompt": the run's data.system_prompt (optional), put first on both sides
-           where a conversation has no system turn, as training and rollouts do}
+           where a conversation has no system turn, as training and rollouts do,
+           "temperature": 0 = greedy (the default), else sampled with "top_p" (default 1),
+           "seed": the sampling seed (both sides draw from the same one),
+           "stream": true for the text so far as it grows}
 Each side of a multi-turn chat sends its own history: the adapter's earlier replies are
 part of what it answers next, the base's part of what the base answers.
-Answer:   {"ok": true, "base": "...", "tuned": "..." or null}  |  {"ok": false, "error": "..."}
+Answer:   {"ok": true, "base": "...", "tuned": "..." or null}  |  {"ok": false, "error": "..."},
+          with "stream", before it one line per new token: {"ok": true, "partial": "tuned" | "base",
+          "text": that side's reply so far} (the adapter's side first, then the base's).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import threading
 import time
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.threads import worker_env
 
 
 # --------------------------------------------------------------------------- the worker
@@ -76,36 +82,82 @@ class _Chat:
 
         return prompt_ids(self.tok, [messages], system_prompt)[0]
 
-    def _generate(self, messages: list[dict], max_new_tokens: int, system_prompt: str = "") -> str:
+    def _generate(self, messages: list[dict], max_new_tokens: int, system_prompt: str = "",
+                  sampling: dict | None = None, on_text=None) -> str:
+        """The reply to `messages`; `sampling`: {"temperature", "top_p", "seed"} (greedy
+        without); `on_text(text so far)` after each new token."""
         import torch
 
         tok = self.tok
         device = next(self.model.parameters()).device
         row = torch.tensor([self.prompt_ids(messages, system_prompt)], device=device)
         ids = {"input_ids": row, "attention_mask": torch.ones_like(row)}
+        how = {"do_sample": False}
+        if sampling:
+            torch.manual_seed(int(sampling.get("seed", 0)))
+            how = {"do_sample": True, "temperature": float(sampling["temperature"]),
+                   "top_p": float(sampling.get("top_p", 1.0)), "top_k": 0}
+        streamer = _Streamer(tok, on_text) if on_text is not None else None
         with torch.no_grad():
-            out = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                      pad_token_id=tok.pad_token_id, use_cache=True)
+            out = self.model.generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                                      use_cache=True, streamer=streamer, **how)
         return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
-    def answer(self, req: dict) -> dict:
+    def answer(self, req: dict, send=None) -> dict:
+        """The final answer to `req`; with `send`, each side's text so far as it grows
+        (send({"ok": True, "partial": side, "text": ...}))."""
         self._base(req["model"])
         msgs, n = _plain(req["messages"]), int(req.get("max_new_tokens", 128))
         tuned_msgs = _plain(req.get("tuned_messages") or req["messages"])
         system = req.get("system_prompt") or ""
         adapter = req.get("adapter") or ""
+        sampling = _sampling(req)
+
+        def gen(side: str, messages: list[dict]) -> str:
+            on_text = (lambda text: send({"ok": True, "partial": side, "text": text})) if send else None
+            return self._generate(messages, n, system, sampling, on_text)
+
         if not adapter:
             if self.adapters:  # a PeftModel by now: switch its adapter off for the base reply
                 with self.model.disable_adapter():
-                    return {"ok": True, "base": self._generate(msgs, n, system), "tuned": None}
-            return {"ok": True, "base": self._generate(msgs, n, system), "tuned": None}
+                    return {"ok": True, "base": gen("base", msgs), "tuned": None}
+            return {"ok": True, "base": gen("base", msgs), "tuned": None}
         if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
             raise RunError(f"no adapter in {adapter} (the run has not saved one yet)")
         model = self._with_adapter(adapter)
-        tuned = self._generate(tuned_msgs, n, system)
+        tuned = gen("tuned", tuned_msgs)
         with model.disable_adapter():
-            base = self._generate(msgs, n, system)
+            base = gen("base", msgs)
         return {"ok": True, "base": base, "tuned": tuned}
+
+
+def _sampling(req: dict) -> dict | None:
+    """{"temperature", "top_p", "seed"} of a request that samples; None for greedy."""
+    t = float(req.get("temperature") or 0.0)
+    if t < 0 or not 0 < float(req.get("top_p") or 1.0) <= 1:
+        raise RunError(f"temperature {t} / top_p {req.get('top_p')}: a temperature of 0 (greedy) or more, "
+                       "a top_p above 0 and at most 1")
+    if t == 0:
+        return None
+    return {"temperature": t, "top_p": float(req.get("top_p") or 1.0), "seed": int(req.get("seed") or 0)}
+
+
+class _Streamer:
+    """What model.generate calls with the prompt, then each new token: hands the decoded
+    reply so far to `on_text`."""
+
+    def __init__(self, tok, on_text):
+        self.tok, self.on_text, self.ids, self.prompt_seen = tok, on_text, [], False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        self.ids += value.reshape(-1).tolist()
+        self.on_text(self.tok.decode(self.ids, skip_special_tokens=True).strip())
+
+    def end(self) -> None:
+        pass
 
 
 def _plain(messages: list[dict]) -> list[dict]:
@@ -126,11 +178,16 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     chat = _Chat()
+    def send(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
-            result = chat.answer(json.loads(line))
+            req = json.loads(line)
+            result = chat.answer(req, send if req.get("stream") else None)
         except EdgetuneError as e:
             result = {"ok": False, "error": str(e)}
         except Exception as e:  # a bug: keep the worker alive, tell the user in one line
@@ -157,33 +214,58 @@ class ChatSession:
     def _ensure(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+            env = worker_env(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
             self.proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.generation.chat"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                                          start_new_session=True)
         return self.proc
 
     def ask(self, model: dict, messages: list[dict], adapter: str = "", max_new_tokens: int = 128,
-            timeout: float = 600, tuned_messages: list[dict] | None = None, system_prompt: str = "") -> dict:
+            timeout: float = 600, tuned_messages: list[dict] | None = None, system_prompt: str = "",
+            **sampling) -> dict:
+        """The final answer (the module's docstring); `sampling`: temperature, top_p, seed."""
+        req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
+               "tuned_messages": tuned_messages, "system_prompt": system_prompt, **sampling}
+        last = {}
+        for last in self.stream(req, timeout, partial=False):
+            pass
+        return last
+
+    def stream(self, req: dict, timeout: float = 600, partial: bool = True):
+        """Yield each side's text so far as it grows ({"partial": side, "text"}), then the
+        final answer (the module's docstring); one request at a time across threads."""
         with self.lock:
-            proc = self._ensure()
-            req = {"model": model, "adapter": adapter, "messages": messages, "max_new_tokens": max_new_tokens,
-                   "tuned_messages": tuned_messages, "system_prompt": system_prompt}
-            proc.stdin.write(json.dumps(req) + "\n")
-            proc.stdin.flush()
-            deadline = time.time() + timeout
-            while time.time() < deadline:
-                ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-                if ready:
-                    line = proc.stdout.readline()
-                    if not line:
-                        break
-                    return json.loads(line)
-                if proc.poll() is not None:
+            try:
+                yield from self._exchange(req, timeout, partial)
+            except GeneratorExit:  # the reader left mid-answer: the rest would be read as the next answer's
+                self.close()
+                raise
+
+    def _exchange(self, req: dict, timeout: float, partial: bool):
+        proc = self._ensure()
+        proc.stdin.write(json.dumps({**req, "stream": partial}) + "\n")
+        proc.stdin.flush()
+        deadline = time.time() + timeout
+        fd, pending = proc.stdout.fileno(), b""  # read whole chunks: a streamed answer is many lines at once
+        while time.time() < deadline:
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                message = json.loads(line)
+                yield message
+                if "partial" not in message:
+                    return
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
                     break
-            self.close()
-            return {"ok": False, "error": "the chat worker stopped answering"
-                    + (f" (see {self.log_path})" if self.log_path else "")}
+                pending += chunk
+                continue
+            if proc.poll() is not None:
+                break
+        self.close()
+        yield {"ok": False, "error": "the chat worker stopped answering"
+               + (f" (see {self.log_path})" if self.log_path else "")}
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -56,8 +56,9 @@ from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError
 from edgetune.engine.methods.essa_space import SVDSpace
 from edgetune.engine.methods.essa_state import SearchLog
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, every, finish, pick_checkpoint,
-                                           read_state, save_checkpoint, seed_everything, set_rng_state)
+from edgetune.engine.training.loop import (RunContext, check_finite, every, finish, pick_checkpoint,
+                                           read_state, save_checkpoint, seed_everything, set_rng_state,
+                                           start_training)
 from edgetune.engine.training.multilora import batched_lora
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.training.rewards import build_reward
@@ -369,8 +370,7 @@ def train(ctx: RunContext) -> dict:
             metrics["reward_start"] = r0
             ctx.emit("eval", step=0, reward=r0, candidate="warm_start")
 
-    phases.emit(ctx.emit, "training")
-    progress = Progress(s.generations, gen)
+    progress = start_training(ctx, s.generations, gen)
     stopped = False
     while gen < s.generations:
         if ctx.should_stop():

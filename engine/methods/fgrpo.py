@@ -50,13 +50,14 @@ from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import copy_budget, decide, record
+from edgetune.engine.core.events import read_events
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, check_seed, emit_samples,
+from edgetune.engine.training.loop import (RunContext, check_finite, check_seed, emit_samples,
                                            every, finish, load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_last_checkpoint,
-                                           seed_everything)
+                                           seed_everything, start_training)
 from edgetune.engine.training.passk import mean_pass_at_k
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.training.rewards import Reward, build_reward
@@ -308,14 +309,14 @@ def train(ctx: RunContext) -> dict:
         state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
         start_step, metrics = state["step"], dict(state.get("metrics", {}))
 
-    def held_out_eval(step: int, key: str, phase: str | None = None) -> None:
+    def held_out_eval(step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
         tick = None
         if phase is not None:
             unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
             tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
         with sebp.lifted():  # generation: the model's own forwards (fast_decode)
             m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick,
-                         memory_budget=copy_budget(cfg), samples=s.samples)
+                         memory_budget=copy_budget(cfg), samples=samples)
         if m is None:  # stopped during the evaluation
             return
         shown = m.pop("samples", None)
@@ -326,12 +327,16 @@ def train(ctx: RunContext) -> dict:
         if shown:  # the greedy completions the evaluation made
             emit_samples(ctx, step, *shown)
 
+    # The base model's held-out figures (`*_start`) are measured after training, with the
+    # adapter switched off, so the first step comes right after loading: the same figures
+    # as before it (the adapter starts at zero, and evaluation samples from its own seeded
+    # generator, apart from training's). A run that has them already (trained further, or
+    # resumed after it measured them) keeps those: its events hold an evaluation at step 0.
+    had = any(e["type"] == "eval" and e.get("step") == 0 for e in read_events(ctx.run.events_path)) \
+        if dist.is_main() else None
+    base_due = held_out and not dist.broadcast_object(had)
     with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
-        if start_step == 0 and held_out:
-            held_out_eval(0, "start", "initial_eval")
-
-        phases.emit(ctx.emit, "training")
-        progress = Progress(s.steps, start_step)
+        progress = start_training(ctx, s.steps, start_step)
         step, stopped, warned = start_step, False, 0
         cut_shares: list[float] = []  # per step, for cut_warning (once a run)
         cut_warned = False
@@ -384,7 +389,9 @@ def train(ctx: RunContext) -> dict:
                          reward_std=float(r.std()) if r.numel() > 1 else 0.0, success_rate=float(ok.float().mean()),
                          all_correct=float((p_hat == 1).float().mean()), all_wrong=float((p_hat == 0).float().mean()),
                          focal_weight=float(g.view(-1, G)[:, 0].mean()), dropped=upd["dropped"],
-                         loss=upd["loss"], kl=upd["kl"], clip_ratio=upd["clip_ratio"], ratio=upd["ratio"],
+                         # no KL term at fgrpo.beta = 0: none measured (not a flat 0 that looks like one)
+                         loss=upd["loss"], kl=upd["kl"] if s.beta > 0 else None, clip_ratio=upd["clip_ratio"],
+                         ratio=upd["ratio"],
                          grad_norm=upd["grad_norm"], lr=scheduler.get_last_lr()[0],
                          completion_len=gen_tokens / max(len(all_rewards), 1),
                          truncated=cut_shares[-1],
@@ -402,6 +409,9 @@ def train(ctx: RunContext) -> dict:
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
         if held_out and not stopped:
             held_out_eval(step, "end", "final_eval")
+            if base_due and not ctx.should_stop():
+                with model.disable_adapter():  # the samples shown stay the adapter's
+                    held_out_eval(0, "start", "base_eval", samples=0)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

@@ -45,10 +45,10 @@ from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import decide, liger_off_reason, record
 from edgetune.engine.models.liger import apply as apply_liger
 from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
-from edgetune.engine.training.loop import (Progress, RunContext, check_finite, emit_samples, every, finish,
+from edgetune.engine.training.loop import (RunContext, check_finite, emit_samples, every, finish,
                                            load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_last_checkpoint,
-                                           seed_everything)
+                                           seed_everything, start_training)
 from edgetune.engine.data.packing import collate_packed
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.generation.rollouts import generate
@@ -231,7 +231,6 @@ def train(ctx: RunContext) -> dict:
 
     pad_id = tok.pad_token_id
     collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
-    progress = Progress(s.steps, start_step)
     metrics: dict = {}
     n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
 
@@ -254,7 +253,7 @@ def train(ctx: RunContext) -> dict:
                 ctx.emit("eval", step=0, eval_loss=loss0)
                 show_samples(0)
 
-        phases.emit(ctx.emit, "training")
+        progress = start_training(ctx, s.steps, start_step)
         model.train()
         step, stopped = start_step, False
         while step < s.steps:

@@ -31,6 +31,7 @@ from edgetune.engine.core.errors import EdgetuneError, RunError
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import atomic_dir, atomic_write_text, disk_full, pid_alive
 from edgetune.engine.core.settings import Config
+from edgetune.engine.core.threads import worker_env
 
 
 def model_card(cfg: Config, base_path: str, metrics: dict) -> str:
@@ -536,7 +537,7 @@ def export_isolated(run_or_adapter: str | Path, out: str | Path, merged: bool = 
 
     request = {"run_or_adapter": str(run_or_adapter), "out": str(out), "merged": merged, "as_zip": as_zip,
                "force": force, "gguf": gguf}
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = worker_env(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run([sys.executable, "-m", "edgetune.engine.models.export"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout, env=env, cwd=os.getcwd())

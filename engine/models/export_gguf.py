@@ -6,7 +6,8 @@ as edgetune does.
   adapter.type "lora", adapter.lora.alpha; tensors `<base tensor>.lora_a` [r, in] and
   `.lora_b` [out, r], as llama.cpp's convert_lora_to_gguf.py writes them), applied beside
   the base model's GGUF (`llama-cli -m base.gguf --lora adapter-lora.gguf`);
-- `Modelfile`: for Ollama, FROM the base GGUF, ADAPTER the LoRA;
+- `Modelfile`: for Ollama, FROM the base GGUF (put in the folder beside it: a hard link where
+  the file system allows, else a copy), ADAPTER the LoRA;
 - with `--merged`, `merged-f16.gguf` and `merged-q8_0.gguf`: the base GGUF's metadata
   (tokenizer, chat template) and tensors with the adapter folded in, and `Modelfile.merged`;
 - `gguf-check.json`: greedy completions of a fixed set of prompts in llama.cpp
@@ -284,12 +285,24 @@ def check_exportable(adapter: Path, merged: bool) -> tuple[Base, Lora]:
     return base, lora
 
 
+def link_or_copy(src: Path, dest: Path) -> None:
+    """`dest` as a hard link to `src` (no space taken twice), a copy across file systems."""
+    import shutil
+
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
 def write_gguf(adapter: Path, out: Path, merged: bool) -> dict:
     """All GGUF files of one export into the new folder `out`; returns the check's result."""
     base, lora = check_exportable(adapter, merged)
     out.mkdir()
     write_lora(lora, base, out / LORA_FILE)
-    from_line = f"FROM {base.gguf.resolve()}" if base.gguf else \
+    if base.gguf is not None:  # the folder is whole: Ollama and llama.cpp need nothing outside it
+        link_or_copy(base.gguf.resolve(), out / base.gguf.name)
+    from_line = f"FROM ./{base.gguf.name}" if base.gguf else \
         "FROM ./base.gguf  # the base model as GGUF (llama.cpp's convert_hf_to_gguf.py); edgetune trained on a folder"
     (out / "Modelfile").write_text(modelfile(from_line, f"ADAPTER ./{LORA_FILE}", base.gguf))
     if merged:

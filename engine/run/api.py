@@ -26,10 +26,12 @@ from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
+from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
                                             exit_words, lock_runs_folder, open_append, pid_alive)
 from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
                                            resolve, typed_number)  # (resolve: re-exported)
+from edgetune.engine.core.threads import worker_env
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -145,12 +147,14 @@ class Run:
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
         model = cfg.get("model")
+        record = METHODS.get(cfg.get("method")) if isinstance(cfg.get("method"), str) else None
+        total = last_step.get("total") if last_step else record.total(cfg) if record else None
         return {
             "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
             "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
-            "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
+            "step": last_step["step"] if last_step else 0, "total": total,
             "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
             "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
             "damaged_event_lines": damaged,
@@ -183,7 +187,7 @@ def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess
     log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
         (["--nproc", str(gpus), "--lock-fd", str(lock_fd)] if gpus > 1 else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = worker_env(PYTHONUNBUFFERED="1")  # torch threads: engine/core/threads.py
     # Own session: a Ctrl-C in the terminal of the UI does not kill training, and
     # kill() can take the whole process group (data loader children included).
     # The worker inherits the runs folder's lock and holds it until it exits.
@@ -411,6 +415,67 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
         os.close(fd)
 
 
+TRASH = ".trash"  # <runs_dir>/.trash: runs deleted from the app or `trash_run`, restorable
+
+
+def _idle_run(path: str | os.PathLike, doing: str) -> Run:
+    r = Run(path)
+    r.dir.require()
+    status = r.status()
+    if status in ACTIVE:
+        raise RunError(f"run '{r.name}' is {status}: stop it before you {doing} it")
+    return r
+
+
+def trash_run(path: str | os.PathLike) -> Path:
+    """Move a run folder (not a training one) into <runs_dir>/.trash/, whole and under its
+    own name (a suffix if the trash holds one of that name); `restore_run` brings it back."""
+    r = _idle_run(path, "delete")
+    trash = r.path.parent / TRASH
+    trash.mkdir(exist_ok=True)
+    dest = trash / _unique_name(trash, r.name)
+    os.rename(r.path, dest)
+    return dest
+
+
+def trashed_runs(runs_dir: str | os.PathLike = "runs") -> list[str]:
+    """The names of the runs in <runs_dir>/.trash/, newest deletion first."""
+    trash = Path(runs_dir) / TRASH
+    if not trash.is_dir():
+        return []
+    found = [p for p in trash.iterdir() if (p / "config.yaml").is_file()]
+    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
+    """A run of <runs_dir>/.trash/ back among the runs (a suffix if its name was taken since)."""
+    src = Path(runs_dir) / TRASH / check_run_name(name)
+    if not (src / "config.yaml").is_file():
+        raise RunError(f"no run '{name}' in {Path(runs_dir) / TRASH}")
+    dest = Path(runs_dir) / _unique_name(Path(runs_dir), name)
+    os.rename(src, dest)
+    return dest
+
+
+def rename_run(path: str | os.PathLike, new_name: str) -> Path:
+    """Give a run folder (not a training one) a new name in the same runs folder; its
+    config.yaml's run.name follows."""
+    r = _idle_run(path, "rename")
+    new_name = check_run_name(new_name)
+    dest = r.path.parent / new_name
+    if dest.exists():
+        raise RunError(f"{dest} exists already: pick another name")
+    text = r.dir.config_path.read_text()
+    os.rename(r.path, dest)
+    try:
+        cfg = load_run_config(dest / "config.yaml")
+        cfg.run.name = new_name
+        atomic_write_text(dest / "config.yaml", cfg.to_yaml())
+    except ConfigError:  # a damaged config.yaml keeps its text; the folder is renamed all the same
+        atomic_write_text(dest / "config.yaml", text)
+    return dest
+
+
 def open_run(path: str | os.PathLike) -> Run:
     r = Run(path)
     r.dir.require()
@@ -440,6 +505,29 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     _refuse_a_training_run(Path(run_or_adapter))
     fn = export_isolated if isolated else _export
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
+
+
+def hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded models, as huggingface_hub finds it (HF_HUB_CACHE,
+    else HF_HOME/hub, else ~/.cache/huggingface/hub); read without importing it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def known_models() -> list[str]:
+    """Models this machine has without a download, for the page's model picker: the embedded
+    model, then every model in the Hugging Face cache (hub ids, a snapshot with a config.json)."""
+    from edgetune.engine.core.settings import EMBEDDED_MODEL
+
+    found = []
+    cache = hub_cache()
+    if cache.is_dir():
+        for d in sorted(cache.glob("models--*")):
+            if any((snap / "config.json").is_file() for snap in (d / "snapshots").glob("*")):
+                found.append(d.name.removeprefix("models--").replace("--", "/"))
+    return [EMBEDDED_MODEL, *found]
 
 
 def gpu_count() -> int:

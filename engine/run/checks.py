@@ -21,6 +21,7 @@ from pathlib import Path
 
 from edgetune.engine.core.errors import DataError, EdgetuneError
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.threads import worker_env
 
 MAX_BAD_ROWS = 20
 
@@ -130,7 +131,7 @@ def main() -> int:
 
 def isolated(check: str, config: dict, timeout: float = 300) -> dict:
     """Run one check in a fresh Python process; returns its JSON answer."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = worker_env(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run([sys.executable, "-m", "edgetune.engine.run.checks"],
                               input=json.dumps({"check": check, "config": config}), capture_output=True,

@@ -34,6 +34,7 @@ from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, sche
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
                                             disk_full, exit_words)
 from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config
+from edgetune.engine.core.threads import worker_env
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -226,10 +227,12 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
         from edgetune.engine.models.model import resolve_device
 
+        import torch
+
         extra = {"world_size": dist.world()} if multi else {}
         emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
              device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
-             pid=os.getpid(), **extra)
+             pid=os.getpid(), cpu_threads=torch.get_num_threads(), **extra)
         if main:  # the run's numbers mirrored into run.report_to (engine/run/tracking.py)
             from edgetune.engine.run.tracking import Tracker
 
@@ -347,7 +350,7 @@ def launch(run_dir: str, resume: bool, nproc: int, lock_fd: int | None = None) -
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "-m", "edgetune.engine.run.worker", str(run.path)] + \
           (["--resume"] if resume else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = worker_env(processes=nproc, PYTHONUNBUFFERED="1")  # each rank's torch threads: engine/core/threads.py
     import subprocess
 
     log_start = run.log_path.stat().st_size if run.log_path.is_file() else 0

@@ -90,7 +90,9 @@ def micro_batch_indices(n: int, batch_size: int, k: int, seed: int) -> list[int]
 
 class Progress:
     """Elapsed time and ETA from the steps done in *this* process (a resumed run's
-    earlier steps do not count towards its speed)."""
+    earlier steps do not count towards its speed), timed from the first step on: set-up
+    (loading, the initial evaluation) is reported as its phases, never as training time.
+    Every method makes it with `start_training`, so their clocks agree."""
 
     def __init__(self, total: int, start_step: int = 0):
         self.total, self.start_step, self.t0 = total, start_step, time.time()
@@ -109,6 +111,14 @@ class Progress:
             out["ranks"] = dist.all_gather_object(mine)
             self.last = now
         return out
+
+
+def start_training(ctx: RunContext, total: int, start_step: int = 0) -> Progress:
+    """Announce the `training` phase and start the clock of its steps' elapsed time and ETA."""
+    from edgetune.engine.core import phases
+
+    phases.emit(ctx.emit, "training")
+    return Progress(total, start_step)
 
 
 # --------------------------------------------------------------------------- optimisation
