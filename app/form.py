@@ -22,8 +22,8 @@ from edgetune.engine.core import config_files
 from edgetune.engine.core import settings as S
 
 # Settings groups of a Config, in the order the page shows them.
-GROUPS = {"model": S.ModelSettings, "data": S.DataSettings, "lora": S.LoraSettings, "run": S.RunSettings,
-          "sft": S.SFTSettings, "fgrpo": S.FGRPOSettings, "essa": S.ESSASettings}
+# Every settings group of Config: the shared ones, then one per method (its record's name).
+GROUPS = {f.name: f.default_factory for f in dataclasses.fields(S.Config) if f.name != "method"}
 
 # What a newcomer needs to see; everything else of a group folds into "Advanced".
 BASIC = {
@@ -35,6 +35,7 @@ BASIC = {
     "fgrpo": ("steps", "lr", "num_generations", "prompts_per_step", "max_new_tokens", "reward", "gamma",
               "sample_every"),
     "essa": ("generations", "population", "reward", "prompts_per_generation", "warm_start", "evaluation"),
+    "dpo": ("loss_type", "beta", "steps", "lr", "batch_size", "eval_every"),
 }
 
 # The app owns where runs live.

@@ -77,6 +77,18 @@ METHODS = (
         ),
         samples=False, headline=("best", "mean"),
     ),
+    Method(
+        "dpo",
+        plots=(
+            Plot("Loss", "loss", (Series("step", "loss", "preference loss"),
+                                  Series("eval", "eval_loss", "eval preference loss"))),
+            Plot("Preference accuracy", "share of pairs", (Series("step", "accuracy", "chosen wins"),
+                                                           Series("eval", "eval_accuracy", "eval chosen wins"))),
+            Plot("Reward margin", "margin", (Series("step", "margin", "margin"),
+                                             Series("eval", "eval_margin", "eval margin"))),
+        ),
+        samples=False, headline=("loss", "accuracy"),
+    ),
 )
 
 # What the Runs tab can compare across runs: every series of every method's plots, once

@@ -432,7 +432,8 @@ def cmd_data(a) -> int:
         report = data_lib.load_rl(ds, 0, progress=progress).report
     else:
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(a.model or ModelSettings().name))
-        report = data_lib.load_sft(ds, tok, 0, progress).report
+        load = data_lib.load_pairs if fmt == "pairs" else data_lib.load_sft
+        report = load(ds, tok, 0, progress).report
     if tty and shown:
         print(file=sys.stderr)  # ends the \r line
     print(report.summary())

@@ -9,7 +9,7 @@ from edgetune.engine.run import worker
 
 
 def test_every_record_has_its_loop_its_settings_and_its_app_entry():
-    assert S.METHODS == tuple(METHODS) == ("sft", "fgrpo", "essa")
+    assert S.METHODS == tuple(METHODS) == ("sft", "fgrpo", "essa", "dpo")
     for name, m in METHODS.items():
         module = worker.method_module(name)
         assert module.__name__ == f"edgetune.engine.methods.{name}" and callable(module.train)
@@ -19,7 +19,7 @@ def test_every_record_has_its_loop_its_settings_and_its_app_entry():
             group, field = key.split(".")
             assert hasattr(getattr(cfg, group), field), key
         assert (BY_KEY[name].label, BY_KEY[name].blurb) == (m.label, m.description)
-    assert [m.unit for m in METHODS.values()] == ["step", "step", "generation"]
+    assert [m.unit for m in METHODS.values()] == ["step", "step", "generation", "step"]
 
 
 def test_oom_advice_lowers_each_methods_levers_in_its_order():

@@ -137,7 +137,7 @@ def test_more_steps_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
 
 def test_a_samples_prompt_is_its_last_turn_without_the_template(embedded_dir):
     from edgetune.engine.data.prompts import prompt_ids
-    from edgetune.engine.methods.sft import last_turn
+    from edgetune.engine.generation.samples import last_turn
     from edgetune.engine.models.model import load_tokenizer
 
     tok = load_tokenizer(str(embedded_dir))

@@ -51,7 +51,7 @@ def test_round_trip_through_yaml(tmp_path):
     ("sft.steps=0", "sft.steps must be in [1, 10000000], got 0"),
     ("sft.steps=2.5", "sft.steps: expected an integer"),
     ("model.quant=nf8", "model.quant: 'nf8' is not one of nf4, int8, none"),
-    ("method=dpo", "unknown method 'dpo'"),
+    ("method=kto", "unknown method 'kto'"),
     ("modle.name=x", "unknown setting 'modle' (did you mean 'model'?)"),
 ])
 def test_bad_settings_say_which_and_why(override, needle):

@@ -23,7 +23,9 @@ class Method:
     description: str  # one line: what it does
     unit: str  # what one step of its progress is: "step" or "generation"
     length: str  # the setting of its group that counts those units
-    data: str  # the rows it trains on: "demonstrations" (chat, prompt / completion, text) or "prompts" (prompt / gold answer)
+    # the rows it trains on: "demonstrations" (chat, prompt / completion, text), "prompts"
+    # (prompt / gold answer) or "pairs" (prompt, chosen, rejected)
+    data: str
     gradients: bool  # trains by back-propagation: optimizer, SEBP, Liger, checkpointing apply
     rollouts: bool  # generates completions while it trains
     # What to lower when a step runs out of GPU memory, in the order worth trying
@@ -64,4 +66,9 @@ METHODS = {m.name: m for m in (
                 "for generation only is not built yet",
            more_steps="its search is not continued past essa.generations (a finished ESSA run keeps no "
                       "checkpoint of it); start a new run with more generations"),
+    Method("dpo", "DPO", "preference tuning",
+           "Preference tuning on chosen / rejected pairs (DPO, IPO, SimPO, ORPO); the reference is the base.",
+           unit="step", length="steps", data="pairs", gradients=True, rollouts=False,
+           oom_levers=("model.gradient_checkpointing", "dpo.batch_size", "data.max_seq_len"),
+           batch="dpo.batch_size"),
 )}

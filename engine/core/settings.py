@@ -31,6 +31,7 @@ from edgetune.engine.core.methods import METHODS as RECORDS
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 EMBEDDED_SFT_DATA = "embedded:arith-sft"
 EMBEDDED_RL_DATA = "embedded:arith-rl"
+EMBEDDED_PAIRS_DATA = "embedded:arith-pairs"
 METHODS = tuple(RECORDS)
 
 
@@ -276,7 +277,7 @@ class DataSettings:
         'JSONL / JSON / CSV / Parquet file, a saved `datasets` folder, or an embedded set '
         '("embedded:arith-sft", "embedded:arith-rl").')
     format: str = setting("auto", "auto | messages | alpaca | prompt_completion | text | rl",
-                          choices=("auto", "messages", "alpaca", "prompt_completion", "text", "rl"))
+                          choices=("auto", "messages", "alpaca", "prompt_completion", "text", "rl", "pairs"))
     eval_fraction: float = setting(
         0.1,
         "Held-out share for eval (SFT loss, RL pass@k), taken with the run's seed.",
@@ -549,6 +550,40 @@ class ESSASettings:
 
 
 @dataclass
+class DPOSettings:
+    """Preference tuning on chosen / rejected pairs. See engine/methods/dpo.py for the loop
+    and docs/methods.md for the losses."""
+
+    loss_type: str = setting(
+        "sigmoid",
+        "sigmoid = DPO; ipo = IPO (squared, length-normalised); simpo = SimPO and orpo = ORPO, which "
+        "need no reference model (no second forward a step).",
+        section="loss", choices=("sigmoid", "ipo", "simpo", "orpo"))
+    beta: float = setting(
+        0.1,
+        "How far from the reference the adapter may move (sigmoid, ipo; larger = closer), SimPO's reward "
+        "scale, ORPO's weight of the odds-ratio term beside the chosen reply's NLL.",
+        section="loss", range=Range(0, 100, low_open=True, words="must be positive and at most 100"))
+    simpo_gamma: float = setting(0.5, "SimPO's target reward margin.", section="loss", range=Range(0, 100))
+    lr: float = _lr(5e-5)
+    steps: int = setting(100, "Optimizer steps.", section="optimisation", range=STEPS)
+    batch_size: int = setting(4, "Pairs per micro-batch (their chosen and rejected rows share one forward).",
+                              section="optimisation", range=ROWS)
+    grad_accum: int = setting(1, "Micro-batches per optimizer step.", section="optimisation", range=ROWS)
+    warmup_steps: int = _warmup_steps(5)
+    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation",
+                                  range=Range(0, 100))
+    max_grad_norm: float = _max_grad_norm()
+    optimizer: str = _optimizer()
+    eval_every: int = setting(
+        25,
+        "Held-out preference accuracy and loss every N steps, and before and after training (0 = never).",
+        section="evaluation", range=EVERY)
+    samples: int = _samples(" (greedy completions of held-out prompts)")
+    sebp: str = _sebp("")
+
+
+@dataclass
 class Config:
     method: str = "sft"
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -558,6 +593,7 @@ class Config:
     sft: SFTSettings = field(default_factory=SFTSettings)
     fgrpo: FGRPOSettings = field(default_factory=FGRPOSettings)
     essa: ESSASettings = field(default_factory=ESSASettings)
+    dpo: DPOSettings = field(default_factory=DPOSettings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

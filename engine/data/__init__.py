@@ -7,6 +7,8 @@ Three modules by concern, gathered here (callers import `engine.data`):
     engine/data/sft.py     SFT: conversations rendered (engine/data/prompts.py), tokenised,
                            prompts masked out of the labels; `collate`
     engine/data/rl.py      RL: prompt/answer rows, prompt lengths as the rollouts render them
+    engine/data/pairs.py   preference pairs: a prompt, a chosen and a rejected reply, each
+                           reply labelled as an SFT row
 
 Every row is checked before any training starts: a bad row is a one-line `DataError`
 naming the file, the row and the problem; `bad_rows` names every bad row, not only the
@@ -19,6 +21,7 @@ from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.data.files import (EMBEDDED, EMBEDDED_EVAL, EXPECTED_COLUMNS, FORMATS, ValidationReport,
                                         detect_format, format_for, iter_rows, preview, read_rows, report_dict,
                                         resolve_data_path)
+from edgetune.engine.data.pairs import PairData, PairExample, load_pairs, tokenize_pairs
 from edgetune.engine.data.rl import DROP_LONG_PROMPT, RLData, load_rl, rl_rows
 from edgetune.engine.data.sft import (DROP_LONG, DROP_NO_TARGET, IGNORE, SFTData, SFTExample, collate,
                                       load_sft, tokenize_rows)
@@ -27,7 +30,19 @@ from edgetune.engine.core.errors import DataError
 __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE", "DROP_LONG", "DROP_NO_TARGET",
            "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
            "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
-           "collate", "tokenize_rows", "rl_rows", "bad_rows"]
+           "collate", "tokenize_rows", "rl_rows", "bad_rows", "PairData", "PairExample", "load_pairs",
+           "tokenize_pairs", "load_for"]
+
+
+def load_for(method: str, ds, tokenizer, seed: int, progress=None):
+    """The method's rows (its record's `data`): checked, tokenised where they need a
+    tokenizer, split, and reported."""
+    kind = RECORDS[method].data
+    if kind == "demonstrations":
+        return load_sft(ds, tokenizer, seed, progress)
+    if kind == "pairs":
+        return load_pairs(ds, tokenizer, seed, progress)
+    return load_rl(ds, seed, tokenizer)
 
 
 def bad_rows(rows, fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list[dict]:
@@ -37,8 +52,11 @@ def bad_rows(rows, fmt: str, method: str, ds, tokenizer, limit: int = 0) -> list
     bad = []
     for n, row in enumerate(rows, start=1):
         try:
+            stats = {"total": 0, "dropped": {}, "truncated": 0}
             if RECORDS[method].data == "demonstrations":
-                tokenize_rows([row], fmt, tokenizer, ds, ds.path, {"total": 0, "dropped": {}, "truncated": 0})
+                tokenize_rows([row], fmt, tokenizer, ds, ds.path, stats)
+            elif RECORDS[method].data == "pairs":
+                tokenize_pairs([row], tokenizer, ds, ds.path, stats)
             else:
                 rl_rows([row], fmt, ds, ds.path)
         except DataError as e:

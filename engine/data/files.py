@@ -28,16 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from edgetune.engine.core.errors import DataError
-from edgetune.engine.core.settings import EMBEDDED_RL_DATA, EMBEDDED_SFT_DATA, DataSettings
+from edgetune.engine.core.settings import EMBEDDED_PAIRS_DATA, EMBEDDED_RL_DATA, EMBEDDED_SFT_DATA, DataSettings
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED = {
     EMBEDDED_SFT_DATA: ASSETS / "arith_sft.jsonl",
     EMBEDDED_RL_DATA: ASSETS / "arith_rl_train.jsonl",
+    EMBEDDED_PAIRS_DATA: ASSETS / "arith_pairs.jsonl",
 }
 # The held-out pairs of an embedded set: used as its eval split unless the user gives
 # data.eval_path (a fractional split of 70 pairs would test on trained questions' kin).
-EMBEDDED_EVAL = {EMBEDDED_RL_DATA: ASSETS / "arith_rl_eval.jsonl"}
+EMBEDDED_EVAL = {EMBEDDED_RL_DATA: ASSETS / "arith_rl_eval.jsonl",
+                 EMBEDDED_PAIRS_DATA: ASSETS / "arith_pairs_eval.jsonl"}
 
 # The longest JSONL line read. A training row is at most a few max_seq_len of text (tens
 # of kB); a line far beyond that is a file that is not row data (a dump, a binary), and
@@ -50,13 +52,14 @@ CHUNK_ROWS = 2048
 # How often a long data check reports how far it got (Progress).
 PROGRESS_EVERY_S = 1.0
 
-FORMATS = ("messages", "alpaca", "prompt_completion", "text", "rl")
+FORMATS = ("messages", "alpaca", "prompt_completion", "text", "rl", "pairs")
 EXPECTED_COLUMNS = {
     "messages": "messages",
     "alpaca": "instruction, input (optional), output",
     "prompt_completion": "prompt, completion",
     "text": "text",
     "rl": "prompt, answer",
+    "pairs": "prompt or messages, chosen, rejected",
 }
 
 
@@ -380,6 +383,8 @@ def detect_format(rows: list[dict], path: str) -> str:
     if not rows:
         raise DataError("the dataset is empty (no rows)", file=path)
     cols = set(rows[0])
+    if {"chosen", "rejected"} <= cols:
+        return "pairs"
     if "messages" in cols:
         return "messages"
     if {"instruction", "output"} <= cols:

@@ -47,16 +47,12 @@ from edgetune.engine.models.liger import apply as apply_liger
 from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
 from edgetune.engine.training.loop import (RunContext, check_finite, emit_samples, every, finish,
                                            load_checkpoint, make_optimizer, make_scheduler,
-                                           micro_batch_indices, save_checkpoint, save_last_checkpoint,
+                                           save_checkpoint, save_last_checkpoint, step_rows,
                                            seed_everything, start_training)
 from edgetune.engine.data.packing import collate_packed
 from edgetune.engine.planning.planner import arch_of
-from edgetune.engine.generation.rollouts import generate
+from edgetune.engine.generation.samples import complete_samples, sample_prompts
 
-# Samples at each evaluation complete at most this many tokens past the reference's
-# length, and never more than SAMPLE_MAX_TOKENS: a few short greedy completions, so they
-# stay cheap beside the held-out loss, even on the CPU.
-SAMPLE_SLACK_TOKENS, SAMPLE_MAX_TOKENS = 8, 64
 
 
 def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
@@ -101,16 +97,6 @@ def _filler(model) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.new_tensor([[-100, 0]])}
 
 
-def step_rows(n: int, batch_size: int, grad_accum: int, step: int, seed: int) -> list[list[int]]:
-    """This rank's micro-batches of optimizer step `step`: the step's rows (grad_accum
-    micro-batches of batch_size, as one process takes them) split evenly across ranks,
-    then cut into micro-batches of at most batch_size. One process gets the original
-    micro-batches back."""
-    rows = [i for j in range(grad_accum) for i in micro_batch_indices(n, batch_size, step * grad_accum + j, seed)]
-    mine = [rows[i] for i in dist.shard(len(rows))]
-    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
-
-
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
     n = -(-n_examples // batch_size)
     return min(n, max_batches) if max_batches else n
@@ -137,56 +123,6 @@ def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_bat
             return None
     model.train(was_training)
     return total / max(count, 1)
-
-
-def sample_prompts(examples, n: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reference ids) of the first `n` held-out examples that have a prompt:
-    the tokens before the first target token, and that first run of target tokens (the
-    first reply). Plain-text rows (every token a target) have no prompt and are skipped."""
-    out = []
-    for ex in examples:
-        first = next((i for i, v in enumerate(ex.labels) if v != data_lib.IGNORE), None)
-        if not first:  # no target, or no prompt before it
-            continue
-        end = next((i for i in range(first, len(ex.labels)) if ex.labels[i] == data_lib.IGNORE), len(ex.labels))
-        out.append((ex.input_ids[:first], ex.input_ids[first:end]))
-        if len(out) == n:
-            break
-    return out
-
-
-@torch.no_grad()
-def complete_samples(model, tok, picks: list[tuple[list[int], list[int]]]) -> tuple[list[str], list[str], list[str]]:
-    """(prompts, greedy completions, references) as text. The plain decode loop: no
-    CUDA-graph capture nor bf16 copy of the base for a handful of short completions."""
-    cap = min(SAMPLE_MAX_TOKENS, max(len(ref) for _, ref in picks) + SAMPLE_SLACK_TOKENS)
-    roll = generate(model, tok, [p for p, _ in picks], max_new_tokens=cap, greedy=True, fast=False)
-
-    def text(ids):
-        return tok.decode(ids, skip_special_tokens=True).strip()
-    return [last_turn(tok, p) for p, _ in picks], [t.strip() for t in roll.texts], [text(r) for _, r in picks]
-
-
-ROLES = ("system", "user", "assistant", "model", "human")
-
-
-def last_turn(tok, prompt_ids: list[int]) -> str:
-    """The text of a rendered prompt's last turn (the user's question), without the chat
-    template's system prompt and role markers: the pieces between its special tokens, less
-    those that only name a role. A template without special tokens gives the whole text."""
-    specials = set(tok.all_special_ids)
-    pieces, cur = [], []
-    for i in [*prompt_ids, None]:
-        if i is None or i in specials:
-            text = tok.decode(cur).strip()
-            first, _, rest = text.partition("\n")
-            text = rest.strip() if first.strip().lower() in ROLES else text
-            if text and text.lower() not in ROLES:
-                pieces.append(text)
-            cur = []
-        else:
-            cur.append(i)
-    return pieces[-1] if pieces else tok.decode(prompt_ids, skip_special_tokens=True).strip()
 
 
 def train(ctx: RunContext) -> dict:

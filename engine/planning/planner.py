@@ -470,6 +470,14 @@ def _plan_sft(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens"}
 
 
+def _plan_dpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+    """A micro-batch's chosen and rejected rows in one padded forward and backward; the
+    reference's forward (no_grad, adapter off) before it holds no activations past itself."""
+    rows, seq = 2 * cfg.dpo.batch_size, cfg.data.max_seq_len
+    parts = train_activation_parts(ctx, rows, seq, rows * seq)
+    return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens (chosen + rejected)"}
+
+
 def _plan_fgrpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     s = cfg.fgrpo
     prompt = cfg.data.max_seq_len
@@ -572,7 +580,7 @@ def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict
 
 # Each method's memory model, one per record of engine/core/methods.py
 # (tests/test_method_records.py checks the two agree).
-PLANS = {"sft": _plan_sft, "fgrpo": _plan_fgrpo, "essa": _plan_essa}
+PLANS = {"sft": _plan_sft, "fgrpo": _plan_fgrpo, "essa": _plan_essa, "dpo": _plan_dpo}
 
 
 def _get(cfg: Config, path: str):

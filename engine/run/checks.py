@@ -85,14 +85,11 @@ def check_data(cfg) -> dict:
             out["bad_rows"] = _bad_json_lines(p)
         return out
     tokenizer = None
-    needs_tokenizer = RECORDS[cfg.method].data == "demonstrations" or not ds.path.startswith("embedded:")
+    needs_tokenizer = RECORDS[cfg.method].data != "prompts" or not ds.path.startswith("embedded:")
     if needs_tokenizer:
         tokenizer = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
     try:
-        if RECORDS[cfg.method].data == "demonstrations":
-            report = d.load_sft(ds, tokenizer, cfg.run.seed).report
-        else:
-            report = d.load_rl(ds, cfg.run.seed, tokenizer).report
+        report = d.load_for(cfg.method, ds, tokenizer, cfg.run.seed).report
         out.update(ok=True, report=d.report_dict(report), summary=report.summary())
     except DataError as e:
         out["error"] = str(e)

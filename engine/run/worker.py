@@ -61,7 +61,7 @@ def start_heartbeat(run: RunDir) -> threading.Event:
 # Each method's module, whose `train(ctx)` trains it: one entry per record of
 # engine/core/methods.py (tests/test_method_records.py checks the two agree).
 MODULES = {"sft": "edgetune.engine.methods.sft", "fgrpo": "edgetune.engine.methods.fgrpo",
-           "essa": "edgetune.engine.methods.essa"}
+           "essa": "edgetune.engine.methods.essa", "dpo": "edgetune.engine.methods.dpo"}
 
 
 def method_module(method: str):

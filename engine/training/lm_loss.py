@@ -124,3 +124,24 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     if parts:
         out = out.masked_scatter(keep, torch.cat(parts))
     return F.pad(out, (0, T - keep.shape[1]))
+
+
+def labelled_logprobs(model, batch: dict, chunk_rows: int = LOSS_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the log-probs of each row's target tokens [B], their count [B]) for a batch of
+    labelled rows (unshifted labels, -100 where no target, as `causal_lm_loss` takes them).
+    Only the target positions are projected through lm_head, in checkpointed chunks."""
+    labels = batch["labels"]
+    _, decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     use_cache=False).last_hidden_state
+    keep = labels[:, 1:] != -100
+    h, y = hidden[:, :-1][keep], labels[:, 1:][keep]
+    parts = []
+    for s in range(0, h.shape[0], chunk_rows):
+        args = (h[s : s + chunk_rows], head.weight, y[s : s + chunk_rows], 1.0)
+        parts.append(checkpoint(_chunk_logp, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _chunk_logp(*args))
+    per_token = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    rows = keep.nonzero()[:, 0]
+    sums = torch.zeros(labels.shape[0], dtype=torch.float32, device=hidden.device).index_add(0, rows, per_token)
+    return sums, keep.sum(1)

@@ -113,6 +113,16 @@ class Progress:
         return out
 
 
+def step_rows(n: int, batch_size: int, grad_accum: int, step: int, seed: int) -> list[list[int]]:
+    """This rank's micro-batches of optimizer step `step`: the step's rows (grad_accum
+    micro-batches of batch_size, as one process takes them) split evenly across ranks,
+    then cut into micro-batches of at most batch_size. One process gets the original
+    micro-batches back."""
+    rows = [i for j in range(grad_accum) for i in micro_batch_indices(n, batch_size, step * grad_accum + j, seed)]
+    mine = [rows[i] for i in dist.shard(len(rows))]
+    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
 def start_training(ctx: RunContext, total: int, start_step: int = 0) -> Progress:
     """Announce the `training` phase and start the clock of its steps' elapsed time and ETA."""
     from edgetune.engine.core import phases

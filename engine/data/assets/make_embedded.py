@@ -12,6 +12,9 @@ only from the 70, so no evaluation question (in any phrasing) is ever trained on
     arith_rl_eval.jsonl    30 rows  same columns, the held-out pairs (its eval split)
     arith_sft.jsonl       350 rows  {"messages": [user, assistant]}   embedded:arith-sft
                                     5 phrasings x 70 train pairs, answers end "Answer: N"
+    arith_pairs.jsonl     350 rows  {"prompt", "chosen", "rejected"}  embedded:arith-pairs
+                                    the SFT answer chosen over the same answer with a wrong sum
+    arith_pairs_eval.jsonl 30 rows  the held-out pairs, first phrasing (its eval split)
 """
 
 from __future__ import annotations
@@ -59,6 +62,20 @@ def sft_rows(pairs, seed: int = SEED):
     return rows
 
 
+def pair_rows(pairs, phrasings, seed: int = SEED):
+    """A correct answer chosen over a wrong one: the same words with a sum off by 1 or 2."""
+    rng = random.Random(seed)
+    rows = []
+    for a, b in pairs:
+        for phrasing in phrasings:
+            wrong = a + b + rng.choice([d for d in (-2, -1, 1, 2) if a + b + d >= 0])
+            rows.append({"prompt": phrasing.format(a=a, b=b),
+                         "chosen": f"{a} + {b} = {a + b}. Answer: {a + b}",
+                         "rejected": f"{a} + {b} = {wrong}. Answer: {wrong}"})
+    rng.shuffle(rows)
+    return rows
+
+
 def write_jsonl(path: Path, rows) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -68,6 +85,8 @@ def main() -> None:
     write_jsonl(HERE / "arith_rl_train.jsonl", rl_rows(train))
     write_jsonl(HERE / "arith_rl_eval.jsonl", rl_rows(held_out))
     write_jsonl(HERE / "arith_sft.jsonl", sft_rows(train))
+    write_jsonl(HERE / "arith_pairs.jsonl", pair_rows(train, PHRASINGS))
+    write_jsonl(HERE / "arith_pairs_eval.jsonl", pair_rows(held_out, PHRASINGS[:1]))
     print(f"{len(train)} train pairs, {len(held_out)} held-out pairs -> {HERE}")
 
 

@@ -1,0 +1,244 @@
+"""Preference tuning (engine/methods/dpo.py, engine/data/pairs.py): each loss against TRL's
+own code on the same log-probs, the pairs' checks row by row, and a run of the quick start
+through the CLI (events, adapter, resume with the same losses)."""
+
+import json
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.settings import DataSettings
+from edgetune.engine.methods.dpo import pair_losses
+
+trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
+
+
+class _Accel:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    gather_for_metrics = gather
+
+
+def _batch(seed, B=5, T=9):
+    """Per-token log-probs of B chosen and B rejected completions of varied lengths, and
+    the reference's sums."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T, (2 * B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    per_token = -torch.rand(2 * B, T, generator=g, dtype=torch.float64) * 2 * mask
+    ref = per_token.sum(1) + (torch.rand(2 * B, generator=g, dtype=torch.float64) - 0.5) * 3
+    return per_token, mask, ref
+
+
+def trl_dpo_loss(loss_type, beta, per_token, mask, ref):
+    """TRL's DPOTrainer._compute_loss on log-probs handed in by a stand-in model; the
+    completion mask is TRL's (one column longer than the shifted log-probs)."""
+    B2, T = per_token.shape
+    completion_mask = torch.cat([torch.zeros(B2, 1, dtype=torch.long), mask], dim=1)
+    outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros(B2, T), mean_logits=torch.zeros(B2, T),
+                              is_top1=torch.zeros(B2, T, dtype=torch.bool))
+    stand_in = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_Accel(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, use_weighting=False, label_smoothing=0.0, _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0, _tp_size=1)
+    b = B2 // 2
+    inputs = {"input_ids": torch.ones(B2, T + 1, dtype=torch.long), "attention_mask": torch.ones(B2, T + 1),
+              "completion_mask": completion_mask, "ref_chosen_logps": ref[:b], "ref_rejected_logps": ref[b:]}
+    return trl_dpo.DPOTrainer._compute_loss(stand_in, lambda **kw: outputs, inputs, False)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dpo_and_ipo_equal_trls_loss(loss_type, seed):
+    per_token, mask, ref = _batch(seed)
+    sums, counts = per_token.sum(1), mask.sum(1)
+    b = len(sums) // 2
+    ours, _, _ = pair_losses(loss_type, 0.3, 0.0, sums[:b], sums[b:], counts[:b], counts[b:], ref[:b], ref[b:])
+    assert float(ours.mean()) == pytest.approx(float(trl_dpo_loss(loss_type, 0.3, per_token, mask, ref)), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_simpo_equals_trls_cpo_loss(seed):
+    cpo = pytest.importorskip("trl.experimental.cpo")
+    per_token, mask, _ = _batch(seed)
+    avg = per_token.sum(1) / mask.sum(1)
+    b = len(avg) // 2
+    stand_in = SimpleNamespace(alpha=0.0, accelerator=_Accel(), loss_type="simpo", simpo_gamma=0.7, beta=2.0,
+                               label_smoothing=0.0)
+    theirs = cpo.CPOTrainer.cpo_loss(stand_in, avg[:b], avg[b:])[0]
+    sums, counts = per_token.sum(1), mask.sum(1)
+    ours, _, _ = pair_losses("simpo", 2.0, 0.7, sums[:b], sums[b:], counts[:b], counts[b:])
+    assert torch.allclose(ours, theirs, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_orpo_equals_trls_odds_ratio_loss_plus_the_chosen_nll(seed):
+    orpo = pytest.importorskip("trl.experimental.orpo")
+    per_token, mask, _ = _batch(seed)
+    per_token = per_token.float()  # TRL's odds ratio is computed in float32
+    sums, counts = per_token.sum(1), mask.sum(1)
+    b = len(sums) // 2
+    avg = sums / counts
+    stand_in = SimpleNamespace(beta=0.25, accelerator=_Accel())
+    ratio_losses = orpo.ORPOTrainer.odds_ratio_loss(stand_in, avg[:b], avg[b:])[0]
+    nll = -per_token[:b][mask[:b].bool()].mean()  # TRL: cross-entropy over every chosen token of the batch
+    theirs = nll - ratio_losses.mean()
+    ours, _, _ = pair_losses("orpo", 0.25, 0.0, sums[:b], sums[b:], counts[:b], counts[b:])
+    ours_total = ours.mean() - sums[:b].sum() / counts[:b].sum()
+    assert float(ours_total) == pytest.approx(float(theirs), rel=1e-6)
+
+
+def test_orpo_is_finite_where_a_reply_is_almost_certain():
+    sums = torch.tensor([-1e-9, -30.0], dtype=torch.float64)
+    loss, _, _ = pair_losses("orpo", 0.1, 0.0, sums[:1], sums[1:], torch.tensor([3]), torch.tensor([3]))
+    assert torch.isfinite(loss).all()
+
+
+# --------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from edgetune.engine.models.model import embedded_model_dir, load_tokenizer
+
+    return load_tokenizer(str(embedded_model_dir()))
+
+
+def _write(tmp_path, rows, name="pairs.jsonl"):
+    p = tmp_path / name
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(p)
+
+
+def test_a_pair_is_two_labelled_rows_that_share_their_prompt(tmp_path, tok):
+    from edgetune.engine.data import IGNORE, load_pairs
+
+    rows = [{"prompt": f"What is {i} plus 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(10)]
+    rows.append({"messages": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello."}],
+                 "rejected": {"role": "assistant", "content": "Go away."}})
+    data = load_pairs(DataSettings(path=_write(tmp_path, rows), eval_fraction=0.0, max_seq_len=256), tok, 0)
+    assert data.report.format == "pairs" and data.report.rows_kept == 11 and len(data.train) == 11
+    for p in data.train:
+        c, r = p.chosen, p.rejected
+        start_c = next(i for i, y in enumerate(c.labels) if y != IGNORE)
+        start_r = next(i for i, y in enumerate(r.labels) if y != IGNORE)
+        assert start_c == start_r and c.input_ids[:start_c] == r.input_ids[:start_r]  # the same prompt
+        assert c.input_ids != r.input_ids
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "Q", "chosen": "A", "rejected": "A"}, "'chosen' and 'rejected' are the same reply"),
+    ({"prompt": "Q", "chosen": "A"}, "no 'rejected' reply"),
+    ({"prompt": "Q", "chosen": " ", "rejected": "B"}, "'chosen' is empty"),
+    ({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "chosen": "B",
+      "rejected": "C"}, "must end with the user's turn"),
+    ({"prompt": "Q", "chosen": [{"role": "user", "content": "B"}], "rejected": "C"}, "assistant messages"),
+    ({"chosen": "B", "rejected": "C"}, "no 'prompt' or 'messages' column"),
+])
+def test_a_bad_pair_is_named_by_its_row(tmp_path, tok, row, problem):
+    from edgetune.engine.data import load_pairs
+
+    good = {"prompt": "What is 1 plus 1?", "chosen": "2", "rejected": "3"}
+    path = _write(tmp_path, [good, good, row])
+    with pytest.raises(DataError) as e:
+        load_pairs(DataSettings(path=path, eval_fraction=0.0, max_seq_len=256), tok, 0)
+    assert e.value.row == 3 and problem in e.value.problem
+
+
+def test_a_pair_longer_than_max_seq_len_is_dropped_whole_and_counted(tmp_path, tok):
+    from edgetune.engine.data import load_pairs
+
+    rows = [{"prompt": "Q", "chosen": "short", "rejected": "also short"},
+            {"prompt": "Q", "chosen": "short", "rejected": "word " * 400}]
+    data = load_pairs(DataSettings(path=_write(tmp_path, rows), eval_fraction=0.0, max_seq_len=64), tok, 0)
+    assert len(data.train) == 1 and data.report.dropped == {"longer than data.max_seq_len": 1}
+
+
+def test_sft_rows_are_refused_for_pairs_in_one_line(tmp_path, tok):
+    from edgetune.engine.data import load_pairs
+
+    path = _write(tmp_path, [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}])
+    with pytest.raises(DataError, match="preference tuning needs pairs"):
+        load_pairs(DataSettings(path=path, max_seq_len=64), tok, 0)
+
+
+def test_the_embedded_pairs_prefer_the_right_sum():
+    from edgetune.engine.data.files import EMBEDDED, EMBEDDED_EVAL
+    from edgetune.engine.core.settings import EMBEDDED_PAIRS_DATA
+
+    for path in (EMBEDDED[EMBEDDED_PAIRS_DATA], EMBEDDED_EVAL[EMBEDDED_PAIRS_DATA]):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            a, b = (int(x) for x in row["chosen"].split(" = ")[0].split(" + "))
+            assert row["chosen"].endswith(f"Answer: {a + b}") and not row["rejected"].endswith(f"Answer: {a + b}")
+    train = {json.loads(x)["chosen"] for x in EMBEDDED[EMBEDDED_PAIRS_DATA].read_text().splitlines()}
+    held = {json.loads(x)["chosen"] for x in EMBEDDED_EVAL[EMBEDDED_PAIRS_DATA].read_text().splitlines()}
+    assert not train & held  # no held-out question is trained on
+
+
+# --------------------------------------------------------------------------- a run
+
+
+def dpo_config(model_dir, runs_dir, **over):
+    from edgetune.engine.core import settings
+
+    base = {
+        "method": "dpo",
+        "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": False},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"path": "embedded:arith-pairs", "max_rows": 32, "max_seq_len": 64},
+        "run": {"runs_dir": str(runs_dir), "seed": 3, "checkpoint_every": 2, "report_to": "none"},
+        "dpo": {"lr": 1e-3, "steps": 4, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1, "eval_every": 2,
+                "samples": 0},
+    }
+    for k, v in over.items():
+        base[k].update(v)
+    return settings.from_dict(base)
+
+
+def _run(cfg, path, stop_after=0, resume=False):
+    from inline_run import run_inline
+
+    from edgetune.engine.methods import dpo
+
+    return run_inline(dpo.train, cfg, path, stop_after=stop_after, resume=resume)[2]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "orpo"])
+def test_a_run_evaluates_and_resumes_with_identical_losses(tiny_model_dir, tmp_path, loss_type):
+    cfg = dpo_config(tiny_model_dir, tmp_path, dpo={"loss_type": loss_type})
+    full = _run(cfg, tmp_path / "full")
+    steps = {e["step"]: e for e in full if e["type"] == "step"}
+    evals = [e for e in full if e["type"] == "eval"]
+    assert sorted(steps) == [1, 2, 3, 4] and [e["step"] for e in evals] == [0, 2, 4]
+    if loss_type == "sigmoid":  # the adapter starts as the identity: every reward 0, loss log 2
+        assert steps[1]["loss"] == pytest.approx(math.log(2), abs=1e-4) and evals[0]["eval_accuracy"] == 0.0
+    for key in ("margin", "accuracy", "logps_chosen", "logps_rejected", "grad_norm"):
+        assert math.isfinite(steps[1][key])
+    assert 0.0 <= evals[-1]["eval_prefers_chosen"] <= 1.0
+    assert len({e["loss"] for e in steps.values()}) == 4  # it trains
+
+    cut = _run(cfg, tmp_path / "cut", stop_after=2)
+    assert cut[-1]["type"] == "stopped" and cut[-1]["step"] == 2
+    again = _run(cfg, tmp_path / "cut", resume=True)
+    assert again[-1]["type"] == "finished"
+    resumed = {e["step"]: e["loss"] for e in again if e["type"] == "step"}  # the file holds both attempts
+    assert resumed == {k: e["loss"] for k, e in steps.items()}  # every step, bit for bit
+    assert (tmp_path / "cut" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_reference_loss_with_a_starting_adapter_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    from edgetune.engine.core.errors import ConfigError
+
+    cfg = dpo_config(tiny_model_dir, tmp_path, lora={"init_from": str(tmp_path)})
+    with pytest.raises(ConfigError, match="use simpo or orpo"):
+        _run(cfg, tmp_path / "r")
