@@ -199,6 +199,11 @@ def _fake_finished_run(runs, name="r1"):
     (run / "adapter").mkdir(parents=True)
     (run / "config.yaml").write_text("method: sft\n")
     (run / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "x"}')
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"base_model.model.q_proj.lora_B.weight": np.zeros((4, 2), np.float32)},
+              str(run / "adapter" / "adapter_model.safetensors"))
     (run / "events.jsonl").write_text(json.dumps({"i": 0, "time": 1, "type": "finished", "step": 1}) + "\n")
     return run
 
