@@ -280,9 +280,10 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
     r = _user_reward(tmp_path, "    import os, subprocess\n"
                                "    left = subprocess.Popen(['sleep', '300'])\n"
                                f"    open({str(pids)!r}, 'a').write(f'{{left.pid}}\\n')\n"
-                               "    if os.fork() == 0:\n"
-                               f"        open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                               "    fork = os.fork()\n"
+                               "    if fork == 0:\n"
                                "        return 0.5  # the fork returns into the reward process's loop\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{fork}}\\n')\n"
                                "    print('x' * 10_000, flush=True)\n"
                                "    return 1.0\n")
     s = r.score(["a", "b", "c"], [{"answer": "1"}] * 3)
