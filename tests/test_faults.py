@@ -107,6 +107,42 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp
     assert _losses(after) == pytest.approx({k: v for k, v in full_losses.items() if k > 2}, rel=1e-6)
 
 
+def test_a_setting_edited_before_a_resume_is_applied_and_recorded_or_refused(tiny_model_dir, tmp_path):
+    """sft.lr edited after the run trained: its checkpoint's optimizer keeps the old rate, so
+    resume refuses it, naming it (and the worker behind it); sft.eval_every and sft.steps
+    edited: the resumed attempt applies them and its `started` event records them."""
+    from edgetune.engine.run import worker
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        good = (path / "config.yaml").read_text()
+        (path / "config.yaml").write_text(good.replace("  lr: 0.001\n", "  lr: 0.0005\n", 1))
+        expected = (f"{path / 'config.yaml'}: sft.lr is 0.0005 but the run trained with 0.001, which its checkpoint "
+                    "keeps (a resume would ignore the new value); set it back to 0.001 to resume, or start a new "
+                    "run with the new value")
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == expected
+        assert settings.load_run_config(path / "config.yaml").sft.steps == 2  # refused before anything changed
+        assert worker.run(str(path), resume=True, owns_pid=False) == 2
+        assert read_events(path / "events.jsonl")[-1]["message"] == expected
+        (path / "config.yaml").write_text(good.replace("  steps: 2\n", "  steps: 3\n", 1)
+                                          .replace("  eval_every: 0\n", "  eval_every: 1\n", 1))
+        before = read_events(path / "events.jsonl")[-1]["i"]
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    after = [e for e in read_events(path / "events.jsonl") if e["i"] > before]
+    assert after[0]["type"] == "started" and after[0]["changed"] == {"sft.steps": [2, 3], "sft.eval_every": [0, 1]}
+    assert [e["step"] for e in after if e["type"] == "step"] == [3] and any(e["type"] == "eval" for e in after)
+    assert after[-1]["type"] == "finished"
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is

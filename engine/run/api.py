@@ -24,11 +24,11 @@ from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
-from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
+from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
                                             exit_words, lock_runs_folder, open_append, pid_alive)
 from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
-                                           resolve, typed_number)  # (resolve: re-exported)
+                                           resolve, resume_changes, typed_number)  # (resolve: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -390,6 +390,7 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
     mismatch = checkpoint_mismatch(cfg, last[1], r.dir.config_path) if last else None
     if mismatch:
         raise ConfigError(mismatch)
+    resume_changes(cfg, started_config(read_events(r.dir.events_path)), r.dir.config_path)  # an edit it would ignore
     fd = _locked(r.path.parent)
     try:
         status = r.status()

@@ -30,10 +30,10 @@ import traceback
 
 from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
-from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
+from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps, started_config
 from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
                                             disk_full, exit_words)
-from edgetune.engine.core.settings import from_dict, load_run_config
+from edgetune.engine.core.settings import from_dict, load_run_config, resume_changes
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -199,6 +199,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     if owns_pid:
         atomic_write_text(run.pid_path, str(os.getpid()))
     ctx = watch = tracker = None
+    changed = {}  # settings edited since the run's last start that this attempt applies
     beat = start_heartbeat(run) if main else threading.Event()
     startup.pause_gc()  # until the run's imports are done (engine/models/startup.py); back on in `finally` at the latest
     try:
@@ -212,6 +213,12 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         if resume:
             last = pick_checkpoint(run, lambda m: emit("warning", message=m)) if main else None
             mismatch = checkpoint_mismatch(cfg, last[1], run.config_path) if main and last else None
+            if main and not mismatch:  # a setting edited since the last start: applied (recorded below) or refused
+                try:
+                    changed = {k: [a, b] for k, a, b in resume_changes(cfg, started_config(read_events(run.events_path)),
+                                                                          run.config_path)}
+                except ConfigError as e:
+                    mismatch = str(e)
             if dist.broadcast_object(mismatch):
                 raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
@@ -225,6 +232,8 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         from edgetune.engine.models.model import resolve_device
 
         extra = {"world_size": dist.world()} if multi else {}
+        if changed:
+            extra["changed"] = changed  # setting -> [the last start's value, this one's]
         emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
              device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
              pid=os.getpid(), **extra)
