@@ -143,6 +143,49 @@ def test_a_setting_edited_before_a_resume_is_applied_and_recorded_or_refused(tin
     assert after[-1]["type"] == "finished"
 
 
+def test_a_data_file_or_base_replaced_since_the_run_trained_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """The run records its input files' checksums; the data file replaced (an upload of the
+    same name with 24 rows instead of 40) is refused by resume and by the worker, the base's
+    weights replaced by a merged export; the adapter alone still exports."""
+    from edgetune.engine.core.errors import RunError
+    from edgetune.engine.run import worker
+
+    data = tmp_path / "rows.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n" for i in range(40)]
+    data.write_text("".join(rows))
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cfg = _cfg(base, tmp_path, data={"path": str(data)}, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        recorded = json.loads((path / "inputs.json").read_text())
+        assert recorded[str(data)]["setting"] == "data.path"
+        assert recorded[str(base / "model.safetensors")]["setting"] == "model.name"
+        data.write_text("".join(rows[:24]))
+        expected = (f"{data}: has changed since run 'r' trained on it (data.path); put the original file back, or "
+                    "start a new run on the new one")
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == expected
+        assert worker.run(str(path), resume=True, owns_pid=False) == 2
+        assert read_events(path / "events.jsonl")[-1]["message"] == expected
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    data.write_text("".join(rows))
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(RunError) as e:
+        api.export(path, tmp_path / "merged", merged=True)
+    assert str(e.value) == (f"{weights}: has changed since run 'r' trained on it (model.name); put the original "
+                            "file back, or start a new run on the new one")
+    assert not (tmp_path / "merged").exists()
+    assert api.export(path, tmp_path / "adapter-only") == tmp_path / "adapter-only"  # reads no base
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is

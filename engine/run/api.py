@@ -25,8 +25,9 @@ from typing import Iterator
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
-from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
-                                            exit_words, lock_runs_folder, open_append, pid_alive)
+from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, changed_input, check_run_name,
+                                            checkpoint_mismatch, exit_words, lock_runs_folder, open_append,
+                                            pid_alive)
 from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
                                            resolve, resume_changes, typed_number)  # (resolve: re-exported)
 
@@ -391,6 +392,9 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
     if mismatch:
         raise ConfigError(mismatch)
     resume_changes(cfg, started_config(read_events(r.dir.events_path)), r.dir.config_path)  # an edit it would ignore
+    changed = changed_input(r.dir)  # the data or base it trained on, replaced since
+    if changed:
+        raise ConfigError(changed)
     fd = _locked(r.path.parent)
     try:
         status = r.status()
@@ -439,6 +443,12 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     from edgetune.engine.models.export import export_isolated
 
     _refuse_a_training_run(Path(run_or_adapter))
+    if merged or gguf:  # these read the base model: the one the run trained on
+        p = Path(run_or_adapter)
+        for run in (p, p.parent) if p.name == "adapter" else (p,):
+            changed = changed_input(RunDir(run), only=("model.name",)) if (run / "config.yaml").is_file() else None
+            if changed:
+                raise RunError(changed)
     fn = export_isolated if isolated else _export
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
 

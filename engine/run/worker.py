@@ -31,8 +31,9 @@ import traceback
 from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps, started_config
-from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
-                                            disk_full, exit_words)
+from edgetune.engine.core.runfolder import (INPUTS_FILE, RunDir, atomic_write_text, changed_input,
+                                            checkpoint_mismatch, clean_temporaries, disk_full, exit_words,
+                                            record_inputs)
 from edgetune.engine.core.settings import from_dict, load_run_config, resume_changes
 
 HEARTBEAT_SECONDS = 1.0
@@ -215,16 +216,19 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             mismatch = checkpoint_mismatch(cfg, last[1], run.config_path) if main and last else None
             if main and not mismatch:  # a setting edited since the last start: applied (recorded below) or refused
                 try:
-                    changed = {k: [a, b] for k, a, b in resume_changes(cfg, started_config(read_events(run.events_path)),
-                                                                          run.config_path)}
+                    trained = started_config(read_events(run.events_path))
+                    changed = {k: [a, b] for k, a, b in resume_changes(cfg, trained, run.config_path)}
                 except ConfigError as e:
                     mismatch = str(e)
+            mismatch = mismatch or (changed_input(run) if main else None)  # the data or base it trained on
             if dist.broadcast_object(mismatch):
                 raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
+            if not (run.path / INPUTS_FILE).is_file():  # what it trains on, checked at each resume and export
+                record_inputs(run, cfg)
         # A run given more steps keeps its learning-rate schedule's length (engine/run/api.more_steps).
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt, schedule_steps=schedule)
