@@ -33,7 +33,7 @@ class RunsTab:
             self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
 
     def frame(self):
-        return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
+        return panels.runs_frame(api.summaries(self.page.runs_dir))
 
     def choices(self, selected: str = "") -> gr.Dropdown:
         """The run picker, on `selected` (a run folder) when it is listed, else the newest."""

@@ -376,8 +376,7 @@ def cmd_export(a) -> int:
 def cmd_runs(a) -> int:
     from edgetune.engine.run import api
 
-    for r in api.list_runs(a.runs_dir):
-        s = r.summary()
+    for s in api.summaries(a.runs_dir):
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
         if s["status"] == "damaged":
             print(f"{s['name']:32s} damaged   {s['message']}")

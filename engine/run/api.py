@@ -61,15 +61,16 @@ class Run:
 
     def status(self) -> str:
         """starting | running | finished | stopped | failed | crashed"""
-        events = read_events(self.dir.events_path)
-        last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
-        started = [e for e in events if e["type"] == "started"]
-        # A resumed run appends a new `started` after an old terminal event.
-        if last is not None and (not started or started[-1]["i"] < last["i"]):
-            return {"finished": "finished", "stopped": "stopped"}.get(last["type"], "failed")
+        return self._status(_ending(read_events(self.dir.events_path)))
+
+    def _status(self, ending: dict) -> str:
+        """The status from what the events say of the run's end (`_ending`), and whether its
+        worker lives."""
+        if ending["ended"] is not None:
+            return {"finished": "finished", "stopped": "stopped"}.get(ending["ended"], "failed")
         if self.alive():
-            return "running" if started else "starting"
-        return "crashed" if events or self.dir.pid_path.exists() else "failed"
+            return "running" if ending["started"] else "starting"
+        return "crashed" if ending["any"] or self.dir.pid_path.exists() else "failed"
 
     def death(self, returncode: int | None = None) -> str:
         """Why a `crashed` run's worker ended, in one line: its exit status or signal (known
@@ -133,6 +134,18 @@ class Run:
         """The run as `edgetune runs` and the app's Runs table show it. A damaged run folder
         (its config.yaml or events.jsonl unreadable) is status `damaged`, and `message` names
         the file and the problem: one damaged folder never hides the others."""
+        return self._summary(self._facts())
+
+    def _summary(self, facts: dict) -> dict:
+        """The summary from the run's files' facts (`_facts`, or the index's copy of them):
+        only its status and whether it has an adapter are read again."""
+        out = {k: v for k, v in facts.items() if k not in ("ending", "problem")}
+        out["status"] = "damaged" if facts["problem"] else self._status(facts["ending"])
+        out["has_adapter"] = (self.dir.adapter / "adapter_config.json").is_file()
+        return out
+
+    def _facts(self) -> dict:
+        """What the run's config.yaml and events.jsonl say (one read of each)."""
         problem = None
         try:
             events, damaged = scan_events(self.dir.events_path)
@@ -146,15 +159,71 @@ class Run:
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
         model = cfg.get("model")
         return {
-            "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
+            "name": self.name, "path": str(self.path),
             "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": last_step.get("total") if last_step else None,
             "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
-            "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
-            "damaged_event_lines": damaged,
+            "damaged_event_lines": damaged, "problem": bool(problem), "ending": _ending(events),
         }
+
+
+def _ending(events: list[dict]) -> dict:
+    """What the events say of the run's end: `ended` (the type of the terminal event of
+    its last attempt, None while it has none), whether that attempt `started`, whether
+    there are `any` events."""
+    last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+    started = [e for e in events if e["type"] == "started"]
+    # A resumed run appends a new `started` after an old terminal event.
+    ended = last["type"] if last is not None and (not started or started[-1]["i"] < last["i"]) else None
+    return {"ended": ended, "started": bool(started), "any": bool(events)}
+
+
+INDEX_FILE = ".edgetune-runs-index.json"  # in a runs folder: each run's facts, by its files' size and time
+
+
+def _stamp(run: Run) -> list:
+    out = []
+    for p in (run.dir.config_path, run.dir.events_path):
+        try:
+            st = p.stat()
+            out.append([st.st_mtime_ns, st.st_size])
+        except OSError:
+            out.append(None)
+    return out
+
+
+def summaries(runs_dir: str | os.PathLike = "runs") -> list[dict]:
+    """Every run's summary (Run.summary), newest first, for `edgetune runs` and the app's
+    Runs table. What a run's config.yaml and events.jsonl say is kept in the runs folder's
+    index (INDEX_FILE) with their sizes and times, and read again only for a run whose
+    files changed: hundreds of runs list in a fraction of a second. The index is a cache:
+    a damaged or foreign one is rebuilt, and a folder that cannot take it lists all the same."""
+    import json
+
+    d = Path(runs_dir)
+    try:
+        index = json.loads((d / INDEX_FILE).read_text())
+        index = index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        index = {}
+    fresh, out = {}, []
+    for run in list_runs(d):
+        stamp = _stamp(run)
+        kept = index.get(run.name)
+        facts = kept.get("facts") if isinstance(kept, dict) and kept.get("stamp") == stamp else None
+        if not (isinstance(facts, dict) and facts.get("path") == str(run.path)
+                and isinstance(facts.get("ending"), dict)):
+            facts = run._facts()
+        fresh[run.name] = {"stamp": stamp, "facts": facts}
+        out.append(run._summary(facts))
+    if fresh != index:
+        try:
+            atomic_write_text(d / INDEX_FILE, json.dumps(fresh))
+        except OSError:
+            pass
+    return out
 
 
 def _unique_name(runs_dir: Path, base: str) -> str:
