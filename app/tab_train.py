@@ -8,6 +8,7 @@ app re-attaches to the same run and replays its history.
 from __future__ import annotations
 
 import json
+import time
 
 import gradio as gr
 
@@ -18,6 +19,10 @@ from . import live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import Number, message
 from .tab_model import decided_text
+
+# While a run trains, its plots are redrawn at most this often (each is a PNG drawn on the
+# server: about 100 ms); the progress, logs and runs table follow every event.
+PLOT_EVERY_S = 5.0
 
 
 class TrainTab:
@@ -61,8 +66,9 @@ class TrainTab:
                 p.msg_at, p.runs_tab.table, p.chat_tab.info, p.export_tab.info]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
-        """The Train tab for one run (plots only when its events changed), the banner, and
-        what other tabs show of the run (the runs table, the Try-it and Export notes)."""
+        """The Train tab for one run (plots only when its events changed, and while it trains
+        at most every PLOT_EVERY_S), the banner, and what other tabs show of the run (the
+        runs table, the Try-it and Export notes)."""
         p = self.page
         run = p.run_of(path)
         if run is None:
@@ -70,7 +76,7 @@ class TrainTab:
                     self.memory: live.memory_html(None, p.host_total, False),
                     p.banner: p.banner_text(path), p.seen: last}
         events = list(run.events())
-        status = run.status()
+        status = run.status(events)
         try:
             mem = json.loads(run.dir.memory_path.read_text())
         except FileNotFoundError:
@@ -80,12 +86,18 @@ class TrainTab:
         key = {"path": path, "n": len(events), "status": status}
         out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else ""),
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
-               p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
+               p.banner: f"Showing run **{run.name}** · {status}",
+               p.seen: {**key, "mem": mem, "plotted": last.get("plotted", 0.0) if path == last.get("path") else 0.0}}
         if {k: last.get(k) for k in key} != key:
-            method = BY_KEY.get(run.summary()["method"], METHODS[0])  # a damaged config.yaml: the first method
-            frames = live.plot_frames(events, method)
-            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
-                        if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
+            started = next((e for e in reversed(events) if e["type"] == "started"), None)
+            name = started.get("method") if started else run.summary()["method"]
+            method = BY_KEY.get(name, METHODS[0])  # a damaged config.yaml: the first method
+            now = time.time()
+            if status not in ("running", "starting") or now - out[p.seen]["plotted"] >= PLOT_EVERY_S:
+                frames = live.plot_frames(events, method)
+                out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i]), visible=True)
+                            if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
+                out[p.seen]["plotted"] = now
             out[self.logs] = live.log_lines(events)
             shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]
             out[self.samples] = "\n\n".join(part for part in shown if part)

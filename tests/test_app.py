@@ -583,3 +583,51 @@ def test_the_train_tab_shows_what_start_would_decide(page):
     assert "packing on" in train.show_decided(values)[train.decided]
     values[page.fields["sft.lr"]] = -1.0
     assert "sft.lr must be positive" in train.show_decided(values)[train.decided]
+
+
+def test_a_page_update_while_a_run_trains_takes_little_server_time(tmp_path):
+    """200 runs in the folder and one training: each event redraws the progress, the logs
+    and the runs table (from the runs folder's index) in well under 100 ms; the plots, a
+    PNG each, at most every PLOT_EVERY_S while the run trains."""
+    import os
+    import time
+
+    from edgetune.app import tab_train
+    from edgetune.app.ui import build_app
+
+    runs = tmp_path / "runs"
+    cfg = S.resolve(preset="sft-quickstart")
+    steps = [{"i": s, "time": 1.0 + s, "type": "step", "step": s, "total": 1000, "loss": 1 / s} for s in range(1, 300)]
+    for k in range(201):
+        run = runs / f"run-{k:03d}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(cfg.to_yaml())
+        events = [{"i": 0, "time": 1.0, "type": "started", "method": "sft", "config": cfg.to_dict()}, *steps]
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    live_run = runs / "run-200"
+    (live_run / "worker.pid").write_text(str(os.getpid()))  # a worker that lives: the run trains
+    demo = build_app(runs)
+    try:
+        train = demo.edgetune_page.train_tab
+        seen = demo.edgetune_page.seen
+        last = train.draw(str(live_run), {}, {})
+        assert train.plots[0] in last and "running" in last[train.progress]
+        times = []
+        for k in range(5):
+            with open(live_run / "events.jsonl", "a") as f:
+                f.write(json.dumps({"i": 300 + k, "time": 400.0 + k, "type": "step", "step": 300 + k, "total": 1000,
+                                    "loss": 0.001}) + "\n")
+            t0 = time.perf_counter()
+            out = train.draw(str(live_run), last[seen], {})
+            times.append(time.perf_counter() - t0)
+            assert f'data-step="{300 + k}"' in out[train.progress] and f"step {300 + k}/1000" in out[train.logs]
+            assert train.plots[0] not in out  # drawn less than PLOT_EVERY_S ago
+            last = out
+        assert sorted(times)[2] < 0.1, times
+        last[seen]["plotted"] -= tab_train.PLOT_EVERY_S
+        with open(live_run / "events.jsonl", "a") as f:
+            f.write(json.dumps({"i": 305, "time": 410.0, "type": "step", "step": 305, "total": 1000, "loss": 0.001})
+                    + "\n")
+        assert train.plots[0] in train.draw(str(live_run), last[seen], {})
+    finally:
+        demo.edgetune_chat.close()

@@ -59,9 +59,10 @@ class Run:
             return self.process.poll() is None
         return pid_alive(self.dir.read_pid())
 
-    def status(self) -> str:
-        """starting | running | finished | stopped | failed | crashed"""
-        return self._status(_ending(read_events(self.dir.events_path)))
+    def status(self, events: list[dict] | None = None) -> str:
+        """starting | running | finished | stopped | failed | crashed (`events`: the run's,
+        when the caller has read them already)."""
+        return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
 
     def _status(self, ending: dict) -> str:
         """The status from what the events say of the run's end (`_ending`), and whether its
