@@ -12,7 +12,7 @@ from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
-from .page import Slider, message
+from .page import message, slider_field
 
 
 class ChatTab:
@@ -25,8 +25,8 @@ class ChatTab:
         with gr.Row():
             self.prompt = gr.Textbox(label="Prompt (sent to both)", placeholder="What is 3 plus 4?",
                                      elem_id="chat-prompt", scale=4)
-            self.max_new = Slider(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8, label="max new tokens",
-                                  scale=1, elem_id="chat-max-new")
+            self.max_new = slider_field(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8,
+                                        label="max new tokens", scale=1, elem_id="chat-max-new")
         with gr.Row():
             self.send_btn = gr.Button("Send to both", variant="primary", elem_id="chat-send")
             self.clear_btn = gr.Button("Clear", elem_id="chat-clear")

@@ -11,7 +11,7 @@ from edgetune.engine.core.settings import MORE_STEPS, typed_number
 from edgetune.engine.run import api
 
 from . import panels
-from .page import Number, message
+from .page import message, number_field
 
 
 class RunsTab:
@@ -29,7 +29,8 @@ class RunsTab:
         # `edgetune resume --more-steps`: a finished or stopped run trains further from its last
         # checkpoint, optimizer state included, at the learning-rate schedule's final value.
         with gr.Row():
-            self.more = Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
+            self.more = number_field(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps",
+                                     scale=1)
             self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
 
     def frame(self):

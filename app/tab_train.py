@@ -17,7 +17,7 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from . import live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
-from .page import Number, message
+from .page import message, number_field
 from .tab_model import decided_text
 
 # While a run trains, its plots are redrawn at most this often (each is a PNG drawn on the
@@ -33,8 +33,8 @@ class TrainTab:
             self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn")
             self.resume_btn = gr.Button("Resume", elem_id="resume-btn")
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
-            self.gpus = Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
-                                  label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
+            self.gpus = number_field(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
+                                     label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
         self.msg = gr.Markdown("", elem_id="train-message")
