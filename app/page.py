@@ -30,7 +30,7 @@ def _as_sent(payload):
     return payload
 
 
-def Number(**kwargs) -> gr.Number:
+def number_field(**kwargs) -> gr.Number:
     """A number field whose value reaches its handler as it was sent. The handler reads it
     with the engine's own checks (the settings' ranges, settings.typed_number), so a value
     out of range, NaN or text sent to the app's HTTP API is answered with the same one line
@@ -41,8 +41,8 @@ def Number(**kwargs) -> gr.Number:
     return field
 
 
-def Slider(*args, **kwargs) -> gr.Slider:
-    """A slider whose value reaches its handler as it was sent, as Number's does."""
+def slider_field(*args, **kwargs) -> gr.Slider:
+    """A slider whose value reaches its handler as it was sent, as number_field's does."""
     field = gr.Slider(*args, **kwargs)
     field.preprocess = _as_sent
     return field
@@ -108,9 +108,9 @@ class Page:
         if spec.kind == "bool":
             return gr.Checkbox(value=bool(value), **common)
         if spec.kind == "int":
-            return Number(value=value, precision=0, **common)
+            return number_field(value=value, precision=0, **common)
         if spec.kind == "float":
-            return Number(value=value, **common)
+            return number_field(value=value, **common)
         return gr.Textbox(value=value, max_lines=1, **common)
 
     def group_fields(self, group: str, skip=(), basic_cols: int = 4) -> None:

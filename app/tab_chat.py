@@ -13,7 +13,7 @@ from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
 
 from . import panels
-from .page import Slider, message
+from .page import message, slider_field
 
 
 ANSWERING = "Answering: the adapter's side first, then the base's…"
@@ -29,8 +29,8 @@ class ChatTab:
         with gr.Row():
             self.prompt = gr.Textbox(label="Prompt (sent to both)", placeholder="What is 3 plus 4?",
                                      elem_id="chat-prompt", scale=4)
-            self.max_new = Slider(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8, label="max new tokens",
-                                  scale=1, elem_id="chat-max-new")
+            self.max_new = slider_field(S.CHAT_TOKENS.low, S.CHAT_TOKENS.high, value=96, step=8,
+                                        label="max new tokens", scale=1, elem_id="chat-max-new")
         with gr.Row():
             self.temperature = gr.Slider(0, 1.5, value=0, step=0.05, label="temperature (0 = greedy)", scale=1,
                                          elem_id="chat-temperature")

@@ -13,7 +13,7 @@ from edgetune.engine.run import api
 
 from . import live, panels
 from .methods import COMPARABLE
-from .page import Number, message
+from .page import message, number_field
 
 
 class RunsTab:
@@ -31,7 +31,8 @@ class RunsTab:
         # `edgetune resume --more-steps`: a finished or stopped run trains further from its last
         # checkpoint, optimizer state included, at the learning-rate schedule's final value.
         with gr.Row():
-            self.more = Number(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps", scale=1)
+            self.more = number_field(value=20, minimum=1, precision=0, label="More steps", elem_id="more-steps",
+                                     scale=1)
             self.more_btn = gr.Button("Train the run N more steps", elem_id="more-steps-btn", scale=1)
         with gr.Row():
             self.new_name = gr.Textbox(label="New name", max_lines=1, elem_id="run-new-name", scale=2)
@@ -52,7 +53,7 @@ class RunsTab:
         self.compare_plot = gr.Plot(show_label=False, elem_id="compare-plot", format="png", visible=False)
 
     def frame(self):
-        return panels.runs_frame([r.summary() for r in api.list_runs(self.page.runs_dir)])
+        return panels.runs_frame(api.summaries(self.page.runs_dir))
 
     def choices(self, selected: str = "") -> gr.Dropdown:
         """The run picker, on `selected` (a run folder) when it is listed, else the newest."""

@@ -17,8 +17,12 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
-from .page import Number, message
+from .page import message, number_field
 from .tab_model import decided_text
+
+# While a run trains, its plots are redrawn at most this often (each is a PNG drawn on the
+# server: about 100 ms); the progress, logs and runs table follow every event.
+PLOT_EVERY_S = 5.0
 
 
 class TrainTab:
@@ -29,8 +33,8 @@ class TrainTab:
             self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn", interactive=False)
             self.resume_btn = gr.Button("Resume", elem_id="resume-btn", interactive=False)
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
-            self.gpus = Number(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
-                                  label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
+            self.gpus = number_field(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
+                                     label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
         self.msg = gr.Markdown("", elem_id="train-message")
@@ -63,8 +67,9 @@ class TrainTab:
                 self.resume_btn, *([p.timer] if p.timer is not None else [])]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
-        """The Train tab for one run (plots only when its events changed), the banner, and
-        what other tabs show of the run (the runs table, the Try-it and Export notes)."""
+        """The Train tab for one run (plots only when its events changed, and while it trains
+        at most every PLOT_EVERY_S), the banner, and what other tabs show of the run (the
+        runs table, the Try-it and Export notes)."""
         p = self.page
         run = p.run_of(path)
         if run is None:
@@ -75,7 +80,7 @@ class TrainTab:
                     p.banner: p.banner_text(path), p.seen: {"path": path, "status": "none"},
                     **self.buttons("none"), **self.pace("none")}
         events = list(run.events())
-        status = run.status()
+        status = run.status(events)
         if status not in api.ACTIVE and last.get("path") == path and last.get("status") == status \
                 and last.get("n") == len(events) and not msg:
             return {}  # an ended run, unchanged since the last tick: nothing to redraw
@@ -89,13 +94,19 @@ class TrainTab:
         out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else "",
                                                  time.time()),
                self.memory: live.memory_html(mem, p.host_total, run.alive()),
-               p.banner: f"Showing run **{run.name}** · {status}", p.seen: {**key, "mem": mem}}
+               p.banner: f"Showing run **{run.name}** · {status}",
+               p.seen: {**key, "mem": mem, "plotted": last.get("plotted", 0.0) if path == last.get("path") else 0.0}}
         if {k: last.get(k) for k in key} != key:
-            method = BY_KEY.get(run.summary()["method"], METHODS[0])  # a damaged config.yaml: the first method
-            frames = live.plot_frames(events, method)
-            stepped = any(e["type"] == "step" for e in events)
-            out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped), visible=True)
-                        if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
+            started = next((e for e in reversed(events) if e["type"] == "started"), None)
+            name = started.get("method") if started else run.summary()["method"]
+            method = BY_KEY.get(name, METHODS[0])  # a damaged config.yaml: the first method
+            now = time.time()
+            if status not in ("running", "starting") or now - out[p.seen]["plotted"] >= PLOT_EVERY_S:
+                frames = live.plot_frames(events, method)
+                stepped = any(e["type"] == "step" for e in events)
+                out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped), visible=True)
+                            if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
+                out[p.seen]["plotted"] = now
             out[self.logs] = live.log_lines(events)
             shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]
             out[self.samples] = "\n\n".join(part for part in shown if part)

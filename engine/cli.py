@@ -385,8 +385,7 @@ def cmd_export(a) -> int:
 def cmd_runs(a) -> int:
     from edgetune.engine.run import api
 
-    for r in api.list_runs(a.runs_dir):
-        s = r.summary()
+    for s in api.summaries(a.runs_dir):
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
         if s["status"] == "damaged":
             print(f"{s['name']:32s} damaged   {s['message']}")
@@ -580,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs of this machine to train on, data-parallel (torchrun, NCCL); on a machine "
                         "without CUDA, that many CPU processes (gloo), for tests")
     t.add_argument("--nnodes", default=1, help="machines (run the same command on each; needs "
-                                                         "--rdzv-endpoint)")
+                                               "--rdzv-endpoint)")
     t.add_argument("--node-rank", help="this machine's index (default: torchrun assigns one)")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the first machine, where the machines meet")
     t.add_argument("--rdzv-id", default="edgetune", help="a name shared by the machines of one run")

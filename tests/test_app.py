@@ -869,3 +869,54 @@ def test_the_model_picker_lists_the_embedded_and_cached_models(tmp_path, monkeyp
         assert page.config(values).model.name == str(tmp_path / "my-model")
     finally:
         demo.edgetune_chat.close()
+
+
+def test_a_page_update_while_a_run_trains_redraws_the_plots_only_now_and_then(tmp_path, monkeypatch):
+    """200 runs in the folder and one training: each event redraws the progress and the
+    logs, the runs table comes from the runs folder's index (no run's files parsed again),
+    and the plots, a PNG each, at most every PLOT_EVERY_S while the run trains. (What an
+    update costs in time is a bench figure, not a test's.)"""
+    import os
+
+    from edgetune.engine.run import api
+
+    from edgetune.app import tab_train
+    from edgetune.app.ui import build_app
+
+    runs = tmp_path / "runs"
+    cfg = S.resolve(preset="sft-quickstart")
+    steps = [{"i": s, "time": 1.0 + s, "type": "step", "step": s, "total": 1000, "loss": 1 / s} for s in range(1, 300)]
+    for k in range(201):
+        run = runs / f"run-{k:03d}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(cfg.to_yaml())
+        events = [{"i": 0, "time": 1.0, "type": "started", "method": "sft", "config": cfg.to_dict()}, *steps]
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    live_run = runs / "run-200"
+    (live_run / "worker.pid").write_text(str(os.getpid()))  # a worker that lives: the run trains
+    demo = build_app(runs)
+    try:
+        train = demo.edgetune_page.train_tab
+        seen = demo.edgetune_page.seen
+        last = train.draw(str(live_run), {}, {})
+        assert train.plots[0] in last and "running" in last[train.progress]
+        api.summaries(runs)  # the index is built
+        parsed = []
+        facts = api.Run._facts
+        monkeypatch.setattr(api.Run, "_facts", lambda self: parsed.append(self.name) or facts(self))
+        for k in range(5):
+            with open(live_run / "events.jsonl", "a") as f:
+                f.write(json.dumps({"i": 300 + k, "time": 400.0 + k, "type": "step", "step": 300 + k, "total": 1000,
+                                    "loss": 0.001}) + "\n")
+            out = train.draw(str(live_run), last[seen], {})
+            assert f'data-step="{300 + k}"' in out[train.progress] and f"step {300 + k}/1000" in out[train.logs]
+            assert train.plots[0] not in out  # drawn less than PLOT_EVERY_S ago
+            last = out
+        assert set(parsed) <= {"run-200"}  # only the run that moved is read again
+        last[seen]["plotted"] -= tab_train.PLOT_EVERY_S
+        with open(live_run / "events.jsonl", "a") as f:
+            f.write(json.dumps({"i": 305, "time": 410.0, "type": "step", "step": 305, "total": 1000, "loss": 0.001})
+                    + "\n")
+        assert train.plots[0] in train.draw(str(live_run), last[seen], {})
+    finally:
+        demo.edgetune_chat.close()

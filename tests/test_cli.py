@@ -202,7 +202,8 @@ def _fake_finished_run(runs, name="r1"):
     import numpy as np
     from safetensors.numpy import save_file
 
-    save_file({"w": np.zeros(2, dtype=np.float32)}, str(run / "adapter" / "adapter_model.safetensors"))
+    save_file({"base_model.model.q_proj.lora_B.weight": np.zeros((4, 2), np.float32)},
+              str(run / "adapter" / "adapter_model.safetensors"))
     (run / "events.jsonl").write_text(json.dumps({"i": 0, "time": 1, "type": "finished", "step": 1}) + "\n")
     return run
 
@@ -470,3 +471,41 @@ def test_a_worker_that_dies_in_start_up_is_named_with_its_signal_and_last_log_li
                                     f"(SIGILL)); the last line of {log}: loading a native library built for another "
                                     "CPU")
     assert "Traceback" not in err
+
+
+def test_five_hundred_runs_list_from_the_runs_folders_index(tmp_path, capsys, monkeypatch):
+    """`edgetune runs` and the app's Runs table read each run's config.yaml and events.jsonl
+    once, into the runs folder's index; then only a run whose files changed is read again
+    (counted here: the listing's time is a bench figure, not a test's)."""
+    from edgetune.engine import cli
+    from edgetune.engine.core.settings import resolve
+    from edgetune.engine.run import api
+
+    runs = tmp_path / "runs"
+    cfg = resolve(preset="sft-quickstart")
+    text, config = cfg.to_yaml(), cfg.to_dict()
+    for k in range(500):
+        run = runs / f"run-{k:03d}"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(text)
+        events = [{"i": 0, "time": 1.0, "type": "started", "method": "sft", "config": config}]
+        events += [{"i": s, "time": 1.0 + s, "type": "step", "step": s, "total": 60, "loss": 1 / s} for s in range(1, 51)]
+        if k % 2:
+            events.append({"i": 51, "time": 60.0, "type": "stopped", "step": 50, "metrics": {"loss": 0.02}})
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    first = api.summaries(runs)
+    read = []
+    facts = api.Run._facts
+    monkeypatch.setattr(api.Run, "_facts", lambda self: read.append(self.name) or facts(self))
+    again = api.summaries(runs)
+    assert read == [] and again == first  # nothing parsed again
+    assert {s["status"] for s in again} == {"stopped", "crashed"} and {s["step"] for s in again} == {50}
+    with open(runs / "run-007" / "events.jsonl", "a") as f:  # a run that moves on is read again
+        f.write(json.dumps({"i": 52, "time": 70.0, "type": "started", "method": "sft", "config": config}) + "\n")
+        f.write(json.dumps({"i": 53, "time": 71.0, "type": "step", "step": 51, "total": 60, "loss": 0.01}) + "\n")
+    moved = {s["name"]: s for s in api.summaries(runs)}["run-007"]
+    assert moved["step"] == 51 and moved["status"] == "crashed" and read == ["run-007"]
+    (runs / api.INDEX_FILE).write_text("[not an index")  # damaged: rebuilt, never in the way
+    assert cli.main(["runs", "--runs-dir", str(runs)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 500
+    assert api.summaries(runs) == [r.summary() for r in api.list_runs(runs)]

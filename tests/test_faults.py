@@ -107,6 +107,85 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp
     assert _losses(after) == pytest.approx({k: v for k, v in full_losses.items() if k > 2}, rel=1e-6)
 
 
+def test_a_setting_edited_before_a_resume_is_applied_and_recorded_or_refused(tiny_model_dir, tmp_path):
+    """sft.lr edited after the run trained: its checkpoint's optimizer keeps the old rate, so
+    resume refuses it, naming it (and the worker behind it); sft.eval_every and sft.steps
+    edited: the resumed attempt applies them and its `started` event records them."""
+    from edgetune.engine.run import worker
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        good = (path / "config.yaml").read_text()
+        (path / "config.yaml").write_text(good.replace("  lr: 0.001\n", "  lr: 0.0005\n", 1))
+        expected = (f"{path / 'config.yaml'}: sft.lr is 0.0005 but the run trained with 0.001, which its checkpoint "
+                    "keeps (a resume would ignore the new value); set it back to 0.001 to resume, or start a new "
+                    "run with the new value")
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == expected
+        assert settings.load_run_config(path / "config.yaml").sft.steps == 2  # refused before anything changed
+        assert worker.run(str(path), resume=True, owns_pid=False) == 2
+        assert read_events(path / "events.jsonl")[-1]["message"] == expected
+        (path / "config.yaml").write_text(good.replace("  steps: 2\n", "  steps: 3\n", 1)
+                                          .replace("  eval_every: 0\n", "  eval_every: 1\n", 1))
+        before = read_events(path / "events.jsonl")[-1]["i"]
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    after = [e for e in read_events(path / "events.jsonl") if e["i"] > before]
+    assert after[0]["type"] == "started" and after[0]["changed"] == {"sft.steps": [2, 3], "sft.eval_every": [0, 1]}
+    assert [e["step"] for e in after if e["type"] == "step"] == [3] and any(e["type"] == "eval" for e in after)
+    assert after[-1]["type"] == "finished"
+
+
+def test_a_data_file_or_base_replaced_since_the_run_trained_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """The run records its input files' checksums; the data file replaced (an upload of the
+    same name with 24 rows instead of 40) is refused by resume and by the worker, the base's
+    weights replaced by a merged export; the adapter alone still exports."""
+    from edgetune.engine.core.errors import RunError
+    from edgetune.engine.run import worker
+
+    data = tmp_path / "rows.jsonl"
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n" for i in range(40)]
+    data.write_text("".join(rows))
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cfg = _cfg(base, tmp_path, data={"path": str(data)}, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        recorded = json.loads((path / "inputs.json").read_text())
+        assert recorded[str(data)]["setting"] == "data.path"
+        assert recorded[str(base / "model.safetensors")]["setting"] == "model.name"
+        data.write_text("".join(rows[:24]))
+        expected = (f"{data}: has changed since run 'r' trained on it (data.path); put the original file back, or "
+                    "start a new run on the new one")
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == expected
+        assert worker.run(str(path), resume=True, owns_pid=False) == 2
+        assert read_events(path / "events.jsonl")[-1]["message"] == expected
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    data.write_text("".join(rows))
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(RunError) as e:
+        api.export(path, tmp_path / "merged", merged=True)
+    assert str(e.value) == (f"{weights}: has changed since run 'r' trained on it (model.name); put the original "
+                            "file back, or start a new run on the new one")
+    assert not (tmp_path / "merged").exists()
+    assert api.export(path, tmp_path / "adapter-only") == tmp_path / "adapter-only"  # reads no base
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is
@@ -280,9 +359,10 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
     r = _user_reward(tmp_path, "    import os, subprocess\n"
                                "    left = subprocess.Popen(['sleep', '300'])\n"
                                f"    open({str(pids)!r}, 'a').write(f'{{left.pid}}\\n')\n"
-                               "    if os.fork() == 0:\n"
-                               f"        open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                               "    fork = os.fork()\n"
+                               "    if fork == 0:\n"
                                "        return 0.5  # the fork returns into the reward process's loop\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{fork}}\\n')\n"
                                "    print('x' * 10_000, flush=True)\n"
                                "    return 1.0\n")
     s = r.score(["a", "b", "c"], [{"answer": "1"}] * 3)
@@ -589,7 +669,9 @@ def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
     msg = events[-1]["message"]
     assert events[-1]["type"] == "error" and events[-1]["kind"] == "input" and "\n" not in msg
     assert msg.startswith("the planner predicts ") and "far beyond this machine's RAM (" in msg
-    assert f"({planner.host_memory() / 2**30:.1f} GiB); driven by sft.batch_size=65536, data.max_seq_len=256 " \
+    from edgetune.engine.core.units import size
+
+    assert f"({size(planner.host_memory())}); driven by sft.batch_size=65536, data.max_seq_len=256 " \
            "(edgetune estimate shows the parts)" in msg
 
 
@@ -597,7 +679,7 @@ def test_the_quickstarts_are_not_refused_on_a_small_machine():
     """The refusal is for settings typed wrong: every quick start passes on a 4 GiB machine."""
     from edgetune.engine.planning import planner
 
-    for preset in ("sft-quickstart", "fgrpo-quickstart", "essa-quickstart"):
+    for preset in ("sft-quickstart", "fgrpo-quickstart", "essa-quickstart", "dpo-quickstart"):
         planner.refuse_far_beyond(settings.resolve(preset=preset), "cpu", memory=4 * 2**30)
 
 

@@ -37,7 +37,12 @@ def _wait_for(cond, proc, timeout=240, what="the command to get there"):
 
 def _interrupt(proc, timeout=120) -> tuple[int, str, str]:
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a command that did not end at Ctrl-C: not left behind by a failing test
+        proc.communicate()
+        raise
     return proc.returncode, out, err
 
 

@@ -98,6 +98,13 @@ def schedule_steps(events: list[dict]) -> int | None:
     return more[-1]["schedule"] if more else None
 
 
+def started_config(events: list[dict]) -> dict:
+    """The settings a run's last attempt started with (its last `started` event), or {}."""
+    started = [e for e in events if e["type"] == "started"]
+    config = started[-1].get("config") if started else None
+    return config if isinstance(config, dict) else {}
+
+
 def scan_events(path: str | os.PathLike, start: int = 0) -> tuple[list[dict], int]:
     """(events with index `i` >= `start`, number of damaged lines skipped). A last line
     without its newline is being written (or was cut by a crash) and is left for later;

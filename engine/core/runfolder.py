@@ -6,6 +6,7 @@
       worker.pid           the worker process while it lives
       worker.log           the worker's stdout/stderr (tracebacks of bugs go here)
       memory.json          live memory gauge, rewritten every second while the worker lives
+      inputs.json          checksums of the data and base files the run trains on (record_inputs)
       STOP                 present = stop gracefully after the current step
       checkpoints/step-N/  adapter + optimizer + scheduler + RNG state
       adapter/             the final adapter (PEFT format, tokenizer, model card)
@@ -240,6 +241,88 @@ def checkpoint_mismatch(cfg, checkpoint: str | os.PathLike,
         if saved is not None and ours != saved:
             return (f"{config_path}: {name} is {ours}, but checkpoint {ck.name} was trained with {saved}; set it "
                     f"back to {saved} to resume, or start a new run with the new value")
+    return None
+
+
+# --------------------------------------------------------------------------- what a run trained on
+
+INPUTS_FILE = "inputs.json"  # in the run folder: the checksums of the files the run trained on
+WHOLE_HASH_BYTES = 1 << 30  # files up to this size are hashed whole; bigger ones by size and both ends
+END_BYTES = 16 << 20
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file: of all of it up to WHOLE_HASH_BYTES; of a bigger one (a base
+    model's weights), of its size and its first and last END_BYTES (`ends:` in front)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size <= WHOLE_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return h.hexdigest()
+        h.update(str(size).encode())
+        h.update(f.read(END_BYTES))
+        f.seek(size - END_BYTES)
+        h.update(f.read(END_BYTES))
+    return "ends:" + h.hexdigest()
+
+
+def run_inputs(cfg) -> dict[str, str]:
+    """The local files a run's settings read its data and base model from (the setting that
+    names each): data.path, data.eval_path, essa.warm_start_data and model.name, each a
+    file or every file of a folder (embedded sets and hub ids have none)."""
+    out: dict[str, str] = {}
+    named = [("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path), ("model.name", cfg.model.name)]
+    if RECORDS[cfg.method].warm_start:
+        named.append((f"{cfg.method}.warm_start_data", getattr(cfg, cfg.method).warm_start_data))
+    for setting, value in named:
+        if not value or str(value).startswith("embedded:"):
+            continue
+        p = Path(value).expanduser()
+        if p.is_file():
+            out[str(p.resolve())] = setting
+        elif p.is_dir():
+            for f in sorted(p.rglob("*"))[:10_000]:
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts):
+                    out[str(f.resolve())] = setting
+    return out
+
+
+def record_inputs(run: RunDir, cfg) -> None:
+    """Write the checksums of the run's input files into its folder (at its first start)."""
+    import json
+
+    found = {path: {"setting": setting, "sha256": file_digest(Path(path))}
+             for path, setting in run_inputs(cfg).items()}
+    atomic_write_text(run.path / INPUTS_FILE, json.dumps(found, indent=1))
+
+
+def changed_input(run: RunDir, only: tuple[str, ...] = ()) -> str | None:
+    """One line naming the first file a run trained on that is gone or changed since
+    (`only`: the files of these settings), or None; a run that recorded none has none."""
+    import json
+
+    try:
+        found = json.loads((run.path / INPUTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(found, dict):
+        return None
+    for path, was in found.items():
+        if not isinstance(was, dict) or (only and was.get("setting") not in only):
+            continue
+        p = Path(path)
+        try:
+            now = file_digest(p)
+        except OSError:
+            now = None
+        if now != was.get("sha256"):
+            how = "is gone" if now is None else "has changed"
+            return (f"{p}: {how} since run '{run.name}' trained on it ({was.get('setting')}); put the original file "
+                    "back, or start a new run on the new one")
     return None
 
 

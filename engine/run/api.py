@@ -24,13 +24,14 @@ from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError, RunError
-from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events
+from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
-from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, check_run_name, checkpoint_mismatch,
-                                            exit_words, lock_runs_folder, open_append, pid_alive)
+from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, changed_input, check_run_name,
+                                            checkpoint_mismatch, exit_words, lock_runs_folder, open_append,
+                                            pid_alive)
 from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
-                                           resolve, typed_number)  # (resolve: re-exported)
+                                           resolve, resume_changes, typed_number)  # (resolve: re-exported)
 from edgetune.engine.core.threads import worker_env
 
 ACTIVE = ("starting", "running")
@@ -61,17 +62,19 @@ class Run:
             return self.process.poll() is None
         return pid_alive(self.dir.read_pid())
 
-    def status(self) -> str:
-        """starting | running | finished | stopped | failed | crashed"""
-        events = read_events(self.dir.events_path)
-        last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
-        started = [e for e in events if e["type"] == "started"]
-        # A resumed run appends a new `started` after an old terminal event.
-        if last is not None and (not started or started[-1]["i"] < last["i"]):
-            return {"finished": "finished", "stopped": "stopped"}.get(last["type"], "failed")
+    def status(self, events: list[dict] | None = None) -> str:
+        """starting | running | finished | stopped | failed | crashed (`events`: the run's,
+        when the caller has read them already)."""
+        return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
+
+    def _status(self, ending: dict) -> str:
+        """The status from what the events say of the run's end (`_ending`), and whether its
+        worker lives."""
+        if ending["ended"] is not None:
+            return {"finished": "finished", "stopped": "stopped"}.get(ending["ended"], "failed")
         if self.alive():
-            return "running" if started else "starting"
-        return "crashed" if events or self.dir.pid_path.exists() else "failed"
+            return "running" if ending["started"] else "starting"
+        return "crashed" if ending["any"] or self.dir.pid_path.exists() else "failed"
 
     def death(self, returncode: int | None = None) -> str:
         """Why a `crashed` run's worker ended, in one line: its exit status or signal (known
@@ -135,6 +138,18 @@ class Run:
         """The run as `edgetune runs` and the app's Runs table show it. A damaged run folder
         (its config.yaml or events.jsonl unreadable) is status `damaged`, and `message` names
         the file and the problem: one damaged folder never hides the others."""
+        return self._summary(self._facts())
+
+    def _summary(self, facts: dict) -> dict:
+        """The summary from the run's files' facts (`_facts`, or the index's copy of them):
+        only its status and whether it has an adapter are read again."""
+        out = {k: v for k, v in facts.items() if k not in ("ending", "problem")}
+        out["status"] = "damaged" if facts["problem"] else self._status(facts["ending"])
+        out["has_adapter"] = (self.dir.adapter / "adapter_config.json").is_file()
+        return out
+
+    def _facts(self) -> dict:
+        """What the run's config.yaml and events.jsonl say (one read of each)."""
         problem = None
         try:
             events, damaged = scan_events(self.dir.events_path)
@@ -150,15 +165,71 @@ class Run:
         record = METHODS.get(cfg.get("method")) if isinstance(cfg.get("method"), str) else None
         total = last_step.get("total") if last_step else record.total(cfg) if record else None
         return {
-            "name": self.name, "path": str(self.path), "status": "damaged" if problem else self.status(),
+            "name": self.name, "path": str(self.path),
             "method": cfg.get("method") if isinstance(cfg.get("method"), str) else None,
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": total,
             "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
-            "has_adapter": (self.dir.adapter / "adapter_config.json").is_file(),
-            "damaged_event_lines": damaged,
+            "damaged_event_lines": damaged, "problem": bool(problem), "ending": _ending(events),
         }
+
+
+def _ending(events: list[dict]) -> dict:
+    """What the events say of the run's end: `ended` (the type of the terminal event of
+    its last attempt, None while it has none), whether that attempt `started`, whether
+    there are `any` events."""
+    last = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+    started = [e for e in events if e["type"] == "started"]
+    # A resumed run appends a new `started` after an old terminal event.
+    ended = last["type"] if last is not None and (not started or started[-1]["i"] < last["i"]) else None
+    return {"ended": ended, "started": bool(started), "any": bool(events)}
+
+
+INDEX_FILE = ".edgetune-runs-index.json"  # in a runs folder: each run's facts, by its files' size and time
+
+
+def _stamp(run: Run) -> list:
+    out = []
+    for p in (run.dir.config_path, run.dir.events_path):
+        try:
+            st = p.stat()
+            out.append([st.st_mtime_ns, st.st_size])
+        except OSError:
+            out.append(None)
+    return out
+
+
+def summaries(runs_dir: str | os.PathLike = "runs") -> list[dict]:
+    """Every run's summary (Run.summary), newest first, for `edgetune runs` and the app's
+    Runs table. What a run's config.yaml and events.jsonl say is kept in the runs folder's
+    index (INDEX_FILE) with their sizes and times, and read again only for a run whose
+    files changed: hundreds of runs list in a fraction of a second. The index is a cache:
+    a damaged or foreign one is rebuilt, and a folder that cannot take it lists all the same."""
+    import json
+
+    d = Path(runs_dir)
+    try:
+        index = json.loads((d / INDEX_FILE).read_text())
+        index = index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        index = {}
+    fresh, out = {}, []
+    for run in list_runs(d):
+        stamp = _stamp(run)
+        kept = index.get(run.name)
+        facts = kept.get("facts") if isinstance(kept, dict) and kept.get("stamp") == stamp else None
+        if not (isinstance(facts, dict) and facts.get("path") == str(run.path)
+                and isinstance(facts.get("ending"), dict)):
+            facts = run._facts()
+        fresh[run.name] = {"stamp": stamp, "facts": facts}
+        out.append(run._summary(facts))
+    if fresh != index:
+        try:
+            atomic_write_text(d / INDEX_FILE, json.dumps(fresh))
+        except OSError:
+            pass
+    return out
 
 
 def _unique_name(runs_dir: Path, base: str) -> str:
@@ -394,6 +465,10 @@ def resume(path: str | os.PathLike, gpus: int | None = None, allow_code: list[st
     mismatch = checkpoint_mismatch(cfg, last[1], r.dir.config_path) if last else None
     if mismatch:
         raise ConfigError(mismatch)
+    resume_changes(cfg, started_config(read_events(r.dir.events_path)), r.dir.config_path)  # an edit it would ignore
+    changed = changed_input(r.dir)  # the data or base it trained on, replaced since
+    if changed:
+        raise ConfigError(changed)
     fd = _locked(r.path.parent)
     try:
         status = r.status()
@@ -503,6 +578,12 @@ def export(run_or_adapter: str | os.PathLike, out: str | os.PathLike, merged: bo
     from edgetune.engine.models.export import export_isolated
 
     _refuse_a_training_run(Path(run_or_adapter))
+    if merged or gguf:  # these read the base model: the one the run trained on
+        p = Path(run_or_adapter)
+        for run in (p, p.parent) if p.name == "adapter" else (p,):
+            changed = changed_input(RunDir(run), only=("model.name",)) if (run / "config.yaml").is_file() else None
+            if changed:
+                raise RunError(changed)
     fn = export_isolated if isolated else _export
     return fn(run_or_adapter, out, merged=merged, as_zip=as_zip, force=force, gguf=gguf)
 

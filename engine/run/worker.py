@@ -30,10 +30,11 @@ import traceback
 
 from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
-from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps
-from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, checkpoint_mismatch, clean_temporaries,
-                                            disk_full, exit_words)
-from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config
+from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps, started_config
+from edgetune.engine.core.runfolder import (INPUTS_FILE, RunDir, atomic_write_text, changed_input,
+                                            checkpoint_mismatch, clean_temporaries, disk_full, exit_words,
+                                            record_inputs)
+from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config, resume_changes
 from edgetune.engine.core.threads import worker_env
 
 HEARTBEAT_SECONDS = 1.0
@@ -201,6 +202,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
     if owns_pid:
         atomic_write_text(run.pid_path, str(os.getpid()))
     ctx = watch = tracker = None
+    changed = {}  # settings edited since the run's last start that this attempt applies
     beat = start_heartbeat(run) if main else threading.Event()
     startup.kernel_caches(cache_dir())  # before torch is imported: compiled kernels kept between runs
     startup.pause_gc()  # until the run's imports are done (engine/models/startup.py); back on in `finally` at the latest
@@ -215,12 +217,21 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         if resume:
             last = pick_checkpoint(run, lambda m: emit("warning", message=m)) if main else None
             mismatch = checkpoint_mismatch(cfg, last[1], run.config_path) if main and last else None
+            if main and not mismatch:  # a setting edited since the last start: applied (recorded below) or refused
+                try:
+                    trained = started_config(read_events(run.events_path))
+                    changed = {k: [a, b] for k, a, b in resume_changes(cfg, trained, run.config_path)}
+                except ConfigError as e:
+                    mismatch = str(e)
+            mismatch = mismatch or (changed_input(run) if main else None)  # the data or base it trained on
             if dist.broadcast_object(mismatch):
                 raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
+            if not (run.path / INPUTS_FILE).is_file():  # what it trains on, checked at each resume and export
+                record_inputs(run, cfg)
         # A run given more steps keeps its learning-rate schedule's length (engine/run/api.more_steps).
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt, schedule_steps=schedule)
@@ -230,6 +241,8 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         import torch
 
         extra = {"world_size": dist.world()} if multi else {}
+        if changed:
+            extra["changed"] = changed  # setting -> [the last start's value, this one's]
         emit("started", method=cfg.method, run=run.name, config=cfg.to_dict(),
              device=dist.device(resolve_device(cfg.model)), resumed_from=last[0] if resume and last else None,
              pid=os.getpid(), cpu_threads=torch.get_num_threads(), **extra)
