@@ -53,6 +53,7 @@ SLOW_ORDER = [
     "tests/test_fgrpo.py::test_quickstart_raises_held_out_success",
     "tests/test_essa_quickstart.py::test_essa_quickstart_raises_held_out_reward",
     "tests/test_sft.py::test_quickstart_learns_and_exports",
+    "tests/test_dpo.py::test_quickstart_learns_to_prefer_the_right_sum",
     "tests/bench/test_learning.py::test_essa_with_the_gold_fitness_improves_on_its_warm_start",
     "tests/bench/test_learning.py::test_fgrpo_learns_a_task_the_presets_never_use",
     "tests/bench/test_learning.py::test_sft_learns_a_task_the_presets_never_use",
