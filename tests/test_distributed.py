@@ -391,3 +391,24 @@ def test_planner_gives_the_peak_of_each_gpu(tiny_model_dir):
     assert est("fgrpo", 2, **rl)["rollout_kv_cache"] * 2 == est("fgrpo", 1, **rl)["rollout_kv_cache"]
     essa = {"essa": {"warm_start": "x"}}
     assert est("essa", 2, **essa)["lora"] == est("essa", 1, **essa)["lora"]
+
+
+def test_dpo_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
+    """Data-parallel DPO (--gpus 2 on CPU ranks): each rank takes half of a step's pairs,
+    the pair count and the gradients are summed over the ranks, and every step's loss and
+    gradient norm, and the adapter, are those of one process."""
+    from test_dpo import dpo_config
+
+    from edgetune.engine.methods import dpo
+
+    cfg = dpo_config(tiny_model_dir, tmp_path, dpo={"eval_every": 0})
+    _, _, ref_events = run_inline(dpo.train, cfg, tmp_path / "one")
+    run = api.start(dpo_config(tiny_model_dir, tmp_path, dpo={"eval_every": 0}), name="two", gpus=2)
+    events = finish(run)
+    assert events[-1]["type"] == "finished", events[-1]
+    assert next(e for e in events if e["type"] == "started")["world_size"] == 2
+    ours = steps(events)
+    assert sorted(ours) == [1, 2, 3, 4]
+    assert_same_steps(ours, steps(ref_events), keys=("loss", "grad_norm", "accuracy", "margin"))
+    assert_same_weights(run.path / "adapter" / "adapter_model.safetensors",
+                        tmp_path / "one" / "adapter" / "adapter_model.safetensors")

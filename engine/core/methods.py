@@ -70,5 +70,7 @@ METHODS = {m.name: m for m in (
            "Preference tuning on chosen / rejected pairs (DPO, IPO, SimPO, ORPO); the reference is the base.",
            unit="step", length="steps", data="pairs", gradients=True, rollouts=False,
            oom_levers=("model.gradient_checkpointing", "dpo.batch_size", "data.max_seq_len"),
-           batch="dpo.batch_size"),
+           batch="dpo.batch_size",
+           fsdp="runs data-parallel (--gpus N) with the whole base on each GPU; sharding the base is not built "
+                "for it yet"),
 )}
