@@ -176,7 +176,7 @@ def train(ctx: RunContext) -> dict:
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
         return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
 
-    def show_samples(step: int) -> None:
+    def show_samples(step: int, sebp) -> None:
         if picks and dist.is_main():  # one process writes the events
             with sebp.lifted():  # generation: the model's own forwards
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
@@ -187,7 +187,7 @@ def train(ctx: RunContext) -> dict:
             if loss0 is not None:  # None: stopped during the evaluation
                 metrics["eval_loss_start"] = loss0
                 ctx.emit("eval", step=0, eval_loss=loss0)
-                show_samples(0)
+                show_samples(0, sebp)
 
         progress = start_training(ctx, s.steps, start_step)
         model.train()
@@ -223,7 +223,7 @@ def train(ctx: RunContext) -> dict:
                 if loss is not None:
                     metrics["eval_loss"] = loss
                     ctx.emit("eval", step=step, eval_loss=loss)
-                    show_samples(step)
+                    show_samples(step, sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
