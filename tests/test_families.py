@@ -5,8 +5,8 @@ tokenizer, and the embedded SmolLM2 itself.
 Fast, per family: one SFT step, the run's adapter exported, reloaded with plain
 `peft.PeftModel.from_pretrained` on the base with the same logits (to 1e-5) as the engine's
 own model with that adapter, packed rows equal to rows one at a time, and the planner's plan of it
-deciding what the run decided. Slow, per family: two F-GRPO steps and two ESSA generations
-from the SFT adapter. And docs/support.md equals what bench/support_table.py writes now."""
+deciding what the run decided. Slow, per family: two F-GRPO steps, two ESSA generations
+from the SFT adapter and two DPO steps. And docs/support.md equals what bench/support_table.py writes now."""
 
 import json
 from types import SimpleNamespace
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench_script import load
-from edgetune.engine.methods import essa, fgrpo, sft
+from edgetune.engine.methods import dpo, essa, fgrpo, sft
 from edgetune.engine.models import export
 from edgetune.engine.planning import planner
 from edgetune.engine.models import model as model_lib
@@ -103,7 +103,7 @@ def test_sft_export_reload_and_plan(family, family_root, family_dirs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fgrpo_and_essa(family, family_root, family_dirs, tmp_path):
+def test_fgrpo_essa_and_dpo(family, family_root, family_dirs, tmp_path):
     model_dir, run_path, _ = trained(family, family_root, family_dirs)
     common = {"model": {"name": str(model_dir), "quant": "none", "gradient_checkpointing": False},
               "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path), "seed": 1, "checkpoint_every": 0},
@@ -122,6 +122,14 @@ def test_fgrpo_and_essa(family, family_root, family_dirs, tmp_path):
     _, _, events = run_inline(essa.train, cfg, tmp_path / "essa")
     assert events[-1]["type"] == "finished" and [e["step"] for e in events if e["type"] == "step"] == [1, 2]
     assert (tmp_path / "essa" / "adapter" / "adapter_config.json").is_file()
+
+    cfg = resolve(overrides={**common, "method": "dpo", "data": {"path": "embedded:arith-pairs", "max_rows": 8,
+                                                                  "max_seq_len": 64},
+                             "dpo": {"steps": 2, "batch_size": 2, "eval_every": 0, "samples": 0}})
+    _, _, events = run_inline(dpo.train, cfg, tmp_path / "dpo")
+    steps = [e for e in events if e["type"] == "step"]
+    assert events[-1]["type"] == "finished" and [e["step"] for e in steps] == [1, 2]
+    assert all(e["loss"] == e["loss"] for e in steps) and (tmp_path / "dpo" / "adapter" / "adapter_config.json").is_file()
 
 
 def test_support_page_is_what_the_script_writes(family_dirs):
