@@ -347,3 +347,42 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
     model = PeftModel.from_pretrained(base, tmp_path / "adapter")
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b), "the downloaded adapter is untrained"
+
+
+def test_a_dpo_quick_start_runs_from_the_page(app_server):
+    """The preference method from the page: its preset fills the DPO fields, Start trains it,
+    and the run ends with its preference metrics in the run's events."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from edgetune.engine.core.events import read_events
+
+    url, runs, _ = app_server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _tab(page, "3 · Method")
+        page.click("#preset-dpo-quickstart")
+        page.wait_for_selector("#preset-info:has-text('dpo-quickstart')")
+        _wait(lambda: page.locator("#field-dpo-loss_type input").input_value() == "sigmoid", 30, "the DPO fields")
+        page.locator("#advanced-dpo").get_by_text("Advanced dpo settings").click()
+        for field, value in (("dpo-steps", 2), ("dpo-eval_every", 0), ("dpo-batch_size", 2), ("dpo-samples", 0)):
+            box = page.locator(f"#field-{field} input")
+            box.fill(str(value))
+            box.press("Tab")
+        _tab(page, "1 · Model")
+        page.locator("#field-model-quant input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _tab(page, "4 · Train")
+        page.click("#start-btn")
+        page.wait_for_selector("#train-message:has-text('Started run')")
+        _wait(lambda: _progress(page)["status"] == "finished", 600, "the DPO run to finish")
+        browser.close()
+    run = next(p for p in runs.iterdir() if (p / "events.jsonl").is_file())
+    events = read_events(run / "events.jsonl")
+    assert next(e for e in events if e["type"] == "started")["method"] == "dpo"
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2] and all("accuracy" in e and "margin" in e for e in steps)
+    assert events[-1]["type"] == "finished"
