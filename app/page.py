@@ -98,7 +98,8 @@ class Page:
     # ------------------------------------------------------------------ settings widgets
 
     def widget(self, spec: form.FieldSpec, value):
-        common = dict(label=spec.name, info=spec.help or None, elem_id=spec.elem_id,
+        # the whole help; a long one folded to a few lines until the pointer or the focus is on it (ui.CSS)
+        common = dict(label=spec.name, info=spec.help or None, elem_id=spec.elem_id, elem_classes=["et-setting"],
                       scale=2 if spec.name in ("path", "name") else 1)
         if spec.choices:
             return gr.Dropdown(choices=list(spec.choices), value=value, **common)

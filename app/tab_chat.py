@@ -6,6 +6,7 @@ here); greedy, or sampled at a temperature and top-p; the replies stream in toke
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import gradio as gr
 
@@ -95,7 +96,8 @@ class ChatTab:
         req = {"model": dataclasses.asdict(cfg.model), "adapter": adapter, "messages": hist_base + [user],
                "tuned_messages": hist_tuned + [user], "max_new_tokens": max_new,
                "system_prompt": system, "temperature": float(values.get(self.temperature) or 0),
-               "top_p": float(values.get(self.top_p) or 1)}
+               "top_p": float(values.get(self.top_p) or 1),
+               "seed": random.randrange(2**31)}  # a new sample each time; both sides draw from the same seed
         reply = {}
         for reply in p.chat.stream(req):
             if "partial" in reply:

@@ -51,6 +51,9 @@ CSS = """
 #run-banner { font-size: 0.95em; }
 #samples pre, #samples code { white-space: pre-wrap; word-break: break-word; }
 #samples th, #samples td { word-break: normal; overflow-wrap: normal; min-width: 6em; }
+.et-setting .info-text { display: -webkit-box; -webkit-line-clamp: 3; -webkit-box-orient: vertical;
+                         overflow: hidden; }
+.et-setting:hover .info-text, .et-setting:focus-within .info-text { display: block; overflow: visible; }
 """
 
 

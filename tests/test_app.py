@@ -769,6 +769,10 @@ def test_every_setting_shows_its_whole_help(own_page):
     assert long  # the help that used to be cut mid-word
     for s in long:
         assert own_page.fields[s.key].info == s.help
+        assert "et-setting" in own_page.fields[s.key].elem_classes  # folded by the page's CSS until pointed at
+    from edgetune.app.ui import CSS
+
+    assert ".et-setting .info-text" in CSS and ".et-setting:hover .info-text" in CSS
 
 
 def test_runs_are_renamed_deleted_to_the_trash_and_restored(own_page):

@@ -140,6 +140,17 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         # The CPU is shared in CI: a step's cost follows its rows, so two rows a step and a
         # one-batch eval (its line still shows, as "initial eval 0/1 batches").
         page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
+        # a long setting help is whole, folded to a few lines until the pointer is on it
+        from edgetune.app.form import field_specs
+
+        packing = next(s for s in field_specs() if s.key == "sft.packing")
+        info = page.locator("#field-sft-packing .info-text")
+        assert info.text_content().strip() == packing.help.strip()
+        folded = info.evaluate("e => [e.clientHeight, e.scrollHeight]")
+        assert folded[0] < folded[1], folded
+        page.locator("#field-sft-packing").hover()
+        page.wait_for_timeout(300)
+        assert info.evaluate("e => e.clientHeight") >= folded[1]
         for field, value in (("sft-steps", STEPS), ("sft-eval_every", 8), ("sft-batch_size", 2),
                              ("sft-eval_batches", 1)):
             box = page.locator(f"#field-{field} input")

@@ -154,9 +154,10 @@ def test_the_apps_chat_does_not_run_a_run_folders_model_code(tmp_path, tiny_mode
     run = stopped_run(tmp_path / "runs", "remote", tiny_model_dir, "model.trust_remote_code=true")
     page = build_app(str(tmp_path / "runs")).edgetune_page
     asked = []
-    monkeypatch.setattr(page.chat, "ask", lambda *a, **k: asked.append(a))
+    monkeypatch.setattr(page.chat, "stream", lambda *a, **k: asked.append(a) or iter(()))
     tab = page.chat_tab
-    out = tab.do_chat({tab.prompt: "Hi", page.attached: str(run), tab.base: [], tab.tuned: [], tab.max_new: 8})
+    out = list(tab.do_chat({tab.prompt: "Hi", page.attached: str(run), tab.base: [], tab.tuned: [],
+                            tab.max_new: 8}))[-1]
     assert f"{run / 'config.yaml'}: model.trust_remote_code would run the Python code" in out[tab.info]
     assert not asked  # no model was loaded
 

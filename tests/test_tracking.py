@@ -169,7 +169,7 @@ def test_fgrpo_scalars_in_tensorboard_equal_the_events(tiny_model_dir, tmp_path)
     for field in ("reward_mean", "success_rate", "truncated", "loss", "lr", "grad_norm", "tokens_per_s"):
         assert board[f"train/{field}"] == _series(events, "step", field), field
     evals = [e for e in events if e["type"] == "eval"]
-    assert [e["step"] for e in evals] == [0, 1, 2]
+    assert [e["step"] for e in evals] == [1, 2, 0]  # the base model's (step 0) measured after training
     for field in ("success_rate", "pass@1"):
         assert field in evals[0]
         assert board[f"eval/{field}"] == _series(events, "eval", field), field
