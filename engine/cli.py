@@ -397,6 +397,34 @@ def cmd_runs(a) -> int:
     return 0
 
 
+def cmd_rename(a) -> int:
+    from edgetune.engine.run import api
+
+    where = api.rename_run(_run_arg(a.run, a.runs_dir), a.new_name)
+    print(f"renamed to {where}")
+    return 0
+
+
+def cmd_delete(a) -> int:
+    """A run to <runs_dir>/.trash (never a training one); `edgetune restore` brings it back."""
+    from edgetune.engine.run import api
+
+    where = api.trash_run(_run_arg(a.run, a.runs_dir))
+    print(f"moved to {where} (edgetune restore {where.name} --runs-dir {a.runs_dir} brings it back)")
+    return 0
+
+
+def cmd_restore(a) -> int:
+    from edgetune.engine.run import api
+
+    if not a.name:
+        names = api.trashed_runs(a.runs_dir)
+        print("\n".join(names) if names else f"the trash of {a.runs_dir} is empty")
+        return 0
+    print(f"restored to {api.restore_run(a.runs_dir, a.name)}")
+    return 0
+
+
 def cmd_presets(a) -> int:
     import shutil
     import textwrap
@@ -623,6 +651,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("runs", help="list runs")
     ls.add_argument("--runs-dir", default="runs")
     ls.set_defaults(fn=cmd_runs)
+
+    rn = sub.add_parser("rename", help="give a run (not a training one) a new name")
+    rn.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
+    rn.add_argument("new_name")
+    rn.add_argument("--runs-dir", default="runs")
+    rn.set_defaults(fn=cmd_rename)
+    dl = sub.add_parser("delete", help="move a run (not a training one) to <runs-dir>/.trash; restore brings it back")
+    dl.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
+    dl.add_argument("--runs-dir", default="runs")
+    dl.set_defaults(fn=cmd_delete)
+    rs = sub.add_parser("restore", help="bring a run back from <runs-dir>/.trash (no name: list the trash)")
+    rs.add_argument("name", nargs="?", default="")
+    rs.add_argument("--runs-dir", default="runs")
+    rs.set_defaults(fn=cmd_restore)
 
     ps = sub.add_parser("presets", help="list presets")
     ps.set_defaults(fn=cmd_presets)

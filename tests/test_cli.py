@@ -509,3 +509,22 @@ def test_five_hundred_runs_list_from_the_runs_folders_index(tmp_path, capsys, mo
     assert cli.main(["runs", "--runs-dir", str(runs)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 500
     assert api.summaries(runs) == [r.summary() for r in api.list_runs(runs)]
+
+
+def test_rename_delete_and_restore_a_run_from_the_command_line(tmp_path, capsys):
+    """The Runs tab's rename, delete (to the trash) and restore, as commands."""
+    from edgetune.engine import cli
+
+    runs = tmp_path / "runs"
+    _fake_finished_run(runs, "first")
+    assert cli.main(["rename", "first", "arith-v1", "--runs-dir", str(runs)]) == 0
+    assert (runs / "arith-v1" / "config.yaml").is_file() and not (runs / "first").exists()
+    assert cli.main(["delete", "arith-v1", "--runs-dir", str(runs)]) == 0
+    assert not (runs / "arith-v1").exists() and (runs / ".trash" / "arith-v1" / "config.yaml").is_file()
+    capsys.readouterr()
+    assert cli.main(["restore", "--runs-dir", str(runs)]) == 0
+    assert capsys.readouterr().out.split() == ["arith-v1"]
+    assert cli.main(["restore", "arith-v1", "--runs-dir", str(runs)]) == 0
+    assert (runs / "arith-v1" / "adapter" / "adapter_model.safetensors").is_file()
+    assert cli.main(["restore", "nope", "--runs-dir", str(runs)]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
