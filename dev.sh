@@ -51,6 +51,10 @@ case "${1:-}" in
     if [ "$1" = test ]; then marks="not slow"; par="--dist loadfile --no-loadscope-reorder"
     else marks="slow"; par="--dist load --maxschedchunk 1"; fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    if [ "$1" = test ]; then
+      # lint first (pyproject.toml's [tool.ruff]: unused and undefined names, imports in layer order)
+      "$VENV/bin/ruff" check app engine kernels presets tests bench
+    fi
     set +e
     # shellcheck disable=SC2086  # $par: separate words
     "$VENV/bin/pytest" -q -m "$marks" -n 2 $par --durations=25 "${@:2}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -646,7 +647,7 @@ def own_page(tmp_path):
     demo.edgetune_chat.close()
 
 
-def _hand_run(page, name: str, preset: str, events: list[dict], alive: bool) -> "Path":
+def _hand_run(page, name: str, preset: str, events: list[dict], alive: bool) -> "pathlib.Path":
     import os
 
     run = page.runs_dir / name

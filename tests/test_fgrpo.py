@@ -347,7 +347,8 @@ def test_quickstart_raises_held_out_success(tmp_path):
     run, metrics, events = run_fgrpo(cfg, tmp_path / "quickstart")
     assert events[-1]["type"] == "finished" and events[-1]["step"] == cfg.fgrpo.steps
     evals = [e for e in events if e["type"] == "eval"]
-    assert [e["step"] for e in evals] == [0, cfg.fgrpo.steps] and evals[0]["prompts"] == 30
+    # the adapter's evaluation, then the base's (step 0: the adapter switched off) after training
+    assert [e["step"] for e in evals] == [cfg.fgrpo.steps, 0] and evals[1]["prompts"] == 30
     assert metrics["success_rate_end"] > metrics["success_rate_start"]
     assert metrics["pass@1_end"] > metrics["pass@1_start"]
     steps = [e for e in events if e["type"] == "step"]
