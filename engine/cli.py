@@ -145,6 +145,8 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
         elif t == "eval" and not quiet:
             tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in ev.items() if k not in ("i", "time", "type")))
+        elif t == "comparison" and not quiet:
+            tqdm.write(f"held-out {ev.get('metric')}: {ev.get('words')}")
         elif t == "warm_start":
             inner = ev.get("event")
             if inner == "phase":

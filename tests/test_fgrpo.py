@@ -338,11 +338,12 @@ def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
 def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir, rl_files, tmp_path):
     """The base and two adapters graded on the same held-out prompts: each score is the mean
     of its per-prompt outcomes and equals what the run measured, and every pair is compared
-    prompt by prompt."""
+    prompt by prompt. A finished run records its own base-against-adapter comparison, the
+    same numbers `edgetune eval` finds."""
     from edgetune.engine.run import evaluation
 
     cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=4)
-    run_a, m_a, _ = run_fgrpo(cfg, tmp_path / "a")
+    run_a, m_a, ev_a = run_fgrpo(cfg, tmp_path / "a")
     run_b, m_b, _ = run_fgrpo(config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=4, lr=3e-2),
                               tmp_path / "b")
     a, b = str(run_a.path), str(run_b.path)
@@ -370,6 +371,13 @@ def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir,
             assert (c["better"], c["worse"]) == (sum(y > x for x, y in zip(xa, xb)), sum(x > y for x, y in zip(xa, xb)))
         assert c["words"].startswith(f"{c['a']} vs {c['b']}: no detectable difference on 4 prompts") or \
             c["words"].startswith(f"{c['b']} is ")
+    # the run's own comparison: base (step 0) against its final adapter on the same prompts
+    recorded = [e for e in ev_a if e["type"] == "comparison"]
+    assert [(e["a"], e["b"], e["metric"]) for e in recorded] == [
+        ("the base", "the adapter", "success_rate"), ("the base", "the adapter", "reward")]
+    fields = ("difference", "low", "high", "p_value", "better", "worse", "needed")
+    for e, c in zip(recorded, out["comparisons"][:2]):
+        assert {k: e[k] for k in fields} == pytest.approx({k: c[k] for k in fields})
 
 
 def test_eval_grades_with_the_methods_own_reward_and_refuses_a_method_without_one():

@@ -217,7 +217,7 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
 # The metrics two systems' held-out evaluations are compared on, prompt by prompt: greedy
 # success (0/1 per prompt: exact McNemar) and the mean reward (paired bootstrap).
 COMPARED = ("success_rate", "reward")
-BASE = "the base"  # the base model's name among the systems compared
+BASE, ADAPTER = "the base", "the adapter"  # the two systems of a run's own comparison
 
 
 def held_out_scores(per_prompt: dict) -> dict:
@@ -365,6 +365,8 @@ def train(ctx: RunContext) -> dict:
         state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
         start_step, metrics = state["step"], dict(state.get("metrics", {}))
 
+    per_prompt: dict = {}  # each evaluation's outcomes per prompt, by its key: the paired comparison
+
     def held_out_eval(step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
         tick = None
         if phase is not None:
@@ -376,7 +378,7 @@ def train(ctx: RunContext) -> dict:
         if m is None:  # stopped during the evaluation
             return
         shown = m.pop("samples", None)
-        m.pop("per_prompt")  # the events hold the means
+        per_prompt[key] = m.pop("per_prompt")
         for k, v in m.items():
             if k != "prompts":
                 metrics[f"{k}_{key}"] = v
@@ -469,6 +471,9 @@ def train(ctx: RunContext) -> dict:
             if base_due and not ctx.should_stop():
                 with model.disable_adapter():  # the samples shown stay the adapter's
                     held_out_eval(0, "start", "base_eval", samples=0)
+        if "start" in per_prompt and "end" in per_prompt:  # did it help: paired on the same prompts
+            for c in compare_held_out(BASE, per_prompt["start"], ADAPTER, per_prompt["end"]):
+                ctx.emit("comparison", step=step, **c)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
