@@ -505,6 +505,8 @@ def _score(x: dict, metric: str) -> str:
 def eval_table(result: dict) -> str:
     """`edgetune eval`'s table: each system's scores with their 95% intervals, then each
     pair compared on the same prompts, in numbers and in words."""
+    from edgetune.engine.training.stats import p_text
+
     systems = result["systems"]
     metrics = list(dict.fromkeys(m for s in systems for m in s["scores"]))
     cells = [[_score(s["scores"][m], m) if m in s["scores"] else "–" for m in metrics] for s in systems]
@@ -523,7 +525,7 @@ def eval_table(result: dict) -> str:
         for c in result["comparisons"]:
             unit = (lambda x: f"{100 * x:+.1f} pts") if c["kind"] == "proportion" else (lambda x: f"{x:+.3f}")
             lines.append(f"  {c['b']} vs {c['a']}, {c['metric']}: {unit(c['difference'])} "
-                         f"[{unit(c['low'])}, {unit(c['high'])}], p = {c['p_value']:.3g}")
+                         f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])}")
             lines.append(f"    {c['words']}")
     return "\n".join(ln.rstrip() for ln in lines)
 
