@@ -414,6 +414,9 @@ def test_eval_compares_a_run_with_the_base_in_a_table(tmp_path, tiny_model_dir):
     p = _train(tmp_path, *sets, "fgrpo.steps=1", "fgrpo.num_generations=2", "fgrpo.prompts_per_step=2",
                preset="fgrpo-quickstart")
     assert p.returncode == 0, p.stderr[-2000:]
+    # the run's own comparison of its adapter with the base, as `train` prints it
+    assert "held-out success_rate: the base vs the adapter: no detectable difference on 4 prompts (p = 1)" \
+        in p.stdout + p.stderr
     args = ["eval", "--preset", "fgrpo-quickstart", "--base", "--adapter", "r", "--runs-dir", str(tmp_path / "runs")]
     for s in sets:
         args += ["--set", s]
