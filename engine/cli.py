@@ -505,7 +505,7 @@ def _score(x: dict, metric: str) -> str:
 def eval_table(result: dict) -> str:
     """`edgetune eval`'s table: each system's scores with their 95% intervals, then each
     pair compared on the same prompts, in numbers and in words."""
-    from edgetune.engine.training.stats import p_text
+    from edgetune.engine.training.stats import TESTS, p_text
 
     systems = result["systems"]
     metrics = list(dict.fromkeys(m for s in systems for m in s["scores"]))
@@ -521,11 +521,11 @@ def eval_table(result: dict) -> str:
         if s.get("adapter"):
             lines.append(f"  {s['name']}: {s['adapter']}")
     if result["comparisons"]:
-        lines += ["", "paired on the same prompts (success: exact McNemar; reward: paired bootstrap):"]
+        lines += ["", "paired on the same prompts:"]
         for c in result["comparisons"]:
             unit = (lambda x: f"{100 * x:+.1f} pts") if c["kind"] == "proportion" else (lambda x: f"{x:+.3f}")
             lines.append(f"  {c['b']} vs {c['a']}, {c['metric']}: {unit(c['difference'])} "
-                         f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])}")
+                         f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])} ({TESTS[c['kind']]})")
             lines.append(f"    {c['words']}")
     return "\n".join(ln.rstrip() for ln in lines)
 

@@ -28,6 +28,7 @@ ALPHA = 0.05  # a difference whose p-value is below this is called detected
 GAP = 0.05  # the gap the sample-size sentence speaks of (5 points of a share)
 RESAMPLES = 10_000
 SEED = 0
+TESTS = {"proportion": "exact McNemar", "mean": "paired bootstrap"}  # the test of each Paired.kind
 
 
 @dataclass(frozen=True)
