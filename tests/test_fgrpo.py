@@ -378,6 +378,10 @@ def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir,
     fields = ("difference", "low", "high", "p_value", "better", "worse", "needed")
     for e, c in zip(recorded, out["comparisons"][:2]):
         assert {k: e[k] for k in fields} == pytest.approx({k: c[k] for k in fields})
+    from edgetune.app import live
+
+    shown = live.log_lines(ev_a).splitlines()  # the Train tab's events, newest first
+    assert [ln[9:] for ln in shown[2:4]] == [f"held-out {e['metric']}: {e['words']}" for e in recorded[::-1]]
 
 
 def test_eval_grades_with_the_methods_own_reward_and_refuses_a_method_without_one():
