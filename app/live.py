@@ -226,6 +226,8 @@ def _fmt_event(ev: dict) -> str:
         return f"{t} {kind}: {ev.get('message')}"
     if kind == "samples":  # the table beside the plots shows them
         return f"{t} samples at step {ev.get('step')}: {len(ev.get('samples') or [])} held-out completions"
+    if kind == "comparison":  # the run's adapter against the base, in words
+        return f"{t} held-out {ev.get('metric')}: {ev.get('words')}"
     if kind == "more_steps":
         return (f"{t} more steps: {ev.get('setting')} {ev.get('from')} → {ev.get('to')} (learning rate flat past "
                 f"step {ev.get('schedule')})")

@@ -145,6 +145,8 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
         elif t == "eval" and not quiet:
             tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in ev.items() if k not in ("i", "time", "type")))
+        elif t == "comparison" and not quiet:
+            tqdm.write(f"held-out {ev.get('metric')}: {ev.get('words')}")
         elif t == "warm_start":
             inner = ev.get("event")
             if inner == "phase":
@@ -521,39 +523,70 @@ def cmd_estimate(a) -> int:
     return 0
 
 
+def _score(x: dict, metric: str) -> str:
+    """A score and its 95% interval: shares in percent, other means as they are."""
+    if metric == "reward":
+        return f"{x['estimate']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
+    return f"{100 * x['estimate']:5.1f}% [{100 * x['low']:.1f}, {100 * x['high']:.1f}]"
+
+
 def eval_table(result: dict) -> str:
-    keys = [k for k in result if k not in ("adapter", "reward_fn")]
-    lines = [f"adapter: {result.get('adapter') or '(none: the base model alone)'}",
-             f"reward:  {result.get('reward_fn')}", ""]
-    width = max(len(k) for k in keys) if keys else 6
-    lines += [f"{k:{width}s}  {v:.4f}" if isinstance(v, float) else f"{k:{width}s}  {v}" for k, v in
-              ((k, result[k]) for k in keys)]
-    return "\n".join(lines)
+    """`edgetune eval`'s table: each system's scores with their 95% intervals, then each
+    pair compared on the same prompts, in numbers and in words."""
+    from edgetune.engine.training.stats import TESTS, p_text
+
+    systems = result["systems"]
+    metrics = list(dict.fromkeys(m for s in systems for m in s["scores"]))
+    cells = [[_score(s["scores"][m], m) if m in s["scores"] else "–" for m in metrics] for s in systems]
+    names = [s["name"] for s in systems]
+    nw = max(len(n) for n in names + ["system"])
+    widths = [max(len(m), *(len(c[j]) for c in cells)) for j, m in enumerate(metrics)]
+    lines = [f"{result['prompts']} held-out prompts, graded by {result['reward_fn']}; "
+             f"each score with its 95% interval", "",
+             f"{'system':{nw}s}  " + "  ".join(f"{m:{w}s}" for m, w in zip(metrics, widths))]
+    lines += [f"{n:{nw}s}  " + "  ".join(f"{c:{w}s}" for c, w in zip(row, widths)) for n, row in zip(names, cells)]
+    for s in systems:
+        if s.get("adapter"):
+            lines.append(f"  {s['name']}: {s['adapter']}")
+    if result["comparisons"]:
+        lines += ["", "paired on the same prompts:"]
+        for c in result["comparisons"]:
+            unit = (lambda x: f"{100 * x:+.1f} pts") if c["kind"] == "proportion" else (lambda x: f"{x:+.3f}")
+            lines.append(f"  {c['b']} vs {c['a']}, {c['metric']}: {unit(c['difference'])} "
+                         f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])} ({TESTS[c['kind']]})")
+            lines.append(f"    {c['words']}")
+    return "\n".join(ln.rstrip() for ln in lines)
 
 
 def cmd_eval(a) -> int:
     from tqdm import tqdm
 
-    from edgetune.engine.methods.fgrpo import eval_passes, evaluate_adapter
+    from edgetune.engine.methods.fgrpo import eval_passes, grading_settings
+    from edgetune.engine.run import evaluation
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)
-    adapter = _run_arg(a.adapter, a.runs_dir) if a.adapter else ""
+    passes = eval_passes(grading_settings(cfg))  # a method without a reward: its one line, before loading
+    systems = [(name, _run_arg(path, a.runs_dir) if path else "")
+               for name, path in evaluation.system_names(a.adapter or [], a.base)]
+    if not systems:
+        raise EdgetuneError("nothing to evaluate: give --adapter RUN (repeatable) and/or --base")
     bar = tqdm(total=None, unit="prompt", dynamic_ncols=True, disable=a.json, desc="loading the model",
                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}")
 
-    def tick(done: int, total: int) -> bool:
-        bar.total = total
+    def tick(name: str, i: int, done: int, total: int) -> bool:
+        if bar.total != total or done < bar.n:
+            bar.reset(total=total)
         bar.n = done
-        bar.set_description_str("evaluating" if eval_passes(cfg.fgrpo) == 1 else
-                                 "evaluating (greedy, then pass@k samples)", refresh=False)
+        what = "evaluating" if passes == 1 else "evaluating (greedy, then pass@k samples)"
+        bar.set_description_str(f"{name} ({i + 1}/{len(systems)}): {what}", refresh=False)
         bar.refresh()
         return False
 
     try:
-        result = evaluate_adapter(cfg, adapter, progress=tick)
+        result = evaluation.compare(cfg, systems, progress=tick)
     finally:
         bar.close()
     print(json.dumps(result, indent=2) if a.json else eval_table(result))
@@ -682,12 +715,16 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--gpus", default=1, help="the peak of each GPU of a data-parallel run on that many")
     es.set_defaults(fn=cmd_estimate)
 
-    ev = sub.add_parser("eval", help="pass@1 / pass@k of an adapter on the held-out prompts")
+    ev = sub.add_parser("eval", help="the base and adapters on the held-out prompts: scores with 95%% intervals, "
+                                     "paired comparisons")
     config_args(ev)
-    ev.add_argument("--adapter", required=True,
-                    help="an adapter folder, a run folder or a run name as `edgetune runs` prints it; '' = the base")
+    ev.add_argument("--adapter", action="append",
+                    help="an adapter folder, a run folder or a run name as `edgetune runs` prints it (repeatable; "
+                         "'' = the base)")
+    ev.add_argument("--base", action="store_true", help="grade the base model too (the adapter off)")
     ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
-    ev.add_argument("--json", action="store_true", help="the metrics as JSON, no progress bar")
+    ev.add_argument("--json", action="store_true",
+                    help="scores, intervals, per-prompt outcomes and comparisons as JSON, no progress bar")
     ev.set_defaults(fn=cmd_eval)
 
     u = sub.add_parser("ui", help="start the browser app")

@@ -390,7 +390,9 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monk
         args += ["--set", s]
     p = edgetune(*args, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert re.search(r"^success_rate\s+\d\.\d{4}$", p.stdout, re.M) and "base model alone" in p.stdout
+    # the random tiny model never answers: 0 of 4, with the Wilson interval of 0/4
+    assert re.search(r"^the base\s+0\.0% \[0\.0, 49\.0\]\s+0\.000 \[0\.000, 0\.000\]", p.stdout, re.M), p.stdout
+    assert "4 held-out prompts, graded by last_number" in p.stdout and "paired" not in p.stdout
     assert "8/8" in p.stderr  # the bar counted 4 prompts in each of its two passes
     assert "Loading weights" not in p.stderr and "FutureWarning" not in p.stderr
     # --json: the same command in this process (a second model load in a fresh one adds nothing)
@@ -400,7 +402,45 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monk
     capsys.readouterr()
     assert cli.main([*args, "--json"]) == 0
     raw = json.loads(capsys.readouterr().out)
-    assert raw["prompts"] == 4 and 0 <= raw["pass@1"] <= 1
+    (base,) = raw["systems"]
+    assert raw["prompts"] == 4 and base["name"] == "the base" and base["adapter"] is None
+    assert base["per_prompt"]["success_rate"] == [0, 0, 0, 0] and raw["comparisons"] == []
+    assert base["scores"]["pass@1"] == {"estimate": 0.0, "low": 0.0, "high": 0.0}
+
+
+def test_eval_compares_a_run_with_the_base_in_a_table(tmp_path, tiny_model_dir):
+    sets = [f"model.name={tiny_model_dir}", "model.quant=none", "fgrpo.eval_prompts=4", "fgrpo.max_new_tokens=4",
+            "fgrpo.eval_k=0"]
+    p = _train(tmp_path, *sets, "fgrpo.steps=1", "fgrpo.num_generations=2", "fgrpo.prompts_per_step=2",
+               preset="fgrpo-quickstart")
+    assert p.returncode == 0, p.stderr[-2000:]
+    # the run's own comparison of its adapter with the base, as `train` prints it
+    assert "held-out success_rate: the base vs the adapter: no detectable difference on 4 prompts (p = 1)" \
+        in p.stdout + p.stderr
+    args = ["eval", "--preset", "fgrpo-quickstart", "--base", "--adapter", "r", "--runs-dir", str(tmp_path / "runs")]
+    for s in sets:
+        args += ["--set", s]
+    p = edgetune(*args, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [ln for ln in p.stdout.splitlines() if re.match(r"^(the base|r)\s+\d", ln)]
+    assert [ln.split()[0] for ln in rows] == ["the", "r"]
+    assert f"  r: {tmp_path / 'runs' / 'r' / 'adapter'}" in p.stdout
+    assert "r vs the base, success_rate: +0.0 pts" in p.stdout
+    # neither answers anything: no difference, and how many prompts would show a 5-point gap
+    assert "the base vs r: no detectable difference on 4 prompts (p = 1); about 155 would show a 5-point gap" \
+        in p.stdout
+    assert "r (2/2): evaluating: 4/4" in p.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--preset", "sft-quickstart", "--base"],
+     "SFT runs have no held-out prompts to grade: `edgetune eval` grades methods with a reward (F-GRPO, ESSA)"),
+    (["--preset", "fgrpo-quickstart"], "nothing to evaluate: give --adapter RUN (repeatable) and/or --base"),
+    (["--preset", "fgrpo-quickstart", "--adapter", "no-such-run"], "no run or folder 'no-such-run'"),
+])
+def test_eval_refuses_in_one_line_before_loading_a_model(tmp_path, args, needle):
+    p = edgetune("eval", *args, cwd=tmp_path)
+    assert p.returncode == 2 and needle in _one_error_line(p)
 
 
 def test_library_notices_are_silenced_where_raised():

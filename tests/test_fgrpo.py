@@ -335,6 +335,65 @@ def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
         fgrpo.evaluate_adapter(cfg, str(tmp_path))
 
 
+def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir, rl_files, tmp_path):
+    """The base and two adapters graded on the same held-out prompts: each score is the mean
+    of its per-prompt outcomes and equals what the run measured, and every pair is compared
+    prompt by prompt. A finished run records its own base-against-adapter comparison, the
+    same numbers `edgetune eval` finds."""
+    from edgetune.engine.run import evaluation
+
+    cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=4)
+    run_a, m_a, ev_a = run_fgrpo(cfg, tmp_path / "a")
+    run_b, m_b, _ = run_fgrpo(config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=4, lr=3e-2),
+                              tmp_path / "b")
+    a, b = str(run_a.path), str(run_b.path)
+    out = evaluation.compare(cfg, evaluation.system_names([a, b, a], base=True))
+    base, sa, sb = out["systems"]
+    assert [s["name"] for s in out["systems"]] == ["the base", a, b] and out["prompts"] == 4
+    for s in out["systems"]:
+        assert {k: len(v) for k, v in s["per_prompt"].items()} == dict.fromkeys(
+            ("success_rate", "reward", "pass@1", "pass@2"), 4)
+        for metric, score in s["scores"].items():
+            assert score["estimate"] == pytest.approx(sum(s["per_prompt"][metric]) / 4)
+            assert score["low"] <= score["estimate"] <= score["high"]
+    for metric in ("success_rate", "pass@1"):  # the numbers the runs measured, base and adapter
+        assert sa["scores"][metric]["estimate"] == pytest.approx(m_a[f"{metric}_end"])
+        assert sb["scores"][metric]["estimate"] == pytest.approx(m_b[f"{metric}_end"])
+        assert base["scores"][metric]["estimate"] == pytest.approx(m_a[f"{metric}_start"])
+    assert [(c["a"], c["b"], c["metric"]) for c in out["comparisons"]] == [
+        ("the base", a, "success_rate"), ("the base", a, "reward"), ("the base", b, "success_rate"),
+        ("the base", b, "reward"), (a, b, "success_rate"), (a, b, "reward")]
+    systems = {s["name"]: s["per_prompt"] for s in out["systems"]}
+    for c in out["comparisons"]:
+        xa, xb = systems[c["a"]][c["metric"]], systems[c["b"]][c["metric"]]
+        assert c["difference"] == pytest.approx(sum(xb) / 4 - sum(xa) / 4) and c["n"] == 4
+        if c["metric"] == "success_rate":
+            assert (c["better"], c["worse"]) == (sum(y > x for x, y in zip(xa, xb)), sum(x > y for x, y in zip(xa, xb)))
+        assert c["words"].startswith(f"{c['a']} vs {c['b']}: no detectable difference on 4 prompts") or \
+            c["words"].startswith(f"{c['b']} is ")
+    # the run's own comparison: base (step 0) against its final adapter on the same prompts
+    recorded = [e for e in ev_a if e["type"] == "comparison"]
+    assert [(e["a"], e["b"], e["metric"]) for e in recorded] == [
+        ("the base", "the adapter", "success_rate"), ("the base", "the adapter", "reward")]
+    fields = ("difference", "low", "high", "p_value", "better", "worse", "needed")
+    for e, c in zip(recorded, out["comparisons"][:2]):
+        assert {k: e[k] for k in fields} == pytest.approx({k: c[k] for k in fields})
+    from edgetune.app import live
+
+    shown = live.log_lines(ev_a).splitlines()  # the Train tab's events, newest first
+    assert [ln[9:] for ln in shown[2:4]] == [f"held-out {e['metric']}: {e['words']}" for e in recorded[::-1]]
+
+
+def test_eval_grades_with_the_methods_own_reward_and_refuses_a_method_without_one():
+    from edgetune.engine.core.errors import ConfigError
+
+    essa = resolve(preset="essa-quickstart", overrides=["essa.reward=exact"])
+    s = fgrpo.grading_settings(essa)
+    assert (s.reward, s.max_new_tokens, s.eval_prompts) == ("exact", 24, 30)
+    with pytest.raises(ConfigError, match="SFT runs have no held-out prompts to grade"):
+        fgrpo.grading_settings(resolve(preset="sft-quickstart"))
+
+
 @pytest.mark.slow
 def test_quickstart_raises_held_out_success(tmp_path):
     """The fgrpo-quickstart preset, as shipped (seed 0, embedded SmolLM2-135M in NF4, fp32

@@ -18,6 +18,9 @@ Types and their fields (fields a method does not have are left out):
               memory and seconds since its last logged step
 - `eval`      step, and the method's held-out metrics: eval_loss (SFT),
               pass@1 / pass@k / success_rate (F-GRPO), reward (ESSA)
+- `comparison` F-GRPO: a, b ("the base", "the adapter"), metric, kind, n, difference, low,
+              high, p_value, needed, better, worse, words: the final adapter against the base on
+              the same held-out prompts, paired (engine/training/stats.py), one per metric
 - `candidate` ESSA only: generation, index, fitness, seconds
 - `warm_start` ESSA only: an event of the warm-start SFT run (in `<run>/warm_start/`),
               its own type in `event`, its other fields unchanged

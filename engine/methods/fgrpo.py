@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -52,13 +52,15 @@ from edgetune.engine.core import phases
 from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.errors import ConfigError, DataError
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
 from edgetune.engine.training.loop import (RunContext, check_finite, check_seed, emit_samples,
                                            every, finish, load_checkpoint, make_optimizer, make_scheduler,
                                            micro_batch_indices, save_checkpoint, save_last_checkpoint,
                                            seed_everything, start_training)
-from edgetune.engine.training.passk import mean_pass_at_k
+from edgetune.engine.training import stats
+from edgetune.engine.training.passk import mean_pass_at_k, pass_at_k
 from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.training.rewards import Reward, build_reward
 from edgetune.engine.generation.rollouts import RolloutBatch, generate
@@ -103,6 +105,8 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
     pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
     The sampling seed is fixed, so before/after compare on the same random numbers.
+    out["per_prompt"] holds each metric's value on each prompt, in the rows' order: the
+    paired comparison of two systems on the same prompts (engine/training/stats.py).
 
     Rows are decoded in chunks of one training rollout batch (a size the run already
     fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
@@ -132,7 +136,7 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
 
 
 def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy, out, chunks, tick, samples):
-    done = 0
+    done, per = 0, {}
     if greedy:
         roll = generate(model, tok, prompts, max_new_tokens=s.max_new_tokens, greedy=True,
                         system_prompt=system_prompt, **chunks(1, 0))
@@ -140,6 +144,8 @@ def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy,
         sc = reward.score(roll.texts, rows, roll.truncated, threshold=s.success_threshold)
         out["success_rate"] = sum(sc.success) / len(rows)
         out["reward"] = sum(sc.rewards) / len(rows)
+        per["success_rate"] = [int(bool(x)) for x in sc.success]
+        per["reward"] = [float(x) for x in sc.rewards]
         if samples:
             out["samples"] = ([_prompt_text(p) for p in prompts[:samples]], roll.texts[:samples],
                               [str(r.get("answer", "")) for r in rows[:samples]])
@@ -153,17 +159,38 @@ def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy,
         counts = [(n, sum(sc.success[i * n : (i + 1) * n])) for i in range(len(rows))]
         out["pass@1"] = mean_pass_at_k(counts, 1)
         out[f"pass@{s.eval_k}"] = mean_pass_at_k(counts, s.eval_k)
+        per["pass@1"] = [pass_at_k(n, c, 1) for n, c in counts]
+        per[f"pass@{s.eval_k}"] = [pass_at_k(n, c, s.eval_k) for n, c in counts]
         done += len(rows)
     if tick is not None:
         tick(done)
+    out["per_prompt"] = per
     return out
+
+
+# What grades a held-out prompt, read from the group of the config's method when it has them
+# (an ESSA config grades with essa.reward at essa.max_new_tokens); the rest from fgrpo.
+GRADING = ("reward", "reward_file", "max_new_tokens", "temperature", "eval_prompts")
+
+
+def grading_settings(cfg: Config) -> FGRPOSettings:
+    """The held-out evaluation's settings for a config of any method with a reward; a
+    one-line ConfigError for a method without one (its data has no answers to grade)."""
+    record = RECORDS[cfg.method]
+    if not record.rewards:
+        raise ConfigError(f"{record.label} runs have no held-out prompts to grade: `edgetune eval` grades methods "
+                          f"with a reward ({', '.join(m.label for m in RECORDS.values() if m.rewards)})")
+    group = getattr(cfg, cfg.method)
+    return replace(cfg.fgrpo, **{k: getattr(group, k) for k in GRADING if hasattr(group, k)})
 
 
 def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
     """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
-    ("" = the base alone, for a before/after comparison in the same precision).
-    `progress(prompts_done, total)` as the evaluation advances."""
+    ("" = the base alone, for a before/after comparison in the same precision), with
+    each metric per prompt (`per_prompt`). `progress(prompts_done, total)` as the
+    evaluation advances."""
     cfg = copy.deepcopy(cfg)
+    s = grading_settings(cfg)
     check_seed(cfg.run.seed)  # its sampling streams come from it
     if adapter_path:
         if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
@@ -175,16 +202,45 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
     model, tok, _ = model_lib.load(cfg)
     model.eval()
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
-    rows = data.eval[: cfg.fgrpo.eval_prompts] if cfg.fgrpo.eval_prompts else data.eval
+    rows = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
     if not rows:
         raise DataError("no held-out rows to evaluate on (set data.eval_fraction or data.eval_path)",
                         file=cfg.data.path)
-    reward = build_reward(cfg.fgrpo.reward, cfg.fgrpo.reward_file)
-    total = len(rows) * eval_passes(cfg.fgrpo)
+    reward = build_reward(s.reward, s.reward_file)
+    total = len(rows) * eval_passes(s)
     tick = (lambda done: progress(done, total)) if progress is not None else None
-    metrics = evaluate(model, tok, rows, reward, cfg.fgrpo, cfg.data.system_prompt, cfg.run.seed, tick=tick,
+    metrics = evaluate(model, tok, rows, reward, s, cfg.data.system_prompt, cfg.run.seed, tick=tick,
                        memory_budget=copy_budget(cfg))
     return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
+
+
+# The metrics two systems' held-out evaluations are compared on, prompt by prompt: greedy
+# success (0/1 per prompt: exact McNemar) and the mean reward (paired bootstrap).
+COMPARED = ("success_rate", "reward")
+BASE, ADAPTER = "the base", "the adapter"  # the two systems of a run's own comparison
+
+
+def held_out_scores(per_prompt: dict) -> dict:
+    """Each metric of an evaluation's `per_prompt` with its 95% interval: Wilson for the
+    0/1 greedy success, the bootstrap for the means (reward, pass@k per prompt)."""
+    out = {}
+    for metric, values in per_prompt.items():
+        ci = stats.wilson(sum(values), len(values)) if metric == "success_rate" else stats.bootstrap_mean(values)
+        out[metric] = asdict(ci)
+    return out
+
+
+def compare_held_out(a: str, a_per_prompt: dict, b: str, b_per_prompt: dict) -> list[dict]:
+    """System b against system a on the same held-out prompts, one dict per metric of
+    COMPARED that both have: the paired test's fields and the answer in words."""
+    out = []
+    for metric in COMPARED:
+        xa, xb = a_per_prompt.get(metric), b_per_prompt.get(metric)
+        if xa is None or xb is None:
+            continue
+        c = (stats.compare_proportions if metric == "success_rate" else stats.compare_means)(xa, xb)
+        out.append({"a": a, "b": b, "metric": metric, **c.dict(), "words": stats.in_words(c, a, b)})
+    return out
 
 
 # --------------------------------------------------------------------------- one step
@@ -309,6 +365,8 @@ def train(ctx: RunContext) -> dict:
         state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
         start_step, metrics = state["step"], dict(state.get("metrics", {}))
 
+    per_prompt: dict = {}  # each evaluation's outcomes per prompt, by its key: the paired comparison
+
     def held_out_eval(step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
         tick = None
         if phase is not None:
@@ -320,6 +378,7 @@ def train(ctx: RunContext) -> dict:
         if m is None:  # stopped during the evaluation
             return
         shown = m.pop("samples", None)
+        per_prompt[key] = m.pop("per_prompt")
         for k, v in m.items():
             if k != "prompts":
                 metrics[f"{k}_{key}"] = v
@@ -412,6 +471,9 @@ def train(ctx: RunContext) -> dict:
             if base_due and not ctx.should_stop():
                 with model.disable_adapter():  # the samples shown stay the adapter's
                     held_out_eval(0, "start", "base_eval", samples=0)
+        if "start" in per_prompt and "end" in per_prompt:  # did it help: paired on the same prompts
+            for c in compare_held_out(BASE, per_prompt["start"], ADAPTER, per_prompt["end"]):
+                ctx.emit("comparison", step=step, **c)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
