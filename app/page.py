@@ -18,6 +18,7 @@ import psutil
 
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
+
 from edgetune.engine.run import api
 
 from . import form

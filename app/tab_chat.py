@@ -16,7 +16,6 @@ from edgetune.engine.core.errors import EdgetuneError
 from . import panels
 from .page import message, slider_field
 
-
 ANSWERING = "Answering: the adapter's side first, then the base's…"
 
 

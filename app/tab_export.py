@@ -10,8 +10,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from edgetune.engine.run import api
 from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine.run import api
 
 from .page import message
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import gradio as gr
 
-from edgetune.engine.run import api
 from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine.run import api
 
 from . import panels
 

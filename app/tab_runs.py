@@ -9,6 +9,7 @@ import gradio as gr
 
 from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.core.settings import MORE_STEPS, typed_number
+
 from edgetune.engine.run import api
 
 from . import live, panels

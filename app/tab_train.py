@@ -12,8 +12,9 @@ import time
 
 import gradio as gr
 
-from edgetune.engine.run import api
 from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine.run import api
 
 from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS

@@ -120,8 +120,9 @@ def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0
     Returns (loss, seconds per phase)."""
     import contextlib
 
-    from edgetune.engine.training.lm_loss import causal_lm_loss
     from edgetune.engine.models.model import autocast
+
+    from edgetune.engine.training.lm_loss import causal_lm_loss
 
     t = [time.perf_counter()]
     wait = 0.0  # seconds the host spent waiting for the GPU at the phase ends: ~0 = host-bound
@@ -189,8 +190,9 @@ def arch_folder(arch: dict, model_type: str = "qwen2") -> str:
 def planner_prediction(folder: str, method: str, sets: list[str]) -> dict:
     """The planner's estimate for the engine path (NF4, LoRA r16/a32 on all 7 projections,
     checkpointing) of a measured shape."""
-    from edgetune.engine.planning import planner
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning import planner
 
     cfg = resolve(overrides=[f"method={method}", f"model.name={folder}", "model.quant=nf4", "lora.r=16",
                              "lora.alpha=32", "model.gradient_checkpointing=true", *sets])

@@ -111,10 +111,12 @@ def main():
     base = model if args.skip_hf else section("hf_2048", hf, need_s=30 if args.tiny else 60)
     if base is None:
         return
+    from edgetune.engine.core.settings import LoraSettings
+
     from edgetune.engine.models import model as model_lib
     from edgetune.engine.models import offload
+
     from edgetune.engine.training.loop import make_optimizer
-    from edgetune.engine.core.settings import LoraSettings
 
     ours = model_lib.add_lora(base, LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=list(C.TARGETS)),
                               gradient_checkpointing=True)

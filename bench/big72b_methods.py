@@ -107,8 +107,9 @@ def less(peak: int | None, copied: int) -> int | None:
 
 
 def planned(method: str, sets: list[str]) -> dict:
-    from edgetune.engine.planning import planner
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning import planner
 
     cfg = resolve(overrides=[f"method={method}", f"model.name={FOLDER}", "model.quant=nf4", *sets])
     return planner.estimate(cfg, device="cuda", detect_gpu=False)
@@ -151,13 +152,18 @@ def build():
 
 
 def fgrpo_step(base):
-    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.kernels import sebp as sebp_lib
+
+    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
+
+    from edgetune.engine.models.model import add_lora
+
+    from edgetune.engine.generation.rollouts import generate
+
     from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.training.loop import make_optimizer, make_scheduler
-    from edgetune.engine.models.model import add_lora
-    from edgetune.engine.generation.rollouts import generate
-    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
-    from edgetune.kernels import sebp as sebp_lib
+
+    from edgetune.engine.methods.fgrpo import policy_update
 
     model = add_lora(base, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
     with sebp_lib.enabled(model, DEV == "cuda") as sebp:
@@ -200,9 +206,10 @@ def fgrpo_step(base):
 def essa_generation(base):
     import numpy as np
 
+    from edgetune.engine.core.settings import ESSASettings
+
     from edgetune.engine.methods.essa import make_es
     from edgetune.engine.methods.essa_space import SVDSpace
-    from edgetune.engine.core.settings import ESSASettings
 
     model = add_random_lora(base, ES["rank"])
     space = SVDSpace(model)

@@ -181,10 +181,12 @@ def peak_gib(device):
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    from edgetune.engine.core.settings import ESSASettings
+
+    from edgetune.engine.generation.rollouts import generate
+
     from edgetune.engine.methods.essa import Evaluator, make_es
     from edgetune.engine.methods.essa_space import SVDSpace
-    from edgetune.engine.generation.rollouts import generate
-    from edgetune.engine.core.settings import ESSASettings
 
     device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

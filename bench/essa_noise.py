@@ -166,16 +166,21 @@ def build(a, work: Path, log):
     sees, built with the engine's own functions."""
     import torch
 
-    from edgetune.engine import data as data_lib
-    from edgetune.engine.methods import essa
-    from edgetune.engine.models import model as model_lib
-    from edgetune.engine.planning.effective import copy_budget, decide
     from edgetune.engine.core.events import EventWriter
-    from edgetune.engine.training.loop import RunContext, seed_everything
-    from edgetune.engine.planning.planner import arch_of
-    from edgetune.engine.training.rewards import build_reward
     from edgetune.engine.core.runfolder import RunDir
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning.effective import copy_budget, decide
+    from edgetune.engine.planning.planner import arch_of
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.training.loop import RunContext, seed_everything
+    from edgetune.engine.training.rewards import build_reward
+
+    from edgetune.engine.methods import essa
+
+    from edgetune.engine import data as data_lib
 
     learning = _learning()
     data = learning.write_task_data(a.task, work / "data", a.train_items, 10, a.seed)

@@ -41,13 +41,18 @@ def main() -> dict:
     if a.tiny:
         a.prompts, a.group, a.prompt_len, a.new_tokens, a.steps = 2, 4, 8, 8, 2
 
-    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.kernels import sebp as sebp_lib
+
+    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
+
+    from edgetune.engine.models.model import add_lora
+
+    from edgetune.engine.generation.rollouts import generate
+
     from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.training.loop import make_optimizer, make_scheduler
-    from edgetune.engine.models.model import add_lora
-    from edgetune.engine.generation.rollouts import generate
-    from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
-    from edgetune.kernels import sebp as sebp_lib
+
+    from edgetune.engine.methods.fgrpo import policy_update
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

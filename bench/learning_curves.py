@@ -13,7 +13,6 @@ folder's `events.jsonl`, named by its folder) and writes, per task, held-out gre
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path

@@ -54,12 +54,12 @@ def rank_job(a) -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     import torch
-
     from essa import QWEN25_7B, TINY, IdTokenizer, build_nf4_model, id_reward
 
     from edgetune.engine.core import distributed as dist
-    from edgetune.engine.models.model import add_lora
     from edgetune.engine.core.settings import LoraSettings
+
+    from edgetune.engine.models.model import add_lora
 
     dist.init()
     cuda = torch.cuda.is_available() and not a.tiny
@@ -108,6 +108,7 @@ def rank_job(a) -> None:
 
     if "sft" in only:
         from edgetune.engine.training.loop import make_optimizer
+
         from edgetune.engine.methods.sft import accumulate
 
         rows, seq, bs = (4, 16, 2) if a.tiny else (16, 1024, 8)
@@ -143,9 +144,10 @@ def rank_job(a) -> None:
         dump()
 
     if "essa" in only:
+        from edgetune.engine.core.settings import ESSASettings
+
         from edgetune.engine.methods.essa import Evaluator, make_es, population_fitness
         from edgetune.engine.methods.essa_space import SVDSpace
-        from edgetune.engine.core.settings import ESSASettings
 
         model.eval()
         with torch.no_grad():  # a warm start stands in: B away from zero
@@ -179,11 +181,14 @@ def rank_job(a) -> None:
         space.restore()
 
     if "fgrpo" in only:
-        from edgetune.engine.methods.fgrpo import policy_update
+        from edgetune.engine.core.settings import FGRPOSettings
+
+        from edgetune.engine.generation.rollouts import generate
+
         from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
         from edgetune.engine.training.loop import make_optimizer, make_scheduler
-        from edgetune.engine.generation.rollouts import generate
-        from edgetune.engine.core.settings import FGRPOSettings
+
+        from edgetune.engine.methods.fgrpo import policy_update
 
         n_prompts, G, L, T = (2, 4, 8, 8) if a.tiny else (8, 8, 128, 256)
         s = FGRPOSettings(num_generations=G, prompts_per_step=n_prompts, max_new_tokens=T, temperature=0.9,
@@ -241,8 +246,9 @@ def planner_sft(a) -> dict:
 
     from essa import QWEN25_7B, TINY
 
-    from edgetune.engine.planning import planner
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning import planner
 
     arch = TINY if a.tiny else QWEN25_7B
     d = Path(tempfile.mkdtemp(prefix="arch-"))

@@ -108,10 +108,13 @@ def measure(name, fn):
 
 
 def own_measurements():
-    from edgetune.engine.models import model as model_lib
-    from edgetune.engine.training.loop import make_optimizer
-    from edgetune.engine.generation.rollouts import generate
     from edgetune.engine.core.settings import LoraSettings
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.generation.rollouts import generate
+
+    from edgetune.engine.training.loop import make_optimizer
 
     arch = B.C05B
     folder = C.arch_folder(arch)

@@ -175,8 +175,9 @@ def child(folder: str) -> dict:
         importlib.import_module(mod)
         t[label] = time.perf_counter() - t0
     startup.imports_done()
-    from edgetune.engine.models import model as model_lib
     from edgetune.engine.core.settings import from_dict
+
+    from edgetune.engine.models import model as model_lib
 
     t["imports"] = time.perf_counter() - T_START
     before = tracer.summary()

@@ -53,13 +53,14 @@ ap.add_argument("--mixed-layers", type=int, default=-1,
                      "with --72b; 0 = none: every layer NF4 through bitsandbytes, but packed)")
 args = ap.parse_known_args()[0]
 
+import baseline as B  # noqa: E402  (reads --tiny itself)
 import torch  # noqa: E402
 
-import baseline as B  # noqa: E402  (reads --tiny itself)
+from edgetune.engine.core.settings import LoraSettings  # noqa: E402
+
+from edgetune.engine.models.model import add_lora  # noqa: E402
 
 from edgetune.engine.generation import fast_decode, rollouts  # noqa: E402
-from edgetune.engine.models.model import add_lora  # noqa: E402
-from edgetune.engine.core.settings import LoraSettings  # noqa: E402
 
 T0 = time.perf_counter()
 OUT = os.environ.get("OUT", ".")

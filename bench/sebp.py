@@ -30,8 +30,9 @@ import time
 import torch
 from torch import nn
 
-from edgetune.engine.training.lm_loss import causal_lm_loss
 from edgetune.kernels import sebp
+
+from edgetune.engine.training.lm_loss import causal_lm_loss
 
 SHAPES = [
     ("llama-3.2-3b up_proj", 3072, 8192),

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -217,9 +215,11 @@ def floors(tokens_fwd: int, tokens_bwd: int, real: int, lens: list[int], ckpt: b
 def step(model, opt, batch, handle):
     from torch.profiler import record_function
 
-    from edgetune.engine.models.model import autocast
-    from edgetune.engine.training.lm_loss import causal_lm_loss
     from edgetune.kernels import sebp
+
+    from edgetune.engine.models.model import autocast
+
+    from edgetune.engine.training.lm_loss import causal_lm_loss
 
     with record_function("profiled_step"):
         if handle is not None:
@@ -242,11 +242,15 @@ def step(model, opt, batch, handle):
 def main():
     from torch.profiler import ProfilerActivity, profile
 
-    from edgetune.engine.core.settings import LoraSettings
-    from edgetune.engine.data.packing import collate_packed
-    from edgetune.engine.models import model as model_lib
-    from edgetune.engine.training.loop import make_optimizer
     from edgetune.kernels import sebp
+
+    from edgetune.engine.core.settings import LoraSettings
+
+    from edgetune.engine.data.packing import collate_packed
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.training.loop import make_optimizer
 
     ceil = ceilings()
     R["ceilings"] = ceil

@@ -389,8 +389,9 @@ def set_attention(model, flex: bool):
 def auto_split(budget_gib: float, real: int) -> int:
     """The planner's checkpointed-layer count for the packed 7B step under a budget: what
     the engine's model.load does for gradient_checkpointing: auto."""
-    from edgetune.engine.planning import planner
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning import planner
 
     sets = C.sft_row_settings("sft_speed", f"+ckpt_auto_{budget_gib:g}", {"seq": B.SEQ, "real_tokens": real})
     cfg = resolve(overrides=[f"model.name={C.arch_folder(B.C7B)}", "model.quant=nf4", "lora.r=16", "lora.alpha=32",
@@ -401,12 +402,16 @@ def auto_split(budget_gib: float, real: int) -> int:
 
 
 def ours_rows(base, padded, real):
-    from edgetune.engine.models import model as model_lib
-    from edgetune.engine.data import collate
-    from edgetune.engine.training.loop import make_optimizer
-    from edgetune.engine.data.packing import collate_packed
-    from edgetune.engine.core.settings import LoraSettings
     from edgetune.kernels import sebp
+
+    from edgetune.engine.core.settings import LoraSettings
+
+    from edgetune.engine.data import collate
+    from edgetune.engine.data.packing import collate_packed
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.training.loop import make_optimizer
 
     model = model_lib.add_lora(base, LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=list(C.TARGETS)),
                                gradient_checkpointing=True)

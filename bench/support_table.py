@@ -83,6 +83,7 @@ def speed_paths(model_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from edgetune.engine.planning import effective, planner
+
     from edgetune.engine.generation import fast_decode
 
     cfg = sft_settings(model_dir, "runs", packing=True)

@@ -19,8 +19,8 @@ import json
 import sys
 
 from edgetune.engine.core.errors import EdgetuneError
-from edgetune.engine.core.units import duration, size
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.units import duration, size
 
 
 def _config(a):
@@ -233,8 +233,9 @@ def _run_arg(value: str, runs_dir: str = "runs") -> str:
 
 
 def cmd_train(a) -> int:
-    from edgetune.engine.run import api
     from edgetune.engine.core import distributed
+
+    from edgetune.engine.run import api
 
     if distributed.launched():  # one of several ranks that torchrun started
         return _train_as_rank(a)
@@ -292,9 +293,10 @@ def _train_as_rank(a) -> int:
     process (no worker is spawned); rank 0 makes the run folder and prints the steps."""
     import threading
 
-    from edgetune.engine.run import api, worker
     from edgetune.engine.core import distributed as dist
     from edgetune.engine.core.events import follow
+
+    from edgetune.engine.run import api, worker
 
     dist.init()
     made = fd = None
@@ -443,9 +445,11 @@ def cmd_presets(a) -> int:
 
 
 def cmd_data(a) -> int:
-    from edgetune.engine import data as data_lib
-    from edgetune.engine.models import model as model_lib
     from edgetune.engine.core.settings import DataSettings, ModelSettings
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine import data as data_lib
 
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
     fmt = data_lib.preview(a.path, a.format, 1)[1]
@@ -560,11 +564,11 @@ def eval_table(result: dict) -> str:
 
 def cmd_eval(a) -> int:
     from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
 
     from edgetune.engine.methods.fgrpo import eval_passes, grading_settings
-    from edgetune.engine.run import evaluation
 
-    from transformers.utils import logging as hf_logging
+    from edgetune.engine.run import evaluation
 
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)

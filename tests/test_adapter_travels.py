@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from edgetune.engine.core import settings
+
 from edgetune.engine.models.export import write_adapter
 
 
@@ -64,10 +65,12 @@ def test_a_checkpoint_names_its_base_like_the_final_adapter(tiny_model_dir, tmp_
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.models.export import export
-    from edgetune.engine.training.loop import RunContext, load_checkpoint, save_checkpoint
-    from edgetune.engine.models.model import lora_config
     from edgetune.engine.core.runfolder import RunDir
+
+    from edgetune.engine.models.export import export
+    from edgetune.engine.models.model import lora_config
+
+    from edgetune.engine.training.loop import RunContext, load_checkpoint, save_checkpoint
 
     cfg = settings.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none"},
                               "lora": {"r": 4, "alpha": 8}, "run": {"runs_dir": str(tmp_path)}})

@@ -13,12 +13,12 @@ import textwrap
 
 import pytest
 
-from edgetune.app import form, live, panels
-from edgetune.app.methods import BY_KEY, METHODS
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.config_files import list_presets
 from edgetune.engine.core.errors import ConfigError
 
+from edgetune.app import form, live, panels
+from edgetune.app.methods import BY_KEY, METHODS
 
 # --------------------------------------------------------------------------- no torch in the UI process
 
@@ -561,8 +561,9 @@ def test_the_chat_of_a_run_sends_its_system_prompt(page, tmp_path, monkeypatch, 
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.generation.chat import _Chat
     from edgetune.engine.models.model import lora_config
+
+    from edgetune.engine.generation.chat import _Chat
 
     system = "You answer with one number."
     cfg = S.from_dict({"method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none",
@@ -852,8 +853,9 @@ def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, prese
 
 
 def test_the_model_picker_lists_the_embedded_and_cached_models(tmp_path, monkeypatch):
-    from edgetune.app.ui import build_app
     from edgetune.engine.run import api
+
+    from edgetune.app.ui import build_app
 
     cache = tmp_path / "hub"
     (cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "abc").mkdir(parents=True)

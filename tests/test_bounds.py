@@ -6,11 +6,14 @@ number and its range, the same line everywhere; nothing else comes out."""
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
-from edgetune.engine import cli
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import ConfigError
+
+from edgetune.engine import cli
 
 EXTREMES = [0, -1, 2**63, -(2**63), 1e20, -1e20, float("nan"), float("inf"), "9" * 5000, "1e400", "x" * 100_000,
             "", None, True, [1], {"a": 1}]

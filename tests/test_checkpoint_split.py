@@ -8,12 +8,14 @@ import json
 import pytest
 import torch
 
-from edgetune.engine.planning import effective
-from edgetune.engine.models import model as model_lib
-from edgetune.engine.planning import planner
 from edgetune.engine.core.errors import ConfigError
-from edgetune.engine.training.lm_loss import causal_lm_loss
 from edgetune.engine.core.settings import LoraSettings, resolve
+
+from edgetune.engine.planning import effective, planner
+
+from edgetune.engine.models import model as model_lib
+
+from edgetune.engine.training.lm_loss import causal_lm_loss
 
 GiB = 1024**3
 QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

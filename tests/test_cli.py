@@ -71,8 +71,9 @@ def test_malformed_json_line_names_file_and_row(tmp_path, tiny_model_dir):
 def _fails_in_the_worker(tmp_path, model_dir, data_path, needle):
     """The worker's side of the failure above, run in this process: the run is marked failed
     with the message the CLI prints (that one line is checked through the CLI above)."""
-    from edgetune.engine.run import worker
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import worker
 
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
@@ -334,8 +335,9 @@ def test_a_run_without_steps_lists_its_step_count(tmp_path):
 
 def test_sigterm_during_the_initial_eval_is_a_graceful_stop(tmp_path, tiny_model_dir):
     """A plain `kill` of the worker while it evaluates ends the run within seconds, as Stop does."""
-    from edgetune.engine.run import api
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
 
     cfg = resolve(preset="sft-quickstart", overrides=[
         f"model.name={tiny_model_dir}", "model.quant=none", "data.max_rows=400", "data.eval_fraction=0.5",
@@ -477,8 +479,9 @@ def test_more_ranks_than_cores_on_a_cpu_is_refused(tmp_path, monkeypatch, capsys
     """Without a CUDA GPU each rank is a CPU process: --gpus 1000 would start 1,000."""
     import os
 
-    from edgetune.engine import cli
     from edgetune.engine.planning import planner
+
+    from edgetune.engine import cli
 
     monkeypatch.setattr(planner, "gpu_memory", lambda: None)
     runs = tmp_path / "runs"
@@ -517,9 +520,11 @@ def test_five_hundred_runs_list_from_the_runs_folders_index(tmp_path, capsys, mo
     """`edgetune runs` and the app's Runs table read each run's config.yaml and events.jsonl
     once, into the runs folder's index; then only a run whose files changed is read again
     (counted here: the listing's time is a bench figure, not a test's)."""
-    from edgetune.engine import cli
     from edgetune.engine.core.settings import resolve
+
     from edgetune.engine.run import api
+
+    from edgetune.engine import cli
 
     runs = tmp_path / "runs"
     cfg = resolve(preset="sft-quickstart")

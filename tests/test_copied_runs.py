@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from edgetune.engine.run import api
 from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError
 from edgetune.engine.core.events import EventWriter, read_events
 from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.run import api
 
 
 def edgetune(*args, cwd=None, timeout=300):

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from edgetune.engine import data as D
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
+
+from edgetune.engine import data as D
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +452,8 @@ def test_a_device_or_pipe_is_refused(tmp_path):
 
 
 def test_a_long_file_reports_progress(tok, tmp_path, monkeypatch):
-    from edgetune.engine.data import files as data_files, sft as data_sft
+    from edgetune.engine.data import files as data_files
+    from edgetune.engine.data import sft as data_sft
 
     monkeypatch.setattr(data_files, "PROGRESS_EVERY_S", 0.0)
     monkeypatch.setattr(data_files, "CHUNK_ROWS", 4)

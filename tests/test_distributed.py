@@ -22,14 +22,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from inline_run import run_inline
 from safetensors.torch import load_file
 
-from edgetune.engine.run import api
-from edgetune.engine.core import settings
 from edgetune.engine.core import distributed as dist
+from edgetune.engine.core import settings
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.runfolder import exit_words
-from inline_run import run_inline
+
+from edgetune.engine.run import api
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 ENV = {"OMP_NUM_THREADS": "1"}

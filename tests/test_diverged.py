@@ -5,11 +5,12 @@ import math
 import signal
 
 import pytest
+from inline_run import sft_config
 
-from edgetune.engine.run import api
 from edgetune.engine.core.errors import RunError
 from edgetune.engine.core.events import read_events
-from inline_run import sft_config
+
+from edgetune.engine.run import api
 
 
 def _worker_run(cfg, path):
@@ -51,9 +52,11 @@ def test_a_non_finite_sft_loss_fails_the_run_at_that_step(tiny_model_dir, tmp_pa
 
 def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_dir, tmp_path_factory, tmp_path,
                                                                      monkeypatch):
-    from edgetune.engine.methods import essa
-    from edgetune.engine.core.settings import resolve
     from inline_run import essa_start, run_inline
+
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.methods import essa
 
     root = essa_start(tmp_path_factory.mktemp("essa-nan"), tiny_model_dir)
     cfg = resolve(overrides={
@@ -78,9 +81,11 @@ def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_d
 
 
 def test_a_non_finite_fgrpo_update_fails_the_run_at_that_step(tiny_model_dir, tmp_path, monkeypatch):
-    from edgetune.engine.methods import fgrpo
-    from edgetune.engine.core.settings import resolve
     from inline_run import run_inline
+
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.methods import fgrpo
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]
     (tmp_path / "rl.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))

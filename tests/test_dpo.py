@@ -12,6 +12,7 @@ import torch
 
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
+
 from edgetune.engine.methods.dpo import pair_losses
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -172,8 +173,9 @@ def test_sft_rows_are_refused_for_pairs_in_one_line(tmp_path, tok):
 
 
 def test_the_embedded_pairs_prefer_the_right_sum():
-    from edgetune.engine.data.files import EMBEDDED, EMBEDDED_EVAL
     from edgetune.engine.core.settings import EMBEDDED_PAIRS_DATA
+
+    from edgetune.engine.data.files import EMBEDDED, EMBEDDED_EVAL
 
     for path in (EMBEDDED[EMBEDDED_PAIRS_DATA], EMBEDDED_EVAL[EMBEDDED_PAIRS_DATA]):
         for line in path.read_text().splitlines():

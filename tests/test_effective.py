@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from edgetune.engine.planning import effective, planner
 from edgetune.engine.core import settings
+
+from edgetune.engine.planning import effective, planner
 
 GiB = 2**30
 LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -101,8 +102,9 @@ def test_rollout_copies_stay_inside_the_runs_memory_budget():
 
 
 def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import sft
     from inline_run import run_inline
+
+    from edgetune.engine.methods import sft
 
     cfg = settings.from_dict({
         "method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},

@@ -7,11 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from inline_run import essa_start, run_inline
+
+from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.training.loop import RunContext
 
 from edgetune.engine.methods import essa
-from edgetune.engine.training.loop import RunContext
-from edgetune.engine.core.settings import resolve
-from inline_run import essa_start, run_inline
 
 # A reward that depends on every character of the completion, so that equal fitness
 # means equal text (random tiny models rarely write the right number).

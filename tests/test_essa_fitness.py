@@ -4,17 +4,18 @@ answer's log-probability is what a plain forward gives, the gold margin is posit
 where greedy decoding writes the gold tokens, batched equals sequential, candidates that
 tie on the reward are told apart, and a run's held-out evaluation stays the reward."""
 
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
+from inline_run import essa_start, run_inline
+
+from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.training.rewards import build_reward
 
 from edgetune.engine.methods import essa, essa_fitness
-from edgetune.engine.training.rewards import build_reward
-from edgetune.engine.core.settings import resolve
-from inline_run import essa_start, run_inline
 
 ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
 

@@ -8,8 +8,9 @@ import pytest
 
 @pytest.mark.slow
 def test_essa_quickstart_raises_held_out_reward(tmp_path):
-    from edgetune.engine.run import api
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
 
     cfg = resolve(preset="essa-quickstart", overrides=[f"run.runs_dir={tmp_path}"])
     run = api.start(cfg, name="essa-quickstart")

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from edgetune.engine.core.errors import ConfigError
-from edgetune.engine.methods.essa_space import SVDSpace, lora_modules
+
 from edgetune.engine.training.multilora import batched_lora
+
+from edgetune.engine.methods.essa_space import SVDSpace, lora_modules
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -134,8 +136,9 @@ def test_batched_lora_refuses_a_split_batch():
 
 def test_cma_es_finds_a_target_adapter():
     """CMA-ES plus the space's plumbing recover a hidden adapter from its distance alone."""
-    from edgetune.engine.methods.essa import make_es
     from edgetune.engine.core.settings import ESSASettings
+
+    from edgetune.engine.methods.essa import make_es
 
     model = tiny_lora_model(r=2)
     space = SVDSpace(model, alpha=0.5)  # one value per factor: 32 dimensions
@@ -158,8 +161,9 @@ def test_cma_es_finds_a_target_adapter():
 def test_relative_steps_move_each_singular_value_by_a_share_of_itself():
     """essa.step relative: the first population's offsets spread in proportion to the value
     they move (sigma0 0.2: about 20% of it); absolute: alike for every value."""
-    from edgetune.engine.methods.essa import make_es
     from edgetune.engine.core.settings import ESSASettings
+
+    from edgetune.engine.methods.essa import make_es
 
     model = tiny_lora_model(r=4)
     space = SVDSpace(model, alpha=1.0)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from edgetune.engine.models.export_gguf import CHECK_FILE, LORA_FILE, Lora, write_merged
+
 from edgetune.engine import cli
-from edgetune.engine.models.export_gguf import CHECK_FILE, LORA_FILE, Base, Lora, write_merged
 
 N_HEAD, N_KV, HEAD_DIM, HIDDEN, R = 4, 2, 4, 16, 2
 
@@ -170,9 +171,11 @@ def test_llama_cpp_runs_the_exports_as_edgetune_does(tmp_path, capsys):
 def test_the_export_tab_shows_the_checks_line(tmp_path):
     """The app's folder export with GGUF ticked: one message naming the GGUF folder and the
     line of llama.cpp's check from gguf-check.json (here: not run, the base is a folder)."""
-    from edgetune.app.tab_export import ExportTab
-    from edgetune.engine.run import api
     from edgetune.engine.core import settings
+
+    from edgetune.engine.run import api
+
+    from edgetune.app.tab_export import ExportTab
 
     adapter, _ = _adapter(tmp_path)
     run = tmp_path / "runs" / "r"
@@ -216,6 +219,7 @@ def test_the_modelfile_points_at_the_base_inside_the_export(tmp_path):
     import gguf
 
     from edgetune.engine.core.settings import resolve
+
     from edgetune.engine.models.export_gguf import write_gguf
 
     run = tmp_path / "run"
@@ -243,6 +247,7 @@ def embedded_run(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from edgetune.engine.core import settings
+
     from edgetune.engine.models.export import write_adapter
     from edgetune.engine.models.model import check_model, load_tokenizer, lora_config
 
@@ -277,6 +282,7 @@ FAKE_LLAMA_CPP = {
 def test_a_llama_cpp_that_crashes_or_hangs_leaves_a_complete_export(embedded_run, tmp_path, monkeypatch, capsys,
                                                                      fault, why):
     from edgetune.engine.core.runfolder import pid_alive
+
     from edgetune.engine.models import export_gguf
 
     fake = tmp_path / "site" / "llama_cpp"

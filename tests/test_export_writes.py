@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from edgetune.engine import cli
-from edgetune.engine.models import export as export_mod
 from edgetune.engine.core.errors import EdgetuneError, ModelError
+
+from edgetune.engine.models import export as export_mod
 from edgetune.engine.models.export import EXPORT_MARKER, TEMP_OWNER, TEMP_PREFIX, export
+
+from edgetune.engine import cli
 
 
 def _weights(value: float) -> bytes:
@@ -227,8 +229,9 @@ class _RunsCode:
 def test_an_unsafe_pickled_adapter_is_one_line(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from edgetune.engine.models.model import add_lora
     from edgetune.engine.core.settings import LoraSettings
+
+    from edgetune.engine.models.model import add_lora
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

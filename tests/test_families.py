@@ -13,14 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from bench_script import load
-from edgetune.engine.methods import dpo, essa, fgrpo, sft
-from edgetune.engine.models import export
-from edgetune.engine.planning import planner
-from edgetune.engine.models import model as model_lib
-from edgetune.engine.core.settings import resolve
 from inline_run import run_inline
+
+from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.planning import planner
+
+from edgetune.engine.models import export
+from edgetune.engine.models import model as model_lib
+
+from edgetune.engine.methods import dpo, essa, fgrpo, sft
 
 support = load("support_table")
 FAMILIES = [*support.FAMILIES, support.EMBEDDED]

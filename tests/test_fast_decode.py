@@ -137,8 +137,9 @@ def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch)
 
 
 def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_model, monkeypatch):
-    from edgetune.engine.generation import fast_decode as fd
     from edgetune.engine.planning import planner
+
+    from edgetune.engine.generation import fast_decode as fd
 
     seen, buffers = {}, []
     real, real_buffers = fd.Decoder.for_model, fd.Decoder._buffers

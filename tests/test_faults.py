@@ -12,14 +12,16 @@ import time
 
 import pytest
 import torch
+from inline_run import run_inline, sft_config
 
-from edgetune.engine.run import api
 from edgetune.engine.core import settings
 from edgetune.engine.core.errors import CheckpointError, ConfigError
 from edgetune.engine.core.events import EventWriter, read_events, scan_events
-from edgetune.engine.training.loop import pick_checkpoint
 from edgetune.engine.core.runfolder import RunDir
-from inline_run import run_inline, sft_config
+
+from edgetune.engine.training.loop import pick_checkpoint
+
+from edgetune.engine.run import api
 
 
 def _cfg(model_dir, tmp_path, **over):
@@ -148,6 +150,7 @@ def test_a_data_file_or_base_replaced_since_the_run_trained_is_refused_in_one_li
     same name with 24 rows instead of 40) is refused by resume and by the worker, the base's
     weights replaced by a merged export; the adapter alone still exports."""
     from edgetune.engine.core.errors import RunError
+
     from edgetune.engine.run import worker
 
     data = tmp_path / "rows.jsonl"
@@ -352,6 +355,7 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
     returns too, and prints 10 kB a call: the step's scores are the function's own, the
     processes it left end with the step, and the log takes what the cap allows."""
     from edgetune.engine.core.runfolder import pid_alive
+
     from edgetune.engine.training import rewards
 
     monkeypatch.setattr(rewards, "USER_REWARD_LOG_CAP_BYTES", 4096)
@@ -382,8 +386,9 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
 
 
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
-    from edgetune.engine.training import rewards
     from edgetune.engine.core.errors import ConfigError
+
+    from edgetune.engine.training import rewards
 
     r = _user_reward(tmp_path, "    import sys\n    sys.exit(3)\n")
     with pytest.raises(rewards.RewardFailing) as e:
@@ -408,8 +413,9 @@ def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatc
 
 
 def test_fgrpo_run_with_a_broken_reward_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
-    from edgetune.engine.methods import fgrpo
     from edgetune.engine.training import rewards
+
+    from edgetune.engine.methods import fgrpo
 
     monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 5)
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
@@ -620,8 +626,9 @@ def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_pat
 
 
 def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import fgrpo
     from test_fgrpo import config
+
+    from edgetune.engine.methods import fgrpo
 
     files = tmp_path / "files"
     files.mkdir()
@@ -649,6 +656,7 @@ def test_a_plan_far_beyond_the_machine_is_refused_before_loading(tmp_path):
     """sft.batch_size and lora.r at their largest on the CPU: one line naming the settings, before
     the data check or the model load starts (no phase event), not gigabytes later."""
     from edgetune.engine.planning import planner
+
     from edgetune.engine.run import worker
 
     run = tmp_path / "runs" / "r"
@@ -685,6 +693,7 @@ def test_the_quickstarts_are_not_refused_on_a_small_machine():
 
 def test_a_seed_beyond_numpy_and_torch_is_one_line():
     from edgetune.engine.core.errors import ConfigError
+
     from edgetune.engine.training.loop import MAX_SEED, micro_batch_indices, seed_everything
 
     with pytest.raises(ConfigError) as e:

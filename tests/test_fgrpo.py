@@ -8,11 +8,13 @@ import json
 
 import pytest
 import torch
+from inline_run import run_inline
+
+from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.training.lm_loss import completion_logprobs
 
 from edgetune.engine.methods import fgrpo
-from edgetune.engine.core.settings import resolve
-from edgetune.engine.training.lm_loss import completion_logprobs
-from inline_run import run_inline
 
 # Depends on every character, so rewards differ within groups even for a random model.
 REWARD_PY = "def reward(completion, answer, row):\n    return (sum(map(ord, completion)) % 7) / 6\n"
@@ -47,6 +49,7 @@ def run_fgrpo(cfg, path, stop_after=0, resume=False):
 
 def test_training_logprobs_equal_sampling_logprobs(tiny_model_dir, rl_files, tmp_path):
     from edgetune.engine.models import model as model_lib
+
     from edgetune.engine.generation.rollouts import generate
 
     cfg = config(tiny_model_dir, rl_files, tmp_path)
@@ -182,6 +185,7 @@ def fixed_rollouts(cfg, lengths):
     """The tiny model with random LoRA B factors, and 8 sampled completions cut to `lengths`,
     whose old log-probs are a little off (the ratio is not 1)."""
     from edgetune.engine.models import model as model_lib
+
     from edgetune.engine.generation.rollouts import generate
 
     model, tok, _ = model_lib.load(cfg)
@@ -420,9 +424,10 @@ def test_finished_run_trains_more_steps_at_the_final_learning_rate(tiny_model_di
     count in config.yaml, the added step at the schedule's final rate (0.1 x fgrpo.lr)."""
     import signal
 
-    from edgetune.engine.run import api, worker
     from edgetune.engine.core.events import read_events
     from edgetune.engine.core.settings import load_run_config
+
+    from edgetune.engine.run import api, worker
 
     cfg = config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=2, eval_k=0)
     path = tmp_path / "r"

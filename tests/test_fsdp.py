@@ -16,12 +16,13 @@ import shutil
 
 import pytest
 import torch
-
-from edgetune.engine.run import api
-from edgetune.engine.core import settings
-from edgetune.engine.core.errors import ConfigError
 from inline_run import run_inline
 from test_distributed import assert_same_steps, assert_same_weights, finish, steps
+
+from edgetune.engine.core import settings
+from edgetune.engine.core.errors import ConfigError
+
+from edgetune.engine.run import api
 
 
 @pytest.fixture(autouse=True)

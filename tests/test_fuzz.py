@@ -7,12 +7,15 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from edgetune.engine.core import config_files
-from edgetune.engine import data as data_lib
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine import data as data_lib
 
 FUZZ = hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

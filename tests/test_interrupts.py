@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 from safetensors.numpy import save
-
 from test_export_gguf import embedded_run  # noqa: F401  (a fixture: a run on the embedded GGUF model)
 
 HOOKS = os.path.join(os.path.dirname(__file__), "helpers", "fault_hooks")

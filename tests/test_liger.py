@@ -14,10 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from edgetune.engine.models import liger  # noqa: E402
 from edgetune.engine.core.errors import ModelError  # noqa: E402
-from edgetune.engine.models.model import add_lora  # noqa: E402
 from edgetune.engine.core.settings import LoraSettings  # noqa: E402
+
+from edgetune.engine.models import liger  # noqa: E402
+from edgetune.engine.models.model import add_lora  # noqa: E402
 
 pytest.importorskip("liger_kernel", reason="liger-kernel is a Linux dependency of edgetune")
 

@@ -1,11 +1,14 @@
 """One record per method (engine/core/methods.py): the worker, the planner, the OOM advice,
 the CLI and the app all find a method's loop, unit and levers through it."""
 
-from edgetune.app.methods import BY_KEY
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.methods import METHODS
+
 from edgetune.engine.planning import oom
+
 from edgetune.engine.run import worker
+
+from edgetune.app.methods import BY_KEY
 
 
 def test_every_record_has_its_loop_its_settings_and_its_app_entry():

@@ -5,14 +5,16 @@ import os
 import signal
 
 import pytest
+from inline_run import run_inline, sft_config
 
-from edgetune.app import live
-from edgetune.engine.run import api
-from edgetune.engine import cli
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import EventWriter, read_events
 from edgetune.engine.core.settings import load_run_config
-from inline_run import run_inline, sft_config
+
+from edgetune.engine.run import api
+
+from edgetune.app import live
+from edgetune.engine import cli
 
 
 def _sft(cfg, path, **kw):
@@ -137,8 +139,10 @@ def test_more_steps_refusals_are_one_line(tiny_model_dir, tmp_path, capsys):
 
 def test_a_samples_prompt_is_its_last_turn_without_the_template(embedded_dir):
     from edgetune.engine.data.prompts import prompt_ids
-    from edgetune.engine.generation.samples import last_turn
+
     from edgetune.engine.models.model import load_tokenizer
+
+    from edgetune.engine.generation.samples import last_turn
 
     tok = load_tokenizer(str(embedded_dir))
     one = prompt_ids(tok, [[{"role": "user", "content": "What is 3 + 4?"}]])[0]

@@ -7,11 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from edgetune.engine.core.settings import ESSASettings
+
+from edgetune.engine.generation.rollouts import generate
+
+from edgetune.engine.training.multilora import batched_lora
+
 from edgetune.engine.methods import essa
 from edgetune.engine.methods.essa_space import SVDSpace
-from edgetune.engine.training.multilora import batched_lora
-from edgetune.engine.generation.rollouts import generate
-from edgetune.engine.core.settings import ESSASettings
 
 K, P, NEW = 3, 2, 8
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from edgetune.engine.models import offload
+
 from edgetune.engine.training.lm_loss import causal_lm_loss
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from edgetune.engine.data import collate
-from edgetune.engine.training.lm_loss import backbone_and_head, causal_lm_loss
 from edgetune.engine.data.packing import collate_packed
+
+from edgetune.engine.training.lm_loss import backbone_and_head, causal_lm_loss
 
 
 @dataclass
@@ -93,10 +94,12 @@ def test_packed_loss_and_gradients_equal_padded(sparse_head):
 
 def _first_losses(model_dir, path, packing):
     from edgetune.engine.core import settings
-    from edgetune.engine.methods import sft
     from edgetune.engine.core.events import EventWriter, read_events
-    from edgetune.engine.training.loop import RunContext
     from edgetune.engine.core.runfolder import RunDir
+
+    from edgetune.engine.training.loop import RunContext
+
+    from edgetune.engine.methods import sft
 
     cfg = settings.from_dict({
         "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": True},

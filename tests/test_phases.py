@@ -5,9 +5,9 @@ the adapter saved. Tiny random Llama (conftest.py), CPU."""
 import json
 
 import pytest
+from inline_run import run_inline
 
 from edgetune.engine.core import phases, settings
-from inline_run import run_inline
 
 
 def _phases(events):

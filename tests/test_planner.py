@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from edgetune.engine.planning import planner
 from edgetune.engine.core.errors import ModelError
 from edgetune.engine.core.settings import resolve
+
+from edgetune.engine.planning import planner
 
 GiB = 1024**3
 QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -100,6 +101,7 @@ def test_static_part_matches_a_loaded_nf4_model(tmp_path, embedded_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from edgetune.engine.models import model as model_lib
+
     from edgetune.engine.training.loop import make_optimizer
 
     torch.manual_seed(0)

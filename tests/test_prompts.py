@@ -7,11 +7,14 @@ import json
 
 import pytest
 
-from edgetune.engine import data as D
+from edgetune.engine.core.settings import DataSettings
+
 from edgetune.engine.data import prompts
+
 from edgetune.engine.generation.chat import _Chat
 from edgetune.engine.generation.rollouts import render_prompts
-from edgetune.engine.core.settings import DataSettings
+
+from edgetune.engine import data as D
 
 CONVERSATIONS = [
     "What is 2 plus 3?",

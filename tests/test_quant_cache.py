@@ -9,9 +9,10 @@ import shutil
 import pytest
 import torch
 
+from edgetune.engine.core.settings import ModelSettings
+
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.models import quant_cache
-from edgetune.engine.core.settings import ModelSettings
 
 
 @pytest.fixture()

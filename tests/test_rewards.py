@@ -1,6 +1,7 @@
 import pytest
 
 from edgetune.engine.core.errors import ConfigError
+
 from edgetune.engine.training.rewards import build_reward, extract_for_grader, numbers
 
 

@@ -9,10 +9,12 @@ tokens differ by up to ~0.1 in log-prob there (measured), whatever the decode lo
 import pytest
 import torch
 
-from edgetune.engine.generation.decoding import top_p_filter
-from edgetune.engine.models.model import add_lora, load_base
-from edgetune.engine.generation.rollouts import generate, left_pad, render_prompts
 from edgetune.engine.core.settings import LoraSettings, ModelSettings
+
+from edgetune.engine.models.model import add_lora, load_base
+
+from edgetune.engine.generation.decoding import top_p_filter
+from edgetune.engine.generation.rollouts import generate, left_pad, render_prompts
 
 PROMPTS = ["What is 3 plus 4?", "Hi", "Name a colour. Answer in one word only please, and be quick about it."]
 

@@ -9,6 +9,7 @@ import zipfile
 import pytest
 
 from edgetune.engine.core.errors import EdgetuneError
+
 from edgetune.engine.models.export import EXPORT_MARKER, export
 
 
@@ -150,8 +151,9 @@ def test_two_trains_started_together_one_is_refused(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["..", "../escape", "/tmp/abs", "a/b", ".hidden", "", " ", "a\\b"])
 def test_run_names_are_one_path_component(tmp_path, name):
-    from edgetune.engine.run import api
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
 
     runs = tmp_path / "deep" / "runs"
     p = edgetune("train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--name", name, timeout=60)
@@ -370,8 +372,9 @@ def test_an_upload_past_the_size_cap_is_refused_before_it_is_kept(tmp_path, monk
 def test_a_reward_file_in_an_upload_folder_is_never_run(served, capsys):
     """However a start arrives (the app's Start, the API, the CLI), a reward_file that lies
     in the app's upload folders is refused in one line and no run folder is made."""
-    from edgetune.app import form
     from edgetune.engine.run import api
+
+    from edgetune.app import form
     from edgetune.engine import cli
 
     demo, _, _, root = served
@@ -496,8 +499,9 @@ def test_two_starts_in_one_app_process_one_is_refused(tmp_path, tiny_model_dir):
     """Two browser tabs pressing Start reach api.start on two threads of the one app process."""
     import threading
 
-    from edgetune.engine.run import api
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
 
     runs = tmp_path / "runs"
     cfg = [resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}", f"model.name={tiny_model_dir}",

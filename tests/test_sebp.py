@@ -7,8 +7,8 @@ against the Triton path per layer.
 
 import contextlib
 import json
-import types
 import os
+import types
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
 from edgetune.kernels import sebp  # noqa: E402
+
+from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
 
 torch.set_num_threads(1)
 BACKENDS = ["triton", "torch"]

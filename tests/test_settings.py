@@ -189,8 +189,9 @@ def test_numbers_that_would_break_a_run_are_refused_in_one_line(override, messag
 def test_the_largest_seed_is_one_every_consumer_takes():
     import numpy as np
 
-    from edgetune.engine.methods.essa import make_es
     from edgetune.engine.training.loop import seed_everything
+
+    from edgetune.engine.methods.essa import make_es
 
     top = settings.resolve(overrides=["run.seed=4294967294"]).run.seed
     seed_everything(top)

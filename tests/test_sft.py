@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
+from inline_run import run_inline, sft_config
 
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.runfolder import RunDir
-from inline_run import run_inline, sft_config
 
 
 def _run(cfg, path, stop_after=0, resume=False):
@@ -73,6 +73,7 @@ def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
 def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
     """Our sparse-head loss equals transformers' own loss on the same batch."""
     from edgetune.engine.models import model as model_lib
+
     from edgetune.engine.training.lm_loss import causal_lm_loss
 
     cfg = sft_config(tiny_model_dir, tmp_path)
@@ -96,10 +97,13 @@ def test_loss_ignores_prompt_and_padding_exactly(tiny_model_dir, tmp_path):
 
 def test_gradient_accumulation_weighs_every_label_token_the_same(tiny_model_dir, tmp_path):
     """batch 8 == 4 x grad_accum 2 == 2 x grad_accum 4, on rows of very different lengths."""
-    from edgetune.engine import data as data_lib
     from edgetune.engine.models import model as model_lib
+
     from edgetune.engine.training.lm_loss import causal_lm_loss
+
     from edgetune.engine.methods.sft import accumulate
+
+    from edgetune.engine import data as data_lib
 
     cfg = sft_config(tiny_model_dir, tmp_path, model={"quant": "none"})
     model, tok, _ = model_lib.load(cfg)

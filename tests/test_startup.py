@@ -3,17 +3,17 @@ after start-up whatever happens, and an error of the side-thread import reaches 
 
 from __future__ import annotations
 
-import os
 import gc
+import os
 import sys
-import textwrap
 
 import pytest
 
-from edgetune.engine.models import model as model_lib
-from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ModelError
 from edgetune.engine.core.settings import from_dict
+
+from edgetune.engine.models import model as model_lib
+from edgetune.engine.models import startup
 
 
 @pytest.fixture(autouse=True)
@@ -159,6 +159,7 @@ def test_worker_imports_with_gc_off_and_trains_with_it_on(tmp_path, monkeypatch)
     """The worker's imports run with the collector off; the method's train (which loads the
     model, here a missing one) starts with it on again; the run fails as an input error."""
     from edgetune.engine.methods import sft
+
     from edgetune.engine.run import worker
 
     seen = {}

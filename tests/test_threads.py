@@ -8,6 +8,7 @@ import time
 
 from edgetune.engine.core import threads
 from edgetune.engine.core.settings import resolve
+
 from edgetune.engine.run import api
 
 

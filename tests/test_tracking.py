@@ -9,13 +9,15 @@ import sys
 
 import numpy as np
 import pytest
+from inline_run import sft_config
 
-from edgetune.engine.run import api, worker
-from edgetune.engine.methods import sft
 from edgetune.engine.core.errors import ConfigError
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.settings import resolve
-from inline_run import sft_config
+
+from edgetune.engine.methods import sft
+
+from edgetune.engine.run import api, worker
 
 SFT_TAGS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/host_rss",
             "train/gpu/allocated", "train/gpu/reserved", "train/gpu/peak", "train/gpu/total", "eval/eval_loss"}

@@ -17,15 +17,35 @@ first (the app's data check).
 
 from __future__ import annotations
 
+from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.data.files import (EMBEDDED, EMBEDDED_EVAL, EXPECTED_COLUMNS, FORMATS, ValidationReport,
-                                        detect_format, format_for, iter_rows, preview, read_rows, report_dict,
-                                        resolve_data_path)
+
+from edgetune.engine.data.files import (
+    EMBEDDED,
+    EMBEDDED_EVAL,
+    EXPECTED_COLUMNS,
+    FORMATS,
+    ValidationReport,
+    detect_format,
+    format_for,
+    iter_rows,
+    preview,
+    read_rows,
+    report_dict,
+    resolve_data_path,
+)
 from edgetune.engine.data.pairs import PairData, PairExample, load_pairs, tokenize_pairs
 from edgetune.engine.data.rl import DROP_LONG_PROMPT, RLData, load_rl, rl_rows
-from edgetune.engine.data.sft import (DROP_LONG, DROP_NO_TARGET, IGNORE, SFTData, SFTExample, collate,
-                                      load_sft, tokenize_rows)
-from edgetune.engine.core.errors import DataError
+from edgetune.engine.data.sft import (
+    DROP_LONG,
+    DROP_NO_TARGET,
+    IGNORE,
+    SFTData,
+    SFTExample,
+    collate,
+    load_sft,
+    tokenize_rows,
+)
 
 __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE", "DROP_LONG", "DROP_NO_TARGET",
            "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",

@@ -18,8 +18,16 @@ from dataclasses import dataclass
 
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
-from edgetune.engine.data.files import (Progress, ValidationReport, eval_source, format_for, iter_rows, length_stats,
-                                        split_rows)
+
+from edgetune.engine.data.files import (
+    Progress,
+    ValidationReport,
+    eval_source,
+    format_for,
+    iter_rows,
+    length_stats,
+    split_rows,
+)
 from edgetune.engine.data.sft import SFTExample, tokenize_rows
 
 DROP_LONG_PAIR = "longer than data.max_seq_len"

@@ -6,11 +6,22 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from edgetune.engine.data import prompts
-from edgetune.engine.data.files import (CHUNK_ROWS, Progress, ValidationReport, eval_source, format_for,
-                                        iter_rows, length_stats, messages_cell, split_rows, text_cell)
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
+
+from edgetune.engine.data import prompts
+from edgetune.engine.data.files import (
+    CHUNK_ROWS,
+    Progress,
+    ValidationReport,
+    eval_source,
+    format_for,
+    iter_rows,
+    length_stats,
+    messages_cell,
+    split_rows,
+    text_cell,
+)
 
 DROP_LONG_PROMPT = "prompt longer than max_seq_len"
 

@@ -33,12 +33,23 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from edgetune.engine.data import prompts
-from edgetune.engine.data.files import (CHUNK_ROWS, FORMATS, Progress, ValidationReport, eval_source,
-                                        format_for, iter_rows, length_stats, messages_cell, split_rows,
-                                        text_cell)
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
+
+from edgetune.engine.data import prompts
+from edgetune.engine.data.files import (
+    CHUNK_ROWS,
+    FORMATS,
+    Progress,
+    ValidationReport,
+    eval_source,
+    format_for,
+    iter_rows,
+    length_stats,
+    messages_cell,
+    split_rows,
+    text_cell,
+)
 
 IGNORE = -100
 DROP_LONG = "longer than max_seq_len"

@@ -34,7 +34,6 @@ import time
 from edgetune.engine.core.errors import EdgetuneError, RunError
 from edgetune.engine.core.threads import worker_env
 
-
 # --------------------------------------------------------------------------- the worker
 
 
@@ -46,8 +45,9 @@ class _Chat:
         self.adapters: dict[str, str] = {}  # adapter folder -> PEFT adapter name
 
     def _base(self, model_fields: dict):
-        from edgetune.engine.models.model import load_base
         from edgetune.engine.core.settings import ModelSettings
+
+        from edgetune.engine.models.model import load_base
 
         key = json.dumps(model_fields, sort_keys=True)
         if key != self.key:

@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from edgetune.engine.generation.decoding import Sampler, decode_plain, make_generator
 from edgetune.engine.data.prompts import prompt_ids
+
+from edgetune.engine.generation.decoding import Sampler, decode_plain, make_generator
 
 
 @dataclass
@@ -134,6 +135,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
                       generator=make_generator(device, seed))
 
     from edgetune.engine.core import distributed as dist
+
     from edgetune.engine.models.fsdp import is_sharded
 
     # A sharded base decodes with the plain loop (each forward gathers the layers), every

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from edgetune.engine.data import IGNORE
+
 from edgetune.engine.generation.rollouts import generate
 
 # Samples at each evaluation complete at most this many tokens past the reference's

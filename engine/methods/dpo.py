@@ -29,19 +29,37 @@ import time
 import torch
 import torch.nn.functional as F
 
-from edgetune.engine import data as data_lib
+from edgetune.kernels import sebp as sebp_lib
+
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
 from edgetune.engine.core.errors import ConfigError, DataError
-from edgetune.engine.generation.samples import complete_samples, sample_prompts
-from edgetune.engine.models import model as model_lib
+
 from edgetune.engine.planning.effective import decide, record
 from edgetune.engine.planning.planner import arch_of
+
+from edgetune.engine.models import model as model_lib
+
+from edgetune.engine.generation.samples import complete_samples, sample_prompts
+
 from edgetune.engine.training.lm_loss import labelled_logprobs
-from edgetune.engine.training.loop import (RunContext, check_finite, emit_samples, every, finish, load_checkpoint,
-                                           make_optimizer, make_scheduler, save_checkpoint, save_last_checkpoint,
-                                           seed_everything, start_training, step_rows)
-from edgetune.kernels import sebp as sebp_lib
+from edgetune.engine.training.loop import (
+    RunContext,
+    check_finite,
+    emit_samples,
+    every,
+    finish,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    save_checkpoint,
+    save_last_checkpoint,
+    seed_everything,
+    start_training,
+    step_rows,
+)
+
+from edgetune.engine import data as data_lib
 
 REFERENCE_FREE = ("simpo", "orpo")
 

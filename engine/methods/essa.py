@@ -47,24 +47,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
-from edgetune.engine.methods import essa_fitness
-from edgetune.engine.models import model as model_lib
 from edgetune.engine.core import phases
-from edgetune.engine.planning.effective import copy_budget, decide, record
 from edgetune.engine.core.errors import ConfigError
-from edgetune.engine.methods.essa_space import SVDSpace
-from edgetune.engine.methods.essa_state import SearchLog
-from edgetune.engine.training.loop import (RunContext, check_finite, every, finish, pick_checkpoint,
-                                           read_state, save_checkpoint, seed_everything, set_rng_state,
-                                           start_training)
-from edgetune.engine.training.multilora import batched_lora
-from edgetune.engine.planning.planner import arch_of
-from edgetune.engine.training.rewards import build_reward
-from edgetune.engine.generation.rollouts import generate
 from edgetune.engine.core.runfolder import RunDir, atomic_write_text
 from edgetune.engine.core.settings import ESSASettings, warm_start_config
+
+from edgetune.engine.planning.effective import copy_budget, decide, record
+from edgetune.engine.planning.planner import arch_of
+
+from edgetune.engine.models import model as model_lib
+
+from edgetune.engine.generation.rollouts import generate
+
+from edgetune.engine.training.loop import (
+    RunContext,
+    check_finite,
+    every,
+    finish,
+    pick_checkpoint,
+    read_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+    start_training,
+)
+from edgetune.engine.training.multilora import batched_lora
+from edgetune.engine.training.rewards import build_reward
+
+from edgetune.engine.methods import essa_fitness
+from edgetune.engine.methods.essa_space import SVDSpace
+from edgetune.engine.methods.essa_state import SearchLog
+
+from edgetune.engine import data as data_lib
 
 # --------------------------------------------------------------------------- CMA-ES
 

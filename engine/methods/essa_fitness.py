@@ -46,8 +46,10 @@ import math
 import torch
 
 from edgetune.engine.planning.effective import LOSS_CHUNK_ROWS
-from edgetune.engine.training.lm_loss import completion_hidden, completion_logprobs
+
 from edgetune.engine.generation.rollouts import left_pad, render_prompts
+
+from edgetune.engine.training.lm_loss import completion_hidden, completion_logprobs
 
 
 def parts(kind: str) -> tuple[bool, str | None]:

@@ -44,27 +44,44 @@ import torch
 
 from edgetune.kernels import sebp as sebp_lib
 
-from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
+from edgetune.engine.core import phases
+from edgetune.engine.core.errors import ConfigError, DataError
+from edgetune.engine.core.events import read_events
+from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.settings import Config, FGRPOSettings
+
+from edgetune.engine.planning.effective import copy_budget, decide, record
+from edgetune.engine.planning.planner import arch_of
+
 from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib
-from edgetune.engine.core import phases
-from edgetune.engine.planning.effective import copy_budget, decide, record
-from edgetune.engine.core.events import read_events
-from edgetune.engine.core.errors import ConfigError, DataError
-from edgetune.engine.core.methods import METHODS as RECORDS
+
+from edgetune.engine.generation.rollouts import RolloutBatch, generate
+
+from edgetune.engine.training import stats
 from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
 from edgetune.engine.training.lm_loss import completion_logprobs
-from edgetune.engine.training.loop import (RunContext, check_finite, check_seed, emit_samples,
-                                           every, finish, load_checkpoint, make_optimizer, make_scheduler,
-                                           micro_batch_indices, save_checkpoint, save_last_checkpoint,
-                                           seed_everything, start_training)
-from edgetune.engine.training import stats
+from edgetune.engine.training.loop import (
+    RunContext,
+    check_finite,
+    check_seed,
+    emit_samples,
+    every,
+    finish,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    micro_batch_indices,
+    save_checkpoint,
+    save_last_checkpoint,
+    seed_everything,
+    start_training,
+)
 from edgetune.engine.training.passk import mean_pass_at_k, pass_at_k
-from edgetune.engine.planning.planner import arch_of
 from edgetune.engine.training.rewards import Reward, build_reward
-from edgetune.engine.generation.rollouts import RolloutBatch, generate
-from edgetune.engine.core.settings import Config, FGRPOSettings
+
+from edgetune.engine import data as data_lib
 
 # Distinct streams for the seeds of training rollouts and held-out evaluation, and for
 # the rollouts of each rank (rank 0's seed is that of a one-process run).

@@ -37,22 +37,38 @@ import torch
 
 from edgetune.kernels import sebp as sebp_lib
 
-from edgetune.engine import data as data_lib
 from edgetune.engine.core import distributed as dist
+from edgetune.engine.core import phases
+
+from edgetune.engine.planning.effective import decide, liger_off_reason, record
+from edgetune.engine.planning.planner import arch_of
+
+from edgetune.engine.data.packing import collate_packed
+
 from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib
-from edgetune.engine.core import phases
-from edgetune.engine.planning.effective import decide, liger_off_reason, record
 from edgetune.engine.models.liger import apply as apply_liger
-from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
-from edgetune.engine.training.loop import (RunContext, check_finite, emit_samples, every, finish,
-                                           load_checkpoint, make_optimizer, make_scheduler,
-                                           save_checkpoint, save_last_checkpoint, step_rows,
-                                           seed_everything, start_training)
-from edgetune.engine.data.packing import collate_packed
-from edgetune.engine.planning.planner import arch_of
+
 from edgetune.engine.generation.samples import complete_samples, sample_prompts
 
+from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
+from edgetune.engine.training.loop import (
+    RunContext,
+    check_finite,
+    emit_samples,
+    every,
+    finish,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    save_checkpoint,
+    save_last_checkpoint,
+    seed_everything,
+    start_training,
+    step_rows,
+)
+
+from edgetune.engine import data as data_lib
 
 
 def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:

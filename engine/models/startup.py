@@ -25,6 +25,7 @@ import os
 import threading
 from pathlib import Path
 
+
 def kernel_caches(root: Path) -> None:
     """What a run compiles and measures once, kept under the edgetune cache (`$EDGETUNE_CACHE`)
     for every later run of the same shapes: Triton's compiled kernels and its autotuning

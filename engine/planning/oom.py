@@ -11,9 +11,8 @@ from __future__ import annotations
 import copy
 
 from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.core.units import size
 from edgetune.engine.core.settings import Config
-
+from edgetune.engine.core.units import size
 
 # How far each lever goes in one piece of advice: a switch, or half of a number above its floor.
 SWITCHES = {"model.gradient_checkpointing": (lambda v: v is not True, True),

@@ -49,13 +49,20 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgetune.engine.planning.effective import (DTYPE_BYTES, LOSS_CHUNK_ROWS, PROJECTIONS, decide,
-                                                essa_candidates_per_batch, optimizer_name)
-from edgetune.engine.planning.effective import checkpoint_split as effective_checkpoint_split
 from edgetune.engine.core.errors import ModelError
-from edgetune.engine.core.units import size
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
+from edgetune.engine.core.units import size
+
+from edgetune.engine.planning.effective import (
+    DTYPE_BYTES,
+    LOSS_CHUNK_ROWS,
+    PROJECTIONS,
+    decide,
+    essa_candidates_per_batch,
+    optimizer_name,
+)
+from edgetune.engine.planning.effective import checkpoint_split as effective_checkpoint_split
 
 GiB = 1024**3
 CUDA_CONTEXT = 512 * 1024**2  # driver context + cuBLAS/cuDNN handles on a Hopper card with torch 2.x

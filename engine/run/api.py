@@ -27,11 +27,27 @@ from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.core.runfolder import (RunDir, atomic_write_text, changed_input, check_run_name,
-                                            checkpoint_mismatch, exit_words, lock_runs_folder, open_append,
-                                            pid_alive)
-from edgetune.engine.core.settings import (GPUS, MORE_STEPS, Config, declared, load_run_config,  # noqa: F401
-                                           resolve, resume_changes, typed_number)  # (resolve: re-exported)
+from edgetune.engine.core.runfolder import (
+    RunDir,
+    atomic_write_text,
+    changed_input,
+    check_run_name,
+    checkpoint_mismatch,
+    exit_words,
+    lock_runs_folder,
+    open_append,
+    pid_alive,
+)
+from edgetune.engine.core.settings import (  # noqa: F401
+    GPUS,
+    MORE_STEPS,
+    Config,
+    declared,
+    load_run_config,
+    resolve,  # (resolve: re-exported)
+    resume_changes,
+    typed_number,
+)
 from edgetune.engine.core.threads import worker_env
 
 ACTIVE = ("starting", "running")
@@ -273,9 +289,9 @@ def preflight(cfg: Config) -> None:
     """Checks that need no model or data loading, so that a typo fails before a run
     folder exists: the model path and the data files must be there, and no reward file
     may come from an upload."""
-    from edgetune.engine.core.errors import DataError
+    from edgetune.engine.core.errors import DataError, ModelError
+
     from edgetune.engine.models.model import looks_like_path
-    from edgetune.engine.core.errors import ModelError
 
     if not cfg.model.name.startswith("embedded:") and looks_like_path(cfg.model.name) \
             and not Path(cfg.model.name).expanduser().exists():

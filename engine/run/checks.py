@@ -70,8 +70,9 @@ def _bad_json_lines(path: Path) -> list[dict]:
 
 
 def check_data(cfg) -> dict:
-    from edgetune.engine import data as d
     from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine import data as d
 
     ds = cfg.data
     out: dict = {"ok": False, "file": ds.path, "format": None, "preview": [], "report": None, "bad_rows": []}

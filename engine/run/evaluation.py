@@ -21,6 +21,7 @@ from __future__ import annotations
 from itertools import combinations
 
 from edgetune.engine.core.errors import ConfigError
+
 from edgetune.engine.methods.fgrpo import BASE, compare_held_out, evaluate_adapter, held_out_scores
 
 

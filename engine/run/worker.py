@@ -28,14 +28,23 @@ import threading
 import time
 import traceback
 
-from edgetune.engine.models import startup
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps, started_config
-from edgetune.engine.core.runfolder import (INPUTS_FILE, RunDir, atomic_write_text, changed_input,
-                                            checkpoint_mismatch, clean_temporaries, disk_full, exit_words,
-                                            record_inputs)
+from edgetune.engine.core.runfolder import (
+    INPUTS_FILE,
+    RunDir,
+    atomic_write_text,
+    changed_input,
+    checkpoint_mismatch,
+    clean_temporaries,
+    disk_full,
+    exit_words,
+    record_inputs,
+)
 from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config, resume_changes
 from edgetune.engine.core.threads import worker_env
+
+from edgetune.engine.models import startup
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -236,9 +245,9 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
         ctx = RunContext(cfg=cfg, run=run, emit=emit, resume=ckpt, schedule_steps=schedule)
         signal.signal(signal.SIGTERM, lambda *_: ctx.stop_flag.__setitem__(0, True))
-        from edgetune.engine.models.model import resolve_device
-
         import torch
+
+        from edgetune.engine.models.model import resolve_device
 
         extra = {"world_size": dist.world()} if multi else {}
         if changed:
@@ -251,6 +260,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
 
             ctx.emit = tracker = Tracker(emit, cfg, run)
         import transformers  # noqa: F401  (the tokenizer and the model load need it first)
+
         from edgetune.engine.planning.planner import refuse_far_beyond
 
         refuse_far_beyond(cfg, resolve_device(cfg.model), dist.world())  # a typo'd batch of 1e9 rows, before loading

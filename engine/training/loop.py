@@ -22,11 +22,12 @@ import torch
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import memory
-from edgetune.engine.planning.effective import optimizer_name
 from edgetune.engine.core.errors import CheckpointError, ConfigError, RunError
 from edgetune.engine.core.events import EventWriter
 from edgetune.engine.core.runfolder import RunDir, atomic_dir
 from edgetune.engine.core.settings import SEED, Config
+
+from edgetune.engine.planning.effective import optimizer_name
 
 
 @dataclass

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from edgetune.engine.core.errors import ConfigError
+
 from edgetune.engine.training.reward_worker import HEADER, send
 
 # One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller

@@ -2,9 +2,8 @@
 
 import json
 
-import pytest
-
 import bench_script
+import pytest
 
 
 def _run(logs, group, task, rewards):

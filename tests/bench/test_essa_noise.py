@@ -1,9 +1,8 @@
 """bench/essa_noise.py: its rank statistics against hand-computed values."""
 
+import bench_script
 import numpy as np
 import pytest
-
-import bench_script
 
 
 @pytest.fixture(scope="module")

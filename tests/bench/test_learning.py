@@ -5,9 +5,8 @@ questions through the CLI as a user would run it."""
 import json
 from pathlib import Path
 
-import pytest
-
 import bench_script
+import pytest
 
 
 def load_bench():

@@ -22,8 +22,9 @@ def inputs(tok_pad: int):
 def rollouts(model, pad: int, P: int = 4, G: int = 4):
     """A fixed rollout batch of P prompts x G completions, left-padded prompts, completions
     of different lengths, and sampling log-probs near the model's own."""
-    from edgetune.engine.training.lm_loss import completion_logprobs
     from edgetune.engine.generation.rollouts import RolloutBatch
+
+    from edgetune.engine.training.lm_loss import completion_logprobs
 
     g = torch.Generator().manual_seed(2)
     B, Lp, Lc = P * G, 7, 9
@@ -60,12 +61,16 @@ def main(out: str, model_dir: str, shard: str = "none") -> None:
     """`shard` fsdp: the base sharded across the ranks (engine/models/fsdp.py); gradients and
     weights are gathered whole before they are written."""
     from edgetune.engine.core import distributed as dist
-    from edgetune.engine import data as data_lib
-    from edgetune.engine.models import model as model_lib
-    from edgetune.engine.methods.fgrpo import policy_update
-    from edgetune.engine.training.loop import make_optimizer, make_scheduler, seed_everything
     from edgetune.engine.core.settings import FGRPOSettings, resolve
+
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.training.loop import make_optimizer, make_scheduler, seed_everything
+
+    from edgetune.engine.methods.fgrpo import policy_update
     from edgetune.engine.methods.sft import accumulate
+
+    from edgetune.engine import data as data_lib
 
     dist.init()
     seed_everything(0)

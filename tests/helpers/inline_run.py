@@ -5,8 +5,9 @@ warm-start adapter and an addition task that the ESSA tests start from."""
 
 from edgetune.engine.core import settings
 from edgetune.engine.core.events import EventWriter, read_events
-from edgetune.engine.training.loop import RunContext
 from edgetune.engine.core.runfolder import RunDir
+
+from edgetune.engine.training.loop import RunContext
 
 
 def run_inline(train, cfg, path, stop_after=0, resume=False, schedule_steps=None):

@@ -14,8 +14,9 @@ def tiny_nf4_qwen2(folder, embedded_dir):
     engine in NF4 with bf16 compute on the CPU and LoRA r=16 on all 7 projections."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from edgetune.engine.models import model as model_lib
     from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.models import model as model_lib
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
