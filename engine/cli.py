@@ -808,6 +808,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         if a.cmd not in ENDS_AT_CTRL_C:
             raise
+        if ours:  # the command has ended: a Ctrl-C from here to the exit changes nothing
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            ours = False
         print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
         return 130
     except EdgetuneError as e:
