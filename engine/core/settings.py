@@ -149,6 +149,10 @@ def _warmup_steps(default: int) -> Any:
                    range=EVERY)
 
 
+def _weight_decay() -> Any:
+    return setting(0.0, "AdamW weight decay on the adapter.", section="optimisation", range=Range(0, 100))
+
+
 def _max_grad_norm() -> Any:
     return setting(1.0, "Clip the gradient norm to this (0 = no clipping).", section="optimisation",
                    range=Range(0, 1e6))
@@ -334,8 +338,7 @@ class SFTSettings:
         "label token weighing the same.",
         section="optimisation", range=ROWS)
     warmup_steps: int = _warmup_steps(5)
-    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation",
-                                  range=Range(0, 100))
+    weight_decay: float = _weight_decay()
     max_grad_norm: float = _max_grad_norm()
     optimizer: str = _optimizer()
     eval_every: int = setting(
@@ -571,8 +574,7 @@ class DPOSettings:
                               section="optimisation", range=ROWS)
     grad_accum: int = setting(1, "Micro-batches per optimizer step.", section="optimisation", range=ROWS)
     warmup_steps: int = _warmup_steps(5)
-    weight_decay: float = setting(0.0, "AdamW weight decay on the adapter.", section="optimisation",
-                                  range=Range(0, 100))
+    weight_decay: float = _weight_decay()
     max_grad_norm: float = _max_grad_norm()
     optimizer: str = _optimizer()
     eval_every: int = setting(
