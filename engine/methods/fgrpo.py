@@ -384,7 +384,7 @@ def train(ctx: RunContext) -> dict:
 
     per_prompt: dict = {}  # each evaluation's outcomes per prompt, by its key: the paired comparison
 
-    def held_out_eval(step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
+    def held_out_eval(sebp, step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
         tick = None
         if phase is not None:
             unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
@@ -479,15 +479,15 @@ def train(ctx: RunContext) -> dict:
                 ctx.emit("sample", step=step, prompt=_prompt_text(rows[0]["prompt"]), completion=roll.texts[0],
                          reward=sc.rewards[0], answer=str(rows[0].get("answer", "")))
             if held_out and every(s.eval_every, step) and step < s.steps:
-                held_out_eval(step, "last")
+                held_out_eval(sebp, step, "last")
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler, metrics=metrics)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, metrics=metrics)
         if held_out and not stopped:
-            held_out_eval(step, "end", "final_eval")
+            held_out_eval(sebp, step, "end", "final_eval")
             if base_due and not ctx.should_stop():
                 with model.disable_adapter():  # the samples shown stay the adapter's
-                    held_out_eval(0, "start", "base_eval", samples=0)
+                    held_out_eval(sebp, 0, "start", "base_eval", samples=0)
         if "start" in per_prompt and "end" in per_prompt:  # did it help: paired on the same prompts
             for c in compare_held_out(BASE, per_prompt["start"], ADAPTER, per_prompt["end"]):
                 ctx.emit("comparison", step=step, **c)
