@@ -78,6 +78,8 @@ ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"), help="fold
 ap.add_argument("--unsloth-site", default=str(C.ROOT / ".unsloth-site"))
 ap.add_argument("--gpu-site", default=str(C.ROOT / ".gpu-site"), help="slim bitsandbytes (and peft) for subprocesses")
 ap.add_argument("--skip-unsloth", action="store_true")
+ap.add_argument("--rows", default="", help="our rows to time, comma-separated (before, autocast, +sebp, +packing, "
+                "+liger, +flex, +ckpt_auto_12, +ckpt_auto_24, +no_ckpt, flex_shapes); all by default")
 ap.add_argument("--time-limit", type=float, default=560.0, help="seconds for the whole script")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
 args = ap.parse_known_args()[0]
@@ -88,6 +90,7 @@ DEV = B.DEV
 N_WARM, N_MEAS = (1, 2) if args.tiny else (2, 4)
 RUNS = 2  # rounds always run; up to RUNS_MAX when time is left
 RUNS_MAX = 3
+WANTED = {r.strip() for r in args.rows.split(",") if r.strip()}
 OUT = Path(args.out)
 OUT.mkdir(parents=True, exist_ok=True)
 R: dict = {"config": {"arch": B.C7B, "seq": B.SEQ, "batch": B.BATCH, "lora": "r16 a32 all 7 projections",
@@ -435,6 +438,8 @@ def ours_rows(base, padded, real):
               ("+ckpt_auto_12", b_packed, True, True, True, splits[12], {}),
               ("+ckpt_auto_24", b_packed, True, True, True, splits[24], {}),
               ("+no_ckpt", b_packed, True, True, True, 0, {})]
+    if WANTED:
+        levers = [lv for lv in levers if lv[0] in WANTED]
     folder = C.arch_folder(B.C7B)
     handle = sebp.patch(model)
     switch = LigerSwitch(model)
@@ -491,6 +496,8 @@ def ours_rows(base, padded, real):
     switch.set(True)
     set_attention(model, True)
     # after Unsloth's rows (which need the time more): the model stays on the GPU till then
+    if WANTED and "flex_shapes" not in WANTED:
+        return model
     LATER.append(lambda: section("flex_shapes", lambda: flex_shapes(model, rows, handle, make_optimizer,
                                                                     collate_packed), need_s=10 if args.tiny else 40))
     return model
