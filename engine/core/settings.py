@@ -170,7 +170,7 @@ def _sebp(where: str) -> Any:
     return setting(
         "auto",
         f"Exact sparsity-exploiting backward (kernels/){where}: skips the padding rows in the backward of "
-        "every linear layer. auto = on with CUDA; on | off.",
+        "every linear layer (CUDA). auto = off (measured: see docs/performance.md); on | off.",
         section="speed", choices=AUTO_ON_OFF)
 
 

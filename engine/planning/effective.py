@@ -100,6 +100,13 @@ def attention(asked: str, packing: bool, device: str, model_type: str = "") -> s
     return "eager" if model_type in NO_SDPA_FAMILIES else "sdpa"
 
 
+# SEBP under `auto`: off. On the padded 7B bench step it is a little faster, but on a user's
+# padded run (rows of the data's own lengths) it measures its backend per new batch shape, and
+# those steps and the longer start cost more than it saves; with packing (the SFT default)
+# it has nothing to skip. Measured: bench/README.md#the-user-path-on-an-h100--measured-once
+SEBP_AUTO = False
+
+
 def _switch(asked: str, default: bool) -> bool:
     return default if asked == "auto" else asked == "on"
 
@@ -255,7 +262,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
         device=device, dtype=dtype, autocast=cuda and dtype in ("bf16", "fp16"),
         attn_implementation=attention(m.attn_implementation, packing, device, arch.model_type if arch else ""),
         liger=liger_applies(m.liger, device, cfg.method, arch),
-        sebp=_switch(method_settings.sebp, cuda) if method_settings else False,
+        sebp=_switch(method_settings.sebp, SEBP_AUTO and cuda) if method_settings else False,
         optimizer=optimizer, fused_optimizer=cuda and optimizer == "adamw", packing=packing,
         loss_chunk_rows=LOSS_CHUNK_ROWS,
         candidates_per_batch=essa_candidates_per_batch(cfg, device, arch, dtype, gpu_free, prompt_tokens),
