@@ -242,12 +242,27 @@ def test_a_run_evaluates_and_resumes_with_identical_losses(tiny_model_dir, tmp_p
     assert (tmp_path / "cut" / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_a_reference_loss_with_a_starting_adapter_is_refused_in_one_line(tiny_model_dir, tmp_path):
-    from edgetune.engine.core.errors import ConfigError
-
-    cfg = dpo_config(tiny_model_dir, tmp_path, lora={"init_from": str(tmp_path)})
-    with pytest.raises(ConfigError, match="use simpo or orpo"):
-        _run(cfg, tmp_path / "r")
+def test_a_run_from_a_starting_adapter_compares_with_that_adapter(tiny_model_dir, tmp_path):
+    """With lora.init_from the reference is the starting adapter, not the bare base: before
+    the first update every reward is 0 (loss log 2, margin 0), although the starting adapter
+    itself moves the log-probs away from the base's; a resumed run keeps that reference."""
+    first = _run(dpo_config(tiny_model_dir, tmp_path, dpo={"steps": 2, "lr": 5e-2, "eval_every": 0}), tmp_path / "a")
+    assert first[-1]["type"] == "finished"
+    start = tmp_path / "a" / "adapter"
+    cfg = dpo_config(tiny_model_dir, tmp_path, lora={"init_from": str(start)}, dpo={"loss_type": "sigmoid"})
+    full = _run(cfg, tmp_path / "b")
+    steps = {e["step"]: e for e in full if e["type"] == "step"}
+    evals = [e for e in full if e["type"] == "eval"]
+    assert steps[1]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[1]["margin"] == pytest.approx(0, abs=1e-6)
+    assert evals[0]["eval_margin"] == pytest.approx(0, abs=1e-6) and evals[0]["eval_accuracy"] == 0.0
+    fresh = [e for e in _run(dpo_config(tiny_model_dir, tmp_path), tmp_path / "c") if e["type"] == "eval"]
+    # the starting adapter changed what the model prefers: its own log-probs are not the base's
+    assert evals[0]["eval_prefers_chosen"] != fresh[0]["eval_prefers_chosen"] or \
+        steps[1]["logps_chosen"] != pytest.approx(
+            next(e for e in _events(tmp_path / "c") if e["type"] == "step")["logps_chosen"], abs=1e-4)
+    _run(cfg, tmp_path / "d", stop_after=2)
+    again = _run(cfg, tmp_path / "d", resume=True)
+    assert {e["step"]: e["loss"] for e in again if e["type"] == "step"} == {k: e["loss"] for k, e in steps.items()}
 
 
 @pytest.mark.slow
@@ -271,3 +286,48 @@ def test_quickstart_learns_to_prefer_the_right_sum(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_the_planners_activations_match_what_a_pair_step_saves(tmp_path, embedded_dir):
+    """A DPO micro-batch of 2 pairs (4 rows of 48 tokens) through forward_pairs on a tiny NF4
+    Qwen2 (bf16, no checkpointing): the bytes autograd saves in the whole forward, against
+    the planner's DPO activations for the same shape (the reference's no-grad forward saves
+    nothing)."""
+    from layer_probe import tiny_nf4_qwen2
+
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.planning import planner
+
+    from edgetune.engine.data.pairs import PairExample
+    from edgetune.engine.data.sft import SFTExample
+
+    from edgetune.engine.methods.dpo import forward_pairs
+
+    model, c = tiny_nf4_qwen2(tmp_path, embedded_dir)
+    seq, prompt = 48, 6
+    g = torch.Generator().manual_seed(1)
+
+    def row():
+        ids = torch.randint(0, 512, (seq,), generator=g).tolist()
+        return SFTExample(ids, [-100] * prompt + ids[prompt:])
+
+    pairs = [PairExample(row(), row()) for _ in range(2)]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    s = SimpleNamespace(loss_type="sigmoid")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward_pairs(model, pairs, 0, "cpu", s)
+    assert out["pc"].requires_grad and not out["rc"].requires_grad
+    measured = sum(saved.values())
+    cfg = resolve(overrides=[f"model.name={c.model.name}", "method=dpo", "model.quant=nf4", "model.device=cpu",
+                             "model.dtype=bf16", "model.gradient_checkpointing=false", "lora.r=16",
+                             "dpo.batch_size=2", f"data.max_seq_len={seq}"])
+    predicted = planner.estimate(cfg, device="cpu", detect_gpu=False)["activations"]
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)

@@ -552,6 +552,9 @@ class ESSASettings:
                               f"got {_brief(self.gold_template)}")
 
 
+DPO_REFERENCE_FREE = ("simpo", "orpo")  # the DPO losses that compare with no reference policy
+
+
 @dataclass
 class DPOSettings:
     """Preference tuning on chosen / rejected pairs. See engine/methods/dpo.py for the loop
@@ -559,9 +562,10 @@ class DPOSettings:
 
     loss_type: str = setting(
         "sigmoid",
-        "sigmoid = DPO; ipo = IPO (squared, length-normalised); simpo = SimPO and orpo = ORPO, which "
-        "need no reference model (no second forward a step).",
-        section="loss", choices=("sigmoid", "ipo", "simpo", "orpo"))
+        "sigmoid = DPO; ipo = IPO (squared, length-normalised): both compare with the reference policy, the "
+        "base with the adapter off or the adapter lora.init_from starts from; simpo = SimPO and orpo = ORPO, "
+        "which need no reference (no second forward a step).",
+        section="loss", choices=("sigmoid", "ipo", *DPO_REFERENCE_FREE))
     beta: float = setting(
         0.1,
         "How far from the reference the adapter may move (sigmoid, ipo; larger = closer), SimPO's reward "

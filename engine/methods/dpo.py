@@ -11,7 +11,9 @@ log-probabilities of the two replies (docs/methods.md has the formulas and refer
                    p the per-token mean probability of y                no reference
 
 The reference policy is the same base with the adapter switched off (PEFT's
-disable_adapter), so no second model is held in memory; its log-probabilities are computed
+disable_adapter), or, when the run starts from an adapter (lora.init_from), that starting
+adapter: its weights are kept beside the trained ones and swapped in for the reference's
+forward. No second model is held in memory; the reference's log-probabilities are computed
 under no_grad in the same step, on the same batch. Each loss equals TRL's for the same
 inputs (tests/test_dpo.py calls TRL's own code).
 
@@ -24,6 +26,7 @@ Determinism, stop, resume and train-more are those of SFT (engine/training/loop.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -33,7 +36,8 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
-from edgetune.engine.core.errors import ConfigError, DataError
+from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.settings import DPO_REFERENCE_FREE
 
 from edgetune.engine.planning.effective import decide, record
 from edgetune.engine.planning.planner import arch_of
@@ -61,7 +65,7 @@ from edgetune.engine.training.loop import (
 
 from edgetune.engine import data as data_lib
 
-REFERENCE_FREE = ("simpo", "orpo")
+REFERENCE_FREE = DPO_REFERENCE_FREE
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -90,19 +94,46 @@ def pair_losses(loss_type: str, beta: float, gamma: float, pc, pr, nc, nr, rc=No
     return loss, beta * ac.detach(), beta * ar.detach()
 
 
-def forward_pairs(model, pairs, pad_id: int, device: str, s, sebp=None) -> dict:
+class Reference:
+    """The reference policy: the base with the adapter off, or the adapter the run started
+    from (its weights kept here, swapped in for the forward and the trained ones back after)."""
+
+    def __init__(self, model, starting_adapter: bool):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad] if starting_adapter else []
+        self.start = [p.detach().clone() for p in self.params]
+
+    @contextlib.contextmanager
+    def policy(self):
+        if not self.params:
+            with self.model.disable_adapter():
+                yield
+            return
+        trained = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                for p, w in zip(self.params, self.start):
+                    p.copy_(w)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(self.params, trained):
+                    p.copy_(w)
+
+
+def forward_pairs(model, pairs, pad_id: int, device: str, s, sebp=None, reference: Reference | None = None) -> dict:
     """Log-probs of a micro-batch's chosen and rejected rows, in one forward (and, for the
-    losses that have one, the reference's under no_grad with the adapter off)."""
+    losses that have one, the reference policy's under no_grad)."""
     rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     batch = {k: v.to(device) for k, v in data_lib.collate(rows, pad_id).items()}
     if sebp is not None and torch.is_grad_enabled():
         sebp.set_active_rows(batch["attention_mask"].bool())
+    ref = None
+    if s.loss_type not in REFERENCE_FREE:  # first: swapping weights after the policy's forward would spoil its backward
+        with torch.no_grad(), (reference or Reference(model, False)).policy(), model_lib.autocast(model):
+            ref = labelled_logprobs(model, batch)[0]
     with model_lib.autocast(model):
         logps, counts = labelled_logprobs(model, batch)
-    ref = None
-    if s.loss_type not in REFERENCE_FREE:
-        with torch.no_grad(), model.disable_adapter(), model_lib.autocast(model):
-            ref = labelled_logprobs(model, batch)[0]
     b = len(pairs)
     out = {"pc": logps[:b], "pr": logps[b:], "nc": counts[:b], "nr": counts[b:]}
     if ref is not None:
@@ -110,7 +141,7 @@ def forward_pairs(model, pairs, pad_id: int, device: str, s, sebp=None) -> dict:
     return out
 
 
-def accumulate(model, micro: list[list], pad_id: int, device: str, s, sebp=None) -> dict:
+def accumulate(model, micro: list[list], pad_id: int, device: str, s, sebp=None, reference=None) -> dict:
     """Backward of one optimizer step's micro-batches; the gradient is that of the step's
     mean pair loss (plus, for ORPO, the NLL of all chosen tokens of the step), whatever the
     split into micro-batches and ranks. Returns the step's metrics."""
@@ -119,7 +150,7 @@ def accumulate(model, micro: list[list], pad_id: int, device: str, s, sebp=None)
                                            for m in micro for p in m)))
     sums = {"loss": 0.0, "margin": 0.0, "accuracy": 0.0, "logps_chosen": 0.0, "logps_rejected": 0.0}
     for pairs in micro:
-        f = forward_pairs(model, pairs, pad_id, device, s, sebp)
+        f = forward_pairs(model, pairs, pad_id, device, s, sebp, reference)
         loss, cr, rr = pair_losses(s.loss_type, s.beta, s.simpo_gamma, f["pc"], f["pr"], f["nc"], f["nr"],
                                    f.get("rc"), f.get("rr"))
         total = loss.sum() / max(n_pairs, 1)
@@ -137,7 +168,7 @@ def accumulate(model, micro: list[list], pad_id: int, device: str, s, sebp=None)
 
 
 @torch.no_grad()
-def evaluate(model, pairs, pad_id: int, device: str, s, tick=None) -> dict | None:
+def evaluate(model, pairs, pad_id: int, device: str, s, tick=None, reference=None) -> dict | None:
     """Held-out loss, preference accuracy (the chosen reply's reward above the rejected one's:
     ties, as at the start where every reward is 0, do not count), margin, and the share of
     pairs whose chosen reply the model itself finds likelier (the base's own preference at
@@ -148,7 +179,7 @@ def evaluate(model, pairs, pad_id: int, device: str, s, tick=None) -> dict | Non
     chosen_tokens = 0
     for b, i in enumerate(range(0, len(pairs), s.batch_size)):
         part = pairs[i : i + s.batch_size]
-        f = forward_pairs(model, part, pad_id, device, s)
+        f = forward_pairs(model, part, pad_id, device, s, reference=reference)
         loss, cr, rr = pair_losses(s.loss_type, s.beta, s.simpo_gamma, f["pc"], f["pr"], f["nc"], f["nr"],
                                    f.get("rc"), f.get("rr"))
         sums["eval_loss"] += float(loss.sum())
@@ -174,10 +205,6 @@ def train(ctx: RunContext) -> dict:
     cfg, s = ctx.cfg, ctx.cfg.dpo
     seed_everything(cfg.run.seed)
     t0 = time.time()
-    if cfg.lora.init_from and s.loss_type not in REFERENCE_FREE:
-        raise ConfigError(f"dpo.loss_type {s.loss_type} compares with the base model (the adapter switched off); "
-                          "starting from lora.init_from is not built for it: use simpo or orpo, or start a new adapter")
-
     phases.emit(ctx.emit, "data_check")
     tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
     data = data_lib.load_pairs(cfg.data, tok, cfg.run.seed, phases.data_progress(ctx.emit))
@@ -190,6 +217,8 @@ def train(ctx: RunContext) -> dict:
     eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
     record(ctx.run, cfg, eff)
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    # kept before a resume loads its checkpoint: the reference is the adapter the run started from
+    reference = Reference(model, bool(cfg.lora.init_from) and s.loss_type not in REFERENCE_FREE)
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
     start_step = 0
@@ -204,7 +233,7 @@ def train(ctx: RunContext) -> dict:
     def held_out(step: int, phase: str | None, sebp) -> None:
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop) if phase else None
         with sebp.lifted():  # the model's own forwards
-            m = evaluate(model, data.eval, pad_id, device, s, tick)
+            m = evaluate(model, data.eval, pad_id, device, s, tick, reference)
             if m is None:  # stopped during the evaluation
                 return
             metrics.update({(k + "_start" if step == 0 else k): v for k, v in m.items()})
@@ -225,7 +254,7 @@ def train(ctx: RunContext) -> dict:
             t_step = time.time()
             micro = [[data.train[i] for i in idx]
                      for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed)]
-            m = accumulate(model, micro, pad_id, device, s, sebp)
+            m = accumulate(model, micro, pad_id, device, s, sebp, reference)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf")))
             check_finite(step + 1, {"loss": m["loss"], "gradient norm": grad_norm},

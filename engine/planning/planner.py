@@ -51,7 +51,7 @@ from pathlib import Path
 
 from edgetune.engine.core.errors import ModelError
 from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.core.settings import EMBEDDED_MODEL, Config, cache_dir, warm_start_config
+from edgetune.engine.core.settings import DPO_REFERENCE_FREE, EMBEDDED_MODEL, Config, cache_dir, warm_start_config
 from edgetune.engine.core.units import size
 
 from edgetune.engine.planning.effective import (
@@ -482,7 +482,10 @@ def _plan_dpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     reference's forward (no_grad, adapter off) before it holds no activations past itself."""
     rows, seq = 2 * cfg.dpo.batch_size, cfg.data.max_seq_len
     parts = train_activation_parts(ctx, rows, seq, rows * seq)
-    return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens (chosen + rejected)"}
+    static = _static(ctx, True)
+    if cfg.lora.init_from and cfg.dpo.loss_type not in DPO_REFERENCE_FREE:
+        static["lora"] *= 3  # the starting adapter kept as the reference, and the trained one while it is swapped in
+    return {**static, **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens (chosen + rejected)"}
 
 
 def _plan_fgrpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
@@ -557,7 +560,7 @@ def _finish(plan: dict, ctx: Ctx) -> dict:
 
 
 def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, list]:
-    opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
+    opt = getattr(getattr(cfg, cfg.method), "optimizer", "auto")  # ESSA has no optimizer
     ctx, notes = make_ctx(cfg, device, opt)
     if cfg.model.gradient_checkpointing == "auto":
         split = _split(cfg, ctx, gpu_free)
@@ -642,7 +645,7 @@ def checkpoint_split(cfg: Config, device: str | None = None, gpu_free: int | Non
     if gpu_free is None and not cfg.model.memory_budget_gib and device.startswith("cuda"):
         got = gpu_memory() or gpu_memory_torch()
         gpu_free = got[0] if got else None
-    opt = {"sft": cfg.sft.optimizer, "fgrpo": cfg.fgrpo.optimizer}.get(cfg.method, "auto")
+    opt = getattr(getattr(cfg, cfg.method), "optimizer", "auto")  # ESSA has no optimizer
     ctx, _ = make_ctx(cfg, device, opt)
     return _split(cfg, ctx, gpu_free)
 
