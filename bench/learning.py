@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Learning on tasks the presets never use: base, SFT, F-GRPO, GRPO and ESSA, through the CLI.
+"""Learning on tasks the presets never use: base, SFT, F-GRPO, GRPO, ESSA and DPO, through the CLI.
 
 For each task (reasoning-gym generators with graders, easy settings a 135M model can reach)
 the benchmark writes a train split and a held-out split whose *questions* do not overlap
@@ -11,10 +11,13 @@ the benchmark writes a train split and a held-out split whose *questions* do not
     edgetune train --preset fgrpo-quickstart --set data.path=... --set fgrpo.reward=rg:<task>
     edgetune train --preset fgrpo-quickstart ... --set fgrpo.gamma=0                 # plain GRPO
     edgetune train --preset essa-quickstart  --set essa.warm_start_data=<demonstrations> ...
+    edgetune train --preset dpo-quickstart   --set data.path=<pairs>             # DPO
 
 and evaluates every adapter with `edgetune eval` on the same held-out prompts: greedy
 success, pass@1 and pass@k from 2k samples (same sampling seed for all). Only the data,
-the reward and the budgets are changed from the presets (plus any --set you add).
+the reward and the budgets are changed from the presets (plus any --set you add). DPO's
+pairs are made the way the embedded ones are: the answer chosen over a wrong number
+(tasks with numeric answers only).
 
 One task is kept aside (`KEPT_ASIDE`): defaults are never chosen on it; it checks them.
 
@@ -59,7 +62,7 @@ TASKS: dict[str, tuple[str, dict]] = {
     "products": ("products", dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)),
 }
 KEPT_ASIDE = "products"  # never used to choose a default
-METHODS = ["base", "sft", "fgrpo", "grpo", "essa"]
+METHODS = ["base", "sft", "fgrpo", "grpo", "essa", "dpo"]
 
 
 # --------------------------------------------------------------------------- data
@@ -109,6 +112,17 @@ def sft_row(x: dict) -> dict:
                          {"role": "assistant", "content": f"Answer: {x['answer']}"}]}
 
 
+def pair_row(x: dict, rng: random.Random) -> dict | None:
+    """The reply as the demonstration states it, chosen over the same reply with a wrong
+    number (the embedded pairs' recipe); None for an answer that is not an integer."""
+    try:
+        right = int(str(x["answer"]).strip())
+    except ValueError:
+        return None
+    wrong = right + rng.choice([d for d in (-2, -1, 1, 2) if right < 0 or right + d >= 0])  # a non-negative answer, a non-negative wrong one
+    return {"prompt": x["question"], "chosen": f"Answer: {right}", "rejected": f"Answer: {wrong}"}
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -123,7 +137,18 @@ def write_task_data(task: str, folder: Path, n_train: int, n_eval: int, seed: in
         "eval_rl": str(write_jsonl(folder / task / "eval_rl.jsonl", [rl_row(x) for x in held])),
         "train_sft": str(write_jsonl(folder / task / "train_sft.jsonl", [sft_row(x) for x in train])),
         "n_train": len(train), "n_eval": len(held),
+        **_pairs(folder / task, train, held, seed),
     }
+
+
+def _pairs(folder: Path, train: list[dict], held: list[dict], seed: int) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for key, items in (("train_pairs", train), ("eval_pairs", held)):
+        rows = [r for r in (pair_row(x, rng) for x in items) if r is not None]
+        if len(rows) == len(items):  # every answer a number: the task has pairs
+            out[key] = str(write_jsonl(folder / f"{key}.jsonl", rows))
+    return out if len(out) == 2 else {}
 
 
 # --------------------------------------------------------------------------- runs
@@ -300,16 +325,25 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
             if run:
                 evaluate("essa_warm_start", str(run / "warm_start" / "adapter"), None, None, None)
                 evaluate("essa", str(run / "adapter"), secs, cmd, run)
+        elif method == "dpo":
+            if "train_pairs" not in data:
+                res["methods"]["dpo"] = {"error": "the task's answers are not all integers: no pairs"}
+            else:
+                run, secs, cmd = train("dpo", "dpo-quickstart",
+                                       [f"data.path={data['train_pairs']}", f"data.eval_path={data['eval_pairs']}",
+                                        f"run.seed={a.seed}", *budget("dpo.steps", a.dpo_steps)])
+                if run:
+                    evaluate("dpo", str(run / "adapter"), secs, cmd, run)
         save(res)  # after every method: a partial table survives a stop
     return res
 
 
 # --------------------------------------------------------------------------- report
 
-COLUMNS = ["base", "sft", "fgrpo", "grpo", "essa_warm_start", "essa"]
+COLUMNS = ["base", "sft", "fgrpo", "grpo", "essa_warm_start", "essa", "dpo"]
 # F-GRPO without its γ: the preset's by default, and a --set may change it (the command says which)
 LABELS = {"base": "base", "sft": "SFT", "fgrpo": "F-GRPO", "grpo": "GRPO γ=0",
-          "essa_warm_start": "ESSA warm start", "essa": "ESSA"}
+          "essa_warm_start": "ESSA warm start", "essa": "ESSA", "dpo": "DPO"}
 
 
 def _pct(x) -> str:
@@ -569,6 +603,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fgrpo-steps", type=int, default=0)
     p.add_argument("--warm-start-steps", type=int, default=0)
     p.add_argument("--essa-generations", type=int, default=0)
+    p.add_argument("--dpo-steps", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curve-every", type=int, default=0, metavar="N",
                    help="F-GRPO / GRPO and ESSA runs also evaluate the held-out split every N steps / "

@@ -32,6 +32,22 @@ def test_splits_share_no_question_and_files_follow_the_formats(tmp_path):
     assert Path(again["eval_rl"]).read_text() == first.read_text()
 
 
+def test_pairs_choose_the_answer_over_a_wrong_number_on_the_same_split(tmp_path):
+    bench = load_bench()
+    data = bench.write_task_data("chain_sum", tmp_path, n_train=40, n_eval=20, seed=3)
+    for rl, pairs in (("train_rl", "train_pairs"), ("eval_rl", "eval_pairs")):
+        rows = [json.loads(line) for line in Path(data[rl]).read_text().splitlines()]
+        made = [json.loads(line) for line in Path(data[pairs]).read_text().splitlines()]
+        assert [p["prompt"] for p in made] == [r["prompt"] for r in rows]
+        assert [p["chosen"] for p in made] == [f"Answer: {r['answer']}" for r in rows]
+        for p, r in zip(made, rows):
+            wrong = int(p["rejected"].removeprefix("Answer: "))
+            assert wrong != int(r["answer"]) and abs(wrong - int(r["answer"])) <= 2
+            assert wrong >= 0 or int(r["answer"]) < 0  # a non-negative answer gets a non-negative wrong one
+    # a task whose answers are not numbers has no pairs (and DPO says so instead of training)
+    assert bench.pair_row({"question": "q", "answer": "cat"}, __import__("random").Random(0)) is None
+
+
 def test_overlap_is_caught_by_content():
     bench = load_bench()
     train = [{"question": "What is 2 + 3?"}, {"question": "What is 1 + 1?"}]
