@@ -269,7 +269,9 @@ def test_a_run_from_a_starting_adapter_compares_with_that_adapter(tiny_model_dir
 def test_quickstart_learns_to_prefer_the_right_sum(tmp_path):
     """The DPO quick start through the CLI on the embedded SmolLM2-135M: held-out preference
     accuracy (the chosen reply's reward above the rejected one's) from 0 at the start (every
-    reward is 0 before the first step) to at least 0.8, and the adapter exports."""
+    reward is 0 before the first step) to at least 0.8; greedy success on the held-out
+    arithmetic questions (the same 30 sums the pairs' held-out split asks) does not fall
+    against the base in a paired test; and the adapter exports."""
     import subprocess
     import sys
 
@@ -281,6 +283,13 @@ def test_quickstart_learns_to_prefer_the_right_sum(tmp_path):
     evals = [e for e in _events(runs / "qs") if e["type"] == "eval"]
     assert evals[0]["step"] == 0 and evals[0]["eval_accuracy"] == 0.0
     assert evals[-1]["eval_accuracy"] >= 0.8 and evals[-1]["eval_loss"] < evals[0]["eval_loss"], evals
+    p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "eval", "--preset", "fgrpo-quickstart",
+                        "--set", "fgrpo.eval_k=0", "--base", "--adapter", str(runs / "qs"), "--json"],
+                       capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout)
+    (c,) = [c for c in result["comparisons"] if c["metric"] == "success_rate"]
+    assert not (c["difference"] < 0 and c["p_value"] < 0.05), c["words"]  # no detectable fall
     out = tmp_path / "exported"
     p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "export", str(runs / "qs"), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
