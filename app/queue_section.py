@@ -49,7 +49,9 @@ class QueueSection:
             self.note = gr.Markdown("", elem_id="queue-note")
             self.table = gr.Dataframe(frame([]), interactive=False, elem_id="queue-table", wrap=True)
             with gr.Row():
-                self.pick = gr.Dropdown(choices=[], label="Job", elem_id="queue-pick", scale=3)
+                # any value: a job picked a moment ago may have started or gone (the handler says so)
+                self.pick = gr.Dropdown(choices=[], label="Job", elem_id="queue-pick", scale=3,
+                                        allow_custom_value=True)
                 self.up_btn = gr.Button("Move up", elem_id="queue-up-btn", scale=1)
                 self.down_btn = gr.Button("Move down", elem_id="queue-down-btn", scale=1)
                 self.cancel_btn = gr.Button("Cancel the job", variant="stop", elem_id="queue-cancel-btn", scale=1)
@@ -67,9 +69,10 @@ class QueueSection:
         """What `refresh` writes."""
         return [*self.section_outputs, self.page.attached]
 
-    def refresh(self, seen: str = "", attached: str = "", picked: str | None = None) -> dict:
-        """The section as the queue file has it now ({} when unchanged); and when the page
-        shows a queued run that ended while the queue runs the next, the page follows it."""
+    def refresh(self, seen: str = "", attached: str = "") -> dict:
+        """The section as the queue file has it now ({} when unchanged), the job picked in it
+        left as it is; and when the page shows a queued run that ended while the queue runs
+        the next, the page follows it."""
         runs_dir = self.page.runs_dir
         try:
             jobs = queue.jobs(runs_dir)
@@ -82,13 +85,14 @@ class QueueSection:
         if running is not None and (running / "config.yaml").is_file() and str(running) != attached and (
                 shown is None or (shown.dir.queue_job() and shown.status() not in api.ACTIVE)):
             out[self.page.attached] = str(running)
-        section = self.section(picked)
+        section = self.section(keep_pick=True)
         if section.get(self.seen) == seen and not out:
             return {}
         return {**out, **section}
 
-    def section(self, picked: str | None = None) -> dict:
-        """The note, the table, the job picker and the jobs that ended, from the queue file."""
+    def section(self, picked: str | None = None, keep_pick: bool = False) -> dict:
+        """The note, the table, the job picker (on `picked`, or as it is with `keep_pick`)
+        and the jobs that ended, from the queue file."""
         runs_dir = self.page.runs_dir
         try:
             jobs, ended = queue.jobs(runs_dir), queue.history(runs_dir)
@@ -106,7 +110,8 @@ class QueueSection:
         choices = [label(j) for j in jobs if j.get("state") == "queued"]
         return {self.note: note, self.table: frame(jobs), self.ended: ended_text(ended),
                 self.seen: repr((jobs, ended[-ENDED_SHOWN:], driver)),
-                self.pick: gr.Dropdown(choices=choices, value=picked if picked in choices else None)}
+                self.pick: gr.Dropdown(choices=choices) if keep_pick else
+                gr.Dropdown(choices=choices, value=picked if picked in choices else None)}
 
     @staticmethod
     def mine(pid: int) -> bool:
@@ -140,22 +145,27 @@ class QueueSection:
         return {**self.section(picked), self.msg: message(said, "ok")}
 
     def add(self, values: dict) -> dict:
-        """Add to queue: the form's run, kept as the form has it now."""
+        """Add to queue: the form's run, kept as the form has it now. The message goes under
+        the Train tab's buttons (where Start's goes) and in the section."""
         p = self.page
+        said = p.said(values[p.attached])
         try:
             gpus = values.get(p.train_tab.gpus)
             job = queue.add_run(p.config(values), gpus=1 if gpus is None else gpus)
         except EdgetuneError as e:
-            return {self.msg: message(str(e), "error")}
+            text = message(str(e), "error")
+            return {self.msg: text, p.train_tab.msg: text, p.msg_at: said}
         place = queue.position(p.runs_dir, job["id"])
-        return {**self.section(), self.msg: message(f"Queued run **{job['folder']}** as job {job['id']} (number "
-                                                    f"{place} in the queue).", "ok")}
+        text = message(f"Queued run **{job['folder']}** as job {job['id']} (number {place} in the queue, below).",
+                       "ok")
+        return {**self.section(), self.msg: text, p.train_tab.msg: text, p.msg_at: said}
 
     def wire(self, add_btn: gr.Button) -> None:
         p = self.page
-        inputs = [self.seen, p.attached, self.pick]
+        inputs = [self.seen, p.attached]
         changed = [*self.outputs, self.msg]
-        add_btn.click(self.add, p.form_inputs | {p.train_tab.gpus}, changed)
+        add_btn.click(self.add, p.form_inputs | {p.train_tab.gpus, p.attached},
+                      [*changed, p.train_tab.msg, p.msg_at])
         for btn, how in ((self.up_btn, "up"), (self.down_btn, "down"), (self.cancel_btn, "cancel")):
             btn.click(lambda picked, how=how: self.act(picked, how), self.pick, changed)
         if p.timer is not None:

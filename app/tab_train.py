@@ -43,7 +43,6 @@ class TrainTab:
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
         self.msg = gr.Markdown("", elem_id="train-message")
-        self.queue = QueueSection(page)
         self.progress = gr.HTML(live.progress_html([], "none"), elem_id="train-progress")
         with gr.Row():
             with gr.Column(scale=3):
@@ -56,6 +55,7 @@ class TrainTab:
                 self.samples = gr.Markdown("", elem_id="samples")
         self.logs = gr.Textbox(label="Recent events (newest first)", lines=12, max_lines=12, autoscroll=False,
                                elem_id="log-lines", interactive=False)
+        self.queue = QueueSection(page)
 
     # ------------------------------------------------------------------ live view
 

@@ -938,10 +938,11 @@ def test_the_queue_section_adds_moves_cancels_and_follows_the_queued_run(own_pag
     page, section = own_page, own_page.train_tab.queue
     cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
     values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+    values[page.attached] = ""
     for name in ("first", "second", "third"):
         values[page.fields["run.name"]] = name
         out = section.add(values)
-        assert out[section.msg].startswith("✓ Queued run **" + name)
+        assert out[section.msg].startswith("✓ Queued run **" + name) and out[page.train_tab.msg] == out[section.msg]
     assert [j["folder"] for j in queue.jobs(page.runs_dir)] == ["first", "second", "third"]
     shown = section.refresh("", "")
     assert list(shown[section.table]["run"]) == ["first", "second", "third"]

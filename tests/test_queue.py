@@ -175,3 +175,18 @@ def test_a_failed_job_does_not_stop_the_next(tmp_path, tiny_model_dir):
     assert ended["broken"]["status"] == "failed" and "row 2" in ended["broken"]["message"]
     assert ended["fine"]["status"] == "finished"
     assert any(line.startswith("job 1: run missing failed: ") for line in lines), lines
+
+
+def test_a_revived_job_whose_worker_never_spoke_is_recorded_not_started_again(tmp_path, tiny_model_dir):
+    """A folder revived once whose worker again ended before its first event: recorded as
+    failed, and the queue goes on (no third start of the same job)."""
+    runs = tmp_path / "runs"
+    job = _queue_run(tiny_model_dir, runs, "mute")
+    cfg = api.load_run_config(job["settings"])
+    _, fd = api.create(cfg, job["folder"], job=job["token"])
+    os.close(fd)
+    with queue.editing(runs) as data:
+        data["jobs"][0].update(state="started", revived=True)
+    queue.Driver(runs).run()
+    assert [(h["folder"], h["status"]) for h in queue.history(runs)] == [("mute", "failed")]
+    assert not (runs / "mute" / "events.jsonl").exists() and not (runs / "mute" / "worker.log").exists()

@@ -262,6 +262,8 @@ def _drop_spool(job: dict) -> None:
 def driver_pid(runs_dir: str | os.PathLike) -> int | None:
     """The pid of the process that runs the queue now, or None."""
     p = Path(runs_dir) / DRIVER_LOCK
+    if not p.is_file():
+        return None
     fd = _take(p)
     if fd is not None:
         os.close(fd)
@@ -346,8 +348,10 @@ class Driver:
         if RunDir(folder).queue_job() == job["token"]:  # it started: wait for its end, then record it
             if _busy(self.runs_dir):
                 return "wait"
-            if kind.revive is not None and not RunDir(folder).events_path.exists():
+            if kind.revive is not None and not RunDir(folder).events_path.exists() and not job.get("revived"):
                 self.say(f"job {job['id']}: {folder} appeared but its work never started; starting it")
+                with editing(self.runs_dir) as data:  # once: a worker that dies before its first word is recorded
+                    _find(data, job["id"], self.runs_dir)["revived"] = True
                 try:
                     kind.revive(folder, job)
                 except api.RunsFolderBusy:
@@ -377,7 +381,9 @@ class Driver:
         cmd = [sys.executable, "-m", "edgetune.engine.cli", *job["command"], *kind.folder_args(folder),
                "--queue-job", job["token"]]
         try:
-            p = subprocess.run(cmd, cwd=job["cwd"], stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            # its own session: a Ctrl-C meant for the app's terminal does not cut a start in two
+            p = subprocess.run(cmd, cwd=job["cwd"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               start_new_session=True)
             said = [ln[len("error: "):] for ln in p.stderr.splitlines() if ln.startswith("error: ")]
             why = said[-1] if said else (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
         except OSError as e:
