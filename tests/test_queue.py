@@ -80,15 +80,20 @@ def test_the_queue_file_reads_back_and_is_never_half_written(tmp_path, monkeypat
     assert p.returncode == 2 and p.stderr.startswith("error: ") and "Traceback" not in p.stderr
 
 
-def test_cancel_and_reorder_from_the_command_line(tmp_path):
+def test_cancel_and_reorder_from_the_command_line(tmp_path, capsys):
+    from edgetune.engine import cli
+
     runs = tmp_path / "runs"
-    for name in ("one", "two", "three", "four"):
+    assert cli.main(["train", "--preset", "sft-quickstart", "--name", "one", "--runs-dir", str(runs), "--queue",
+                     "--set", "sft.steps=3"]) == 0
+    assert "queued as job 1 (run folder " in capsys.readouterr().out
+    assert not (runs / "one").exists()  # nothing starts: the folder appears when the job does
+    assert api.load_run_config(queue.jobs(runs)[0]["settings"]).sft.steps == 3  # kept as queued
+    for name in ("two", "three", "four"):
         _fake_job(runs, name)
 
     def order():
         return [j["folder"] for j in queue.jobs(runs)]
-
-    from edgetune.engine import cli
 
     assert cli.main(["queue", "down", "1", "--runs-dir", str(runs)]) == 0
     assert order() == ["two", "one", "three", "four"]
@@ -125,10 +130,19 @@ def test_three_queued_runs_survive_a_killed_driver_and_run_once_each(tmp_path, t
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     assert [j["folder"] for j in queue.jobs(runs)] == ["q1", "q2", "q3"]
-    # the next driver waits for that run, records it, then runs the others
-    p = _cli("queue", "run", "--runs-dir", str(runs))
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert queue.jobs(runs) == []
+    # the next driver (the app's, as `edgetune ui` runs it) waits for that run, records it,
+    # then runs the others
+    import threading
+
+    done = threading.Event()
+    app_driver = threading.Thread(target=queue.serve, args=(runs, done.is_set), daemon=True)
+    app_driver.start()
+    try:
+        _wait_for(lambda: queue.jobs(runs) == [], 240, "the queue to empty")
+    finally:
+        done.set()
+        app_driver.join(10)
+    assert queue.driver_pid(runs) is None  # the app's driver lets go once the queue is empty
     assert [(h["folder"], h["status"]) for h in queue.history(runs)] == [("q1", "finished"), ("q2", "finished"),
                                                                          ("q3", "finished")]
     assert sorted(r.name for r in api.list_runs(runs)) == ["q1", "q2", "q3"]  # no second folder of any job
