@@ -180,14 +180,17 @@ def test_a_failed_job_does_not_stop_the_next(tmp_path, tiny_model_dir):
     _queue_run(tiny_model_dir, runs, "broken", f"data.path={bad}")
     _queue_run(tiny_model_dir, runs, "fine")
     gone.unlink()  # after it was queued: the job fails as it starts, before any run folder
+    (runs / "fine").mkdir()  # a folder of the user's took the third job's name since: it is left alone
+    (runs / "fine" / "notes.txt").write_text("mine")
     lines = []
     queue.Driver(runs, say=lines.append).run()
+    assert sorted(p.name for p in (runs / "fine").iterdir()) == ["notes.txt"]
     ended = {h["folder"]: h for h in queue.history(runs)}
     assert ended["missing"]["status"] == "failed" and f"{gone}: data.path: file not found" in \
         ended["missing"]["message"]
     assert not (runs / "missing").exists()
     assert ended["broken"]["status"] == "failed" and "row 2" in ended["broken"]["message"]
-    assert ended["fine"]["status"] == "finished"
+    assert ended["fine-2"]["status"] == "finished"
     assert any(line.startswith("job 1: run missing failed: ") for line in lines), lines
 
 

@@ -366,8 +366,9 @@ class Driver:
             return "next"
         if folder.exists():  # the name was taken since the job was queued: the job takes another
             with editing(self.runs_dir) as data:
-                j = _find(data, job["id"], self.runs_dir)
-                j["folder"] = _free_name(job["folder"], _taken(self.runs_dir, data))
+                j = next((x for x in data["jobs"] if x["id"] == job["id"]), None)  # (None: cancelled meanwhile)
+                if j is not None:
+                    j["folder"] = _free_name(job["folder"], _taken(self.runs_dir, data))
             return "next"
         if _busy(self.runs_dir):  # a run started elsewhere: the queue waits its turn
             return "wait"
