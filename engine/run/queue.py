@@ -19,7 +19,11 @@ app's process, or `edgetune queue run`): it holds DRIVER_LOCK while it does, and
 kernel drops that lock when the driver dies, so the next one continues where it stopped.
 
 A kind of job is one entry of KINDS: the flags that make its command write into a given
-folder, and how its folder says the job ended.
+folder, how its folder says the job ended, and what starts a folder that appeared but whose
+work never did. Its command takes `--queue-job TOKEN`, makes its folder appear whole with
+the token in it (as api.create does for a run) and holds the runs folder's lock while it
+works (the device does one thing at a time); `add(runs_dir, kind, command, folder, cwd)`
+queues one.
 """
 
 from __future__ import annotations
