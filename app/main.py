@@ -7,9 +7,12 @@ failed logins are refused. Its command-line flags are the CLI's (engine/cli.py).
 from __future__ import annotations
 
 import ipaddress
+import threading
 from pathlib import Path
 
 from edgetune.engine.core.errors import ConfigError
+
+from edgetune.engine.run import queue
 
 from .guard import Guard, LoginThrottle
 from .tab_data import DATA_TYPES, MAX_UPLOAD_BYTES
@@ -56,6 +59,9 @@ def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", bl
     guard = Middleware(Guard, bound=host, allow=check_allow_hosts(allow_hosts), upload_types=DATA_TYPES,
                        throttle=LoginThrottle() if credentials else None)
     demo = build_app(runs_dir)
+    # this process runs the queue whenever it holds jobs and no other process runs it
+    threading.Thread(target=queue.serve, args=(Path(runs_dir).resolve(),), name="edgetune-queue",
+                     daemon=True).start()
     try:
         demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(), auth=credentials,
                     # Adapter zips are written into the run folder and downloaded from there.

@@ -1,4 +1,5 @@
-"""4 · Train: Start / Stop / Resume, and the live view of the run the page shows.
+"""4 · Train: Start / Stop / Resume / Add to queue, the live view of the run the page
+shows, and the queue (app/queue_section.py).
 
 Everything the view shows about a run is read from the run folder on every timer tick
 (events.jsonl, memory.json), so a reloaded page, a second browser tab or a restarted
@@ -19,6 +20,7 @@ from edgetune.engine.run import api
 from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import message, number_field
+from .queue_section import QueueSection
 from .tab_model import decided_text
 
 # While a run trains, its plots are redrawn at most this often (each is a PNG drawn on the
@@ -31,6 +33,8 @@ class TrainTab:
         self.page = page
         with gr.Row():
             self.start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
+            # the form's run into the queue (below): it starts once the runs before it ended
+            self.queue_btn = gr.Button("Add to queue", elem_id="queue-btn")
             self.stop_btn = gr.Button("Stop (saves the adapter)", variant="stop", elem_id="stop-btn", interactive=False)
             self.resume_btn = gr.Button("Resume", elem_id="resume-btn", interactive=False)
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
@@ -51,6 +55,7 @@ class TrainTab:
                 self.samples = gr.Markdown("", elem_id="samples")
         self.logs = gr.Textbox(label="Recent events (newest first)", lines=12, max_lines=12, autoscroll=False,
                                elem_id="log-lines", interactive=False)
+        self.queue = QueueSection(page)
 
     # ------------------------------------------------------------------ live view
 
@@ -200,3 +205,4 @@ class TrainTab:
             .then(p.runs_tab.refresh, p.attached, p.runs_tab.outputs)
         self.stop_btn.click(self.do_stop, p.attached, [self.msg, p.msg_at])
         self.resume_btn.click(self.do_resume, p.attached, acted).then(self.draw, self.live_inputs, self.live_outputs)
+        self.queue.wire(self.queue_btn)

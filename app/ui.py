@@ -62,7 +62,7 @@ def fresh_page(page: Page) -> dict:
     its settings (a new Start from them gets a fresh name), and open the Train tab while
     that run trains."""
     path = page.default_run()
-    out = {page.attached: path, **page.train_tab.draw(path, {}, {}),
+    out = {page.attached: path, **page.train_tab.draw(path, {}, {}), **page.train_tab.queue.section(),
            **page.runs_tab.refresh(path), **page.fill_from_run(path)}
     run = page.run_of(path)
     if run is not None and run.status() in api.ACTIVE:
@@ -110,7 +110,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
         page.timer.tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
 
         demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,
-                                                    page.runs_tab.compare,
+                                                    page.runs_tab.compare, *page.train_tab.queue.section_outputs,
                                                     *page.form_outputs, page.tabs])
 
     demo.edgetune_chat = page.chat  # so launch() can stop the chat worker on exit

@@ -5,6 +5,8 @@
     edgetune resume runs/<run>                        # continue from the last checkpoint
     edgetune resume runs/<run> --more-steps 50        # train a finished run further
     edgetune export runs/<run> --out my-adapter/      # PEFT adapter (--zip, --merged)
+    edgetune train --preset X --queue                 # queue it; runs one after another
+    edgetune queue [list | run | cancel ID | up ID | down ID | move ID --to N]
     edgetune runs | presets | data FILE | estimate --preset X
     edgetune ui                                       # the Gradio app
 
@@ -243,11 +245,70 @@ def cmd_train(a) -> int:
         return _exec_torchrun(a)
     check_gpus(a.gpus)
     cfg = _config(a)
-    run = api.start(cfg, name=a.name, gpus=a.gpus)
+    if a.queue:
+        from pathlib import Path
+
+        from edgetune.engine.run import queue
+
+        job = queue.add_run(cfg, gpus=a.gpus)
+        runs = cfg.run.runs_dir
+        print(f"queued as job {job['id']} (run folder {Path(runs).resolve() / job['folder']}, place "
+              f"{queue.position(runs, job['id'])} in the queue); it runs in the app (edgetune ui --runs-dir {runs}) "
+              f"or with: edgetune queue run --runs-dir {runs}")
+        return 0
+    run = api.start(cfg, name=a.name, gpus=a.gpus, job=a.queue_job)
     print(f"run folder: {run.path}" + (f" ({a.gpus} ranks)" if a.gpus > 1 else ""))
     if a.detach:
         return 0
     return watch(run)
+
+
+def _job_line(j: dict, place: int | None = None) -> str:
+    from datetime import datetime
+
+    what = f"{j.get('method') or ''} {j.get('steps') or '?'} steps".strip() if j["kind"] == "train" else j["kind"]
+    if place is None:  # an ended job
+        when = datetime.fromtimestamp(j["ended"]).strftime("%Y-%m-%d %H:%M")
+        return f"  job {j['id']:<4} {j['status']:9s} {j['folder']:32s} {when}" + \
+            (f"  {_one_line(j['message'], 100)}" if j.get("message") and j["status"] != "finished" else "")
+    return f"{place:>3}. job {j['id']:<4} {j.get('state', 'queued'):9s} {j['folder']:32s} {what}"
+
+
+def cmd_queue(a) -> int:
+    from pathlib import Path
+
+    from edgetune.engine.run import queue
+
+    runs = a.runs_dir
+    if a.action == "list":
+        jobs, ended = queue.jobs(runs), queue.history(runs)
+        pid = queue.driver_pid(runs)
+        print(f"queue of {Path(runs).resolve()}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}; "
+              + (f"run by pid {pid}" if pid else "no process runs it now (edgetune queue run, or the app)"))
+        for i, j in enumerate(jobs):
+            print(_job_line(j, i + 1))
+        if ended and a.all:
+            print("ended:")
+            for j in ended:
+                print(_job_line(j))
+        return 0
+    if a.action == "run":
+        queue.Driver(runs, say=lambda line: print(line, flush=True)).run(wait=a.wait)
+        return 0
+    if a.job is None:
+        raise EdgetuneError(f"edgetune queue {a.action}: give the job's number (edgetune queue list shows them)")
+    if a.action == "cancel":
+        job = queue.cancel(runs, a.job)
+        print(f"job {job['id']} ({job['folder']}) taken out of the queue")
+        return 0
+    places = {"up": -1, "down": 1}
+    if a.to is None and a.action in places:
+        now = queue.position(runs, a.job) if any(j["id"] == a.job for j in queue.jobs(runs)) else 0
+        a.to = now + places[a.action]
+    if a.to is None:
+        raise EdgetuneError("edgetune queue move: give --to N (1 = next to run)")
+    print(f"job {a.job} is now number {queue.move(runs, a.job, a.to)} in the queue")
+    return 0
 
 
 def check_gpus(n: int | None) -> None:
@@ -648,7 +709,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--node-rank", help="this machine's index (default: torchrun assigns one)")
     t.add_argument("--rdzv-endpoint", help="HOST:PORT of the first machine, where the machines meet")
     t.add_argument("--rdzv-id", default="edgetune", help="a name shared by the machines of one run")
+    t.add_argument("--queue", action="store_true",
+                   help="add the run to the runs folder's queue instead of starting it now: queued runs train one "
+                        "after another, in the app or under `edgetune queue run` (edgetune queue list shows them)")
+    t.add_argument("--queue-job", help=argparse.SUPPRESS)  # the queue's driver: the token its run folder carries
     t.set_defaults(fn=cmd_train)
+
+    q = sub.add_parser("queue", help="the queued jobs: list, run them one after another, cancel or move one",
+                       description="Jobs queued with `edgetune train --queue` (or the app's Add to queue) run one "
+                                   "after another, in order: in the app while it runs, or under `edgetune queue run`. "
+                                   "The queue lives in the runs folder and survives restarts.")
+    q.add_argument("action", nargs="?", default="list", choices=["list", "run", "cancel", "up", "down", "move"],
+                   help="list (the default); run: run the jobs one after another until the queue is empty; cancel, "
+                        "up, down, move (with --to N) a job that has not started")
+    q.add_argument("job", nargs="?", help="the job's number, as list shows it")
+    q.add_argument("--to", metavar="N", help="move: the job's new place (1 = next to run)")
+    q.add_argument("--runs-dir", default="runs")
+    q.add_argument("--all", action="store_true", help="list: also the jobs that ended (the last 50)")
+    q.add_argument("--wait", action="store_true", help="run: when the queue is empty, wait for more jobs (until "
+                                                        "Ctrl-C)")
+    q.set_defaults(fn=cmd_queue)
 
     r = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint (--more-steps: "
                                       "train a run further)")
@@ -757,6 +837,7 @@ def flag_ranges() -> dict:
 
     return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
             "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
+            "job": ("job", S.QUEUE_NUMBER), "to": ("--to", S.QUEUE_NUMBER),
             "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"])}
 
 
@@ -777,12 +858,13 @@ def _interrupted(a) -> str:
     return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
             "estimate": "no estimate; nothing was written",
             "eval": "the evaluation stopped; nothing was written",
+            "queue": "the queue stopped; a job that had started goes on (edgetune queue run continues the queue)",
             "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
 
 
 # Commands that end at the first Ctrl-C (train and resume: the first one stops the run
 # gracefully, the second kills its worker; see `watch`).
-ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui")
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue")
 
 
 def _ctrl_c(signum, frame):

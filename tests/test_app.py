@@ -927,3 +927,43 @@ def test_a_page_update_while_a_run_trains_redraws_the_plots_only_now_and_then(tm
         assert train.plots[0] in train.draw(str(live_run), last[seen], {})
     finally:
         demo.edgetune_chat.close()
+
+
+def test_the_queue_section_adds_moves_cancels_and_follows_the_queued_run(own_page):
+    """Add to queue keeps the form's run in the queue file; the section lists it, moves and
+    cancels jobs by component, sends nothing while the queue is unchanged, and the page
+    follows the queue from a queued run that ended to the one that trains now."""
+    from edgetune.engine.run import queue
+
+    page, section = own_page, own_page.train_tab.queue
+    cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
+    values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+    values[page.attached] = ""
+    for name in ("first", "second", "third"):
+        values[page.fields["run.name"]] = name
+        out = section.add(values)
+        assert out[section.msg].startswith("✓ Queued run **" + name) and out[page.train_tab.msg] == out[section.msg]
+    assert [j["folder"] for j in queue.jobs(page.runs_dir)] == ["first", "second", "third"]
+    shown = section.refresh("", "")
+    assert list(shown[section.table]["run"]) == ["first", "second", "third"]
+    assert section.refresh(shown[section.seen], "") == {}  # unchanged: nothing goes to the browser
+    moved = section.act("job 3 · third", "up")
+    assert list(moved[section.table]["run"]) == ["first", "third", "second"] and "number 2" in moved[section.msg]
+    gone = section.act("job 1 · first", "cancel")
+    assert list(gone[section.table]["run"]) == ["third", "second"]
+    assert "job 1 · **first** cancelled" in gone[section.ended]
+    assert section.act(None, "cancel")[section.msg].startswith("✗ ")
+    values[page.fields["sft.lr"]] = -1.0
+    assert "sft.lr must be positive" in section.add(values)[section.msg]
+    # the first job has started (its folder carries its token): the page showing an ended
+    # queued run follows it; one showing a run of its own choosing stays
+    job = queue.jobs(page.runs_dir)[0]
+    with queue.editing(page.runs_dir) as data:
+        data["jobs"][0]["state"] = "started"
+    done = _hand_run(page, "earlier", "sft-quickstart", [_ev(0, "started", method="sft"),
+                                                         _ev(1, "finished", step=1, adapter=None, metrics={})],
+                     alive=False)
+    running = _hand_run(page, job["folder"], "sft-quickstart", [_ev(0, "started", method="sft")], alive=True)
+    assert page.attached not in section.refresh("", str(done))
+    (done / "queue-job").write_text("an earlier job's token")
+    assert section.refresh("", str(done))[page.attached] == str(running)

@@ -397,3 +397,66 @@ def test_a_dpo_quick_start_runs_from_the_page(app_server):
     steps = [e for e in events if e["type"] == "step"]
     assert [e["step"] for e in steps] == [1, 2] and all("accuracy" in e and "margin" in e for e in steps)
     assert events[-1]["type"] == "finished"
+
+
+def test_runs_added_to_the_queue_run_one_after_another(app_server, tiny_model_dir):
+    """Add to queue, three times, while nothing trains: the Queue section lists the jobs,
+    one is cancelled from the page before its turn, and the app runs the other two one
+    after another, each to its end (the tiny model, two steps: seconds each)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from edgetune.engine.core.events import read_events
+
+    from edgetune.engine.run import queue
+
+    url, runs, _ = app_server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _tab(page, "3 · Method")
+        page.click("#preset-sft-quickstart")
+        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
+        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
+        for field, value in (("sft-steps", 2), ("sft-eval_every", 0), ("sft-batch_size", 2), ("sft-samples", 0)):
+            box = page.locator(f"#field-{field} input")
+            box.fill(str(value))
+            box.press("Tab")
+        _tab(page, "1 · Model")
+        model = page.locator("#field-model-name input")
+        model.fill(str(tiny_model_dir))
+        model.press("Enter")
+        page.locator("#field-model-quant input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _tab(page, "4 · Train")
+        page.wait_for_selector("#queue-note:has-text('The queue is empty')")
+        for n in (1, 2, 3):
+            page.click("#queue-btn")
+            page.wait_for_selector(f"#queue-message:has-text('as job {n}')")
+        # the third waits its turn: cancelled from the page before it starts
+        page.locator("#queue-pick input").click()
+        page.get_by_role("option", name=next(f"job 3 · {j['folder']}" for j in queue.jobs(runs) if j["id"] == 3),
+                       exact=True).click()
+        page.click("#queue-cancel-btn")
+        page.wait_for_selector("#queue-message:has-text('Took job 3 out of the queue')")
+        page.wait_for_timeout(2500)  # a tick of the page's timer since: the queue changed under the pick
+        page.screenshot(path=str(SHOTS / "09-queue.png"), full_page=True)
+        assert page.locator(".toast-body.error").count() == 0  # no Gradio error of a pick the queue changed under
+        ended = page.locator("#queue-ended")
+        _wait(lambda: ended.inner_text().count("finished") == 2, 300, "both queued runs to finish")
+        assert "cancelled" in ended.inner_text()
+        page.wait_for_selector("#queue-note:has-text('The queue is empty')")
+        assert page.locator(".toast-body.error").count() == 0
+        # the page followed the queue to its last run
+        _wait(lambda: _progress(page)["status"] == "finished", 60, "the last queued run shown as finished")
+        browser.close()
+    history = queue.history(runs)
+    assert [h["status"] for h in history] == ["cancelled", "finished", "finished"]
+    done = [runs / h["folder"] for h in history[1:]]
+    assert sorted(r.name for r in runs.iterdir() if (r / "config.yaml").is_file()) == sorted(d.name for d in done)
+    # one after another: the second started once the first had ended
+    first, second = (read_events(d / "events.jsonl") for d in done)
+    assert first[-1]["type"] == second[-1]["type"] == "finished"
+    assert first[-1]["time"] <= next(e for e in second if e["type"] == "started")["time"]

@@ -7,12 +7,14 @@
       worker.log           the worker's stdout/stderr (tracebacks of bugs go here)
       memory.json          live memory gauge, rewritten every second while the worker lives
       inputs.json          checksums of the data and base files the run trains on (record_inputs)
+      queue-job            a queued run's job token (engine/run/queue.py): the proof that the job started
       STOP                 present = stop gracefully after the current step
       checkpoints/step-N/  adapter + optimizer + scheduler + RNG state
       adapter/             the final adapter (PEFT format, tokenizer, model card)
 
 Every file is written to a temporary name in the same folder and renamed into place;
-folders (checkpoints, adapter) are built under a temporary name and renamed whole.
+folders (the run folder itself, checkpoints, adapter) are built under a temporary name and
+renamed whole.
 Nothing in a run folder is a symbolic link: a run folder that holds one (copied from
 elsewhere, or planted) is refused before a worker writes into it, and the files a run
 appends to are opened without following links.
@@ -111,6 +113,17 @@ class RunDir:
     @property
     def memory_path(self) -> Path:
         return self.path / "memory.json"
+
+    @property
+    def queue_job_path(self) -> Path:
+        return self.path / "queue-job"
+
+    def queue_job(self) -> str | None:
+        """The token of the queued job that made this run folder, or None."""
+        try:
+            return self.queue_job_path.read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
 
     @property
     def stop_path(self) -> Path:

@@ -119,6 +119,7 @@ NODE_RANK = Range(0, NODES.high - 1)  # --node-rank
 MORE_STEPS = STEPS  # --more-steps: steps added to a run (its steps stay within STEPS too)
 PORT = Range(1, 65535)  # edgetune ui --port
 CHAT_TOKENS = Range(8, 512)  # the app's Try-it tab: the most tokens of each reply
+QUEUE_NUMBER = Range(1, 2**31 - 1)  # edgetune queue: a job's number, and a place in the queue (--to)
 
 OPTIMIZERS = ("auto", "adamw", "adamw_8bit", "paged_adamw_8bit")
 AUTO_ON_OFF = ("auto", "on", "off")

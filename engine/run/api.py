@@ -13,11 +13,13 @@ it loads no torch; the training stack lives in the worker process it starts.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
@@ -260,7 +262,8 @@ def list_runs(runs_dir: str | os.PathLike = "runs") -> list[Run]:
     d = Path(runs_dir)
     if not d.is_dir():
         return []
-    runs = [Run(p) for p in d.iterdir() if (p / "config.yaml").is_file()]
+    # (a hidden folder is no run: run names never start with '.', temporaries do)
+    runs = [Run(p) for p in d.iterdir() if not p.name.startswith(".") and (p / "config.yaml").is_file()]
     return sorted(runs, key=lambda r: r.dir.config_path.stat().st_mtime, reverse=True)
 
 
@@ -343,31 +346,39 @@ def check_report_to(backend: str) -> None:
         raise ConfigError(f"run.report_to: {backend} is not installed (pip install {REPORT_TO_INSTALL[backend]})")
 
 
+class RunsFolderBusy(RunError):
+    """Another run holds the runs folder (one run at a time per runs folder)."""
+
+
 def _locked(runs_dir: Path) -> int:
     """The runs folder's lock (one active run per runs folder), or a one-line refusal."""
     fd = lock_runs_folder(runs_dir)
     if fd is None:
         busy = active_run(runs_dir)
         who = f"run '{busy.name}' is still training" if busy else "another run is starting"
-        raise RunError(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
+        raise RunsFolderBusy(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
     return fd
 
 
-def start(cfg: Config, name: str | None = None, gpus: int = 1) -> Run:
+def start(cfg: Config, name: str | None = None, gpus: int = 1, job: str | None = None) -> Run:
     """Create `runs/<name>/` with the resolved config and start its worker; `gpus` > 1
-    trains data-parallel on that many GPUs of this machine (engine/core/distributed.py)."""
+    trains data-parallel on that many GPUs of this machine (engine/core/distributed.py).
+    `job`: the token of the queued job this run is (create)."""
     gpus = typed_number("--gpus", gpus, GPUS)
-    run, fd = create(cfg, name)
+    run, fd = create(cfg, name, job=job)
     try:
         return Run(run.path, _spawn(run, resume=False, lock_fd=fd, gpus=gpus))
     finally:
         os.close(fd)
 
 
-def create(cfg: Config, name: str | None = None) -> tuple[RunDir, int]:
+def create(cfg: Config, name: str | None = None, job: str | None = None) -> tuple[RunDir, int]:
     """The new run folder with its config, and the runs folder's lock (an fd the caller
     closes once the worker holds it). `start` is this and a worker; under torchrun the
-    CLI's rank 0 calls it and trains in its own process."""
+    CLI's rank 0 calls it and trains in its own process. The folder appears whole (built
+    under a temporary name, then renamed). `job`: the token of the queued job this run is
+    (engine/run/queue.py): written into the folder as it appears, which proves the job
+    started; such a run takes exactly its name (the queue chose it), or is refused."""
     preflight(cfg)
     runs_dir = Path(cfg.run.runs_dir)
     auto = f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -376,14 +387,21 @@ def create(cfg: Config, name: str | None = None) -> tuple[RunDir, int]:
     try:
         busy = active_run(runs_dir)  # a worker of a version that did not hold the lock
         if busy is not None:
-            raise RunError(f"run '{busy.name}' is still training in {runs_dir} (one run at a time per runs "
-                           "folder): stop it first")
+            raise RunsFolderBusy(f"run '{busy.name}' is still training in {runs_dir} (one run at a time per runs "
+                                 "folder): stop it first")
+        if job is not None and (runs_dir / base).exists():
+            raise RunError(f"{runs_dir / base} exists already: a queued run takes the name its queue gave it")
         run = RunDir(runs_dir / _unique_name(runs_dir, base))
+        tmp = run.path.with_name(f".{run.name}.{uuid.uuid4().hex[:8]}.tmp")  # runfolder.clean_temporaries' names
         try:
-            run.path.mkdir(parents=True)
+            tmp.mkdir(parents=True)
             cfg.run.name = run.name
-            atomic_write_text(run.config_path, cfg.to_yaml())
+            atomic_write_text(tmp / "config.yaml", cfg.to_yaml())
+            if job is not None:
+                atomic_write_text(tmp / run.queue_job_path.name, job)
+            os.rename(tmp, run.path)
         except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise RunError(f"{run.path}: cannot create the run folder ({e.strerror})") from None
         return run, fd
     except BaseException:
