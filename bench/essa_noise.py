@@ -166,12 +166,12 @@ def build(a, work: Path, log):
     sees, built with the engine's own functions."""
     import torch
 
+    from edgetune.engine.core.arch import arch_of
     from edgetune.engine.core.events import EventWriter
     from edgetune.engine.core.runfolder import RunDir
     from edgetune.engine.core.settings import resolve
 
     from edgetune.engine.planning.effective import copy_budget, decide
-    from edgetune.engine.planning.planner import arch_of
 
     from edgetune.engine.models import model as model_lib
 

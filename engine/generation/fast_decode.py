@@ -108,7 +108,9 @@ def reserve_bytes(model, rows: int, prompt_len: int, cache_len: int) -> int:
     """What a decode of `rows` rows needs beside any copy of the base: its KV cache of
     `cache_len` positions and the prefill's transient over `prompt_len` tokens, by the
     planner's formulas (engine/planning/planner.py), so that the plan and the loop agree."""
-    from edgetune.engine.planning.planner import arch_of, decode_ctx, kv_cache_bytes, prefill_bytes
+    from edgetune.engine.core.arch import arch_of
+
+    from edgetune.engine.planning.planner import decode_ctx, kv_cache_bytes, prefill_bytes
 
     act = inner_model(model).get_input_embeddings().weight.dtype.itemsize  # the residual stream's dtype
     ctx = decode_ctx(arch_of(model), "nf4" if linear4bit_modules(model) else "none", act)

@@ -36,11 +36,11 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DPO_REFERENCE_FREE
 
 from edgetune.engine.planning.effective import decide, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.models import model as model_lib
 

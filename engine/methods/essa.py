@@ -49,12 +49,12 @@ import torch
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 from edgetune.engine.core.errors import ConfigError
 from edgetune.engine.core.runfolder import RunDir, atomic_write_text
 from edgetune.engine.core.settings import ESSASettings, warm_start_config
 
 from edgetune.engine.planning.effective import copy_budget, decide, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.models import model as model_lib
 

@@ -46,13 +46,13 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import Config, FGRPOSettings
 
 from edgetune.engine.planning.effective import copy_budget, decide, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.models import fsdp
 from edgetune.engine.models import model as model_lib

@@ -39,9 +39,9 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 
 from edgetune.engine.planning.effective import decide, liger_off_reason, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.data.packing import collate_packed
 
