@@ -107,7 +107,7 @@ def test_rollout_copies_stay_inside_the_runs_memory_budget():
 def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     from inline_run import run_inline
 
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     cfg = settings.from_dict({
         "method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},

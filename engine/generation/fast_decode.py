@@ -33,7 +33,7 @@ Rows keep their order for the whole decode (finished rows are fed pad and masked
 per-row adapters stay aligned; graphs live for one generate call, so adapter weights
 written between calls (ESSA) are always seen.
 
-Per-row adapters (ESSA's batched population, engine/training/multilora.py): inside `batched_lora`
+Per-row adapters (ESSA's batched population, engine/generation/multilora.py): inside `batched_lora`
 with candidate-major row blocks, each pack holds the K candidates' factors stacked
 (A [K, R, in], block-diagonal scaling*B [K, N, R]) and applies them with two `bmm`s over
 the rows viewed as [K, B/K, in]: as many kernels as one adapter, and the base GEMM (bf16
