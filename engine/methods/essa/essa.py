@@ -24,11 +24,12 @@ Population evaluation (population.py), `essa.evaluation`:
   (engine/generation/fast_decode.py), one CUDA graph per chunk of K candidates. K is sized from the
   GPU memory free at the start (engine/planning/effective.py); a chunk that runs out of memory later
   (another process took some) is scored again at half K, with a warning event.
+
 The warm start (warm_start.py) is an adapter folder or a short SFT run inside the ESSA run's
 folder; the search space over its singular values is space.py.
 
-A checkpoint holds the CMA-ES search as a replayable log (state.py; no
-pickle), the best candidate so far and the RNG states (cma samples from numpy's global
+A checkpoint holds the CMA-ES search as a replayable log (state.py; no pickle), the best
+candidate so far and the RNG states (cma samples from numpy's global
 generator), so a resumed run continues exactly.
 The mini-batch of generation g is a pure function of (seed, g) for the same reason.
 The exported adapter is the CMA-ES mean (`essa.export: mean`, less noise-selected than a
