@@ -114,7 +114,7 @@ STEP_BEFORE = dict(amp=False, chunk_rows=2048, optimizer="paged_adamw_8bit")
 
 def engine_step(model, opt, batch: dict, handle=None, max_grad_norm: float = 1.0, amp: bool = True,
                 chunk_rows: int = 512) -> tuple[float, dict]:
-    """engine/methods/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under
+    """engine/methods/sft/sft.py's inner step for one micro-batch: SEBP rows, sparse-head loss under
     the engine's autocast, backward, clip, optimizer step. `amp=False` / `chunk_rows=2048`
     give the step as it was before those became the engine's defaults (for lever shares).
     Returns (loss, seconds per phase)."""

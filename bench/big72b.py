@@ -13,7 +13,7 @@ Rows (one process, one build):
   ours_2048_before  the engine's step before autocast became its default:
                    engine.models.model.add_lora + engine/training/lm_loss (2,048-row chunks) without
                    autocast, paged 8-bit AdamW
-  ours_2048        the engine's step now (engine/methods/sft.py): bf16 autocast, fused AdamW,
+  ours_2048        the engine's step now (engine/methods/sft/sft.py): bf16 autocast, fused AdamW,
                    512-row loss chunks
   ours_2048_liger  + Liger-Kernel's RMSNorm / SwiGLU / RoPE (engine/models/liger.py), GPU only
   ours_2048_no_ckpt  + model.gradient_checkpointing=false (no recomputation: the floor of

@@ -8,11 +8,11 @@ never written to disk). The process is held to 80 GB of the card
 (torch.cuda.set_per_process_memory_fraction): anything that would need more fails here
 as it would on an 80 GB card.
 
-  fgrpo   one F-GRPO step as engine/methods/fgrpo.py runs it (bench/fgrpo_gpu.py's loop): LoRA
+  fgrpo   one F-GRPO step as engine/methods/fgrpo/fgrpo.py runs it (bench/fgrpo_gpu.py's loop): LoRA
           r=16 on all 7 projections, gradient checkpointing, SEBP; 8 prompts x 8
           completions, 128-token prompts, 256 new tokens, DAPO loss, micro-batch 8, update
           included. Rewards are seeded coin flips (a random-init model solves nothing).
-  essa    one ESSA generation as engine/methods/essa.py runs it: LoRA r=8 on q, k, v, o (the
+  essa    one ESSA generation as engine/methods/essa/essa.py runs it: LoRA r=8 on q, k, v, o (the
           same base, its F-GRPO adapter unloaded), population 16, 32 prompts x 64 tokens,
           64 new tokens, greedy, batched evaluation with the candidates per pass (K) the
           memory planner fits into 80 GB.
@@ -160,10 +160,10 @@ def fgrpo_step(base):
 
     from edgetune.engine.generation.rollouts import generate
 
-    from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.training.loop import make_optimizer, make_scheduler
 
-    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.engine.methods.fgrpo.fgrpo import policy_update
+    from edgetune.engine.methods.fgrpo.loss import focal_weights, group_advantages
 
     model = add_lora(base, LoraSettings(r=16, alpha=32, target_modules="all-linear"), gradient_checkpointing=True)
     with sebp_lib.enabled(model, DEV == "cuda") as sebp:
@@ -208,8 +208,8 @@ def essa_generation(base):
 
     from edgetune.engine.core.settings import ESSASettings
 
-    from edgetune.engine.methods.essa import make_es
-    from edgetune.engine.methods.essa_space import SVDSpace
+    from edgetune.engine.methods.essa.essa import make_es
+    from edgetune.engine.methods.essa.space import SVDSpace
 
     model = add_random_lora(base, ES["rank"])
     space = SVDSpace(model)

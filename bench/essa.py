@@ -151,7 +151,7 @@ def id_reward(completions, rows, truncated=None):
 def info_evaluator():
     """An ESSA Evaluator that keeps the rollouts' info of its last generate call (which
     decode path the batched candidates took: packed, graph, capture time)."""
-    from edgetune.engine.methods.essa import Evaluator
+    from edgetune.engine.methods.essa.population import Evaluator
 
     class InfoEvaluator(Evaluator):
         last_info: dict = {}
@@ -185,8 +185,9 @@ def main(argv=None) -> dict:
 
     from edgetune.engine.generation.rollouts import generate
 
-    from edgetune.engine.methods.essa import Evaluator, make_es
-    from edgetune.engine.methods.essa_space import SVDSpace
+    from edgetune.engine.methods.essa.essa import make_es
+    from edgetune.engine.methods.essa.population import Evaluator
+    from edgetune.engine.methods.essa.space import SVDSpace
 
     device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -262,7 +263,7 @@ def main(argv=None) -> dict:
         for x in xs[:2]:
             space.write(x)
             ref.append(model(input_ids=ids).logits[:, -1].float())
-        from edgetune.engine.training.multilora import batched_lora
+        from edgetune.engine.generation.multilora import batched_lora
 
         with batched_lora(space.modules, space.stacked(np.asarray(xs[:2])), torch.arange(2).repeat_interleave(2)):
             got = model(input_ids=ids.repeat(2, 1)).logits[:, -1].float()

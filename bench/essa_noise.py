@@ -6,7 +6,7 @@ prompts (greedy, so the only noise is which prompts were drawn). This bench take
 setup of a user's ESSA quick start on a reasoning-gym task (`--preset essa-quickstart`,
 the task's train rows from bench/learning.py, its SFT demonstrations as warm-start data):
 
-    warm start  engine.methods.essa.warm_start (SFT, essa.warm_start_steps) or --warm-start <adapter>
+    warm start  engine.methods.essa.warm_start.warm_start (SFT, essa.warm_start_steps) or --warm-start <adapter>
     space       SVDSpace(model, essa.alpha); CMA-ES at essa.sigma0, popsize essa.population
     population  the first es.ask() of the run (what generation 1 scores)
 
@@ -166,19 +166,22 @@ def build(a, work: Path, log):
     sees, built with the engine's own functions."""
     import torch
 
+    from edgetune.engine.core.arch import arch_of
     from edgetune.engine.core.events import EventWriter
     from edgetune.engine.core.runfolder import RunDir
     from edgetune.engine.core.settings import resolve
 
     from edgetune.engine.planning.effective import copy_budget, decide
-    from edgetune.engine.planning.planner import arch_of
 
     from edgetune.engine.models import model as model_lib
 
     from edgetune.engine.training.loop import RunContext, seed_everything
     from edgetune.engine.training.rewards import build_reward
 
-    from edgetune.engine.methods import essa
+    from edgetune.engine.methods.essa import essa
+    from edgetune.engine.methods.essa.population import Evaluator
+    from edgetune.engine.methods.essa.space import SVDSpace
+    from edgetune.engine.methods.essa.warm_start import warm_start
 
     from edgetune.engine import data as data_lib
 
@@ -202,7 +205,7 @@ def build(a, work: Path, log):
     run.path.mkdir(parents=True, exist_ok=True)
     writer = EventWriter(run.events_path)
     try:
-        adapter = essa.warm_start(RunContext(cfg=cfg, run=run, emit=writer))
+        adapter = warm_start(RunContext(cfg=cfg, run=run, emit=writer))
     finally:
         writer.close()
     if adapter is None:
@@ -213,11 +216,11 @@ def build(a, work: Path, log):
     model, tok, _ = essa.load_model(cfg, adapter)
     rl = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     reward = build_reward(s.reward, s.reward_file)
-    space = essa.SVDSpace(model, s.alpha)
+    space = SVDSpace(model, s.alpha)
     device = model_lib.resolve_device(cfg.model)
     free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else None
     eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=rl.report.token_lengths.get("max") or None)
-    evaluator = essa.Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
+    evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
                                memory_budget=copy_budget(cfg))
     xs = essa.make_es(space.dim, s, cfg.run.seed, space.values()).ask()
     info = {"warm_start_s": round(warm_s, 1), "warm_start_steps": None if s.warm_start else s.warm_start_steps,

@@ -3,8 +3,8 @@
 Built like bench/essa.py (random-init Qwen2.5-7B architecture, NF4, layer by layer on
 the GPU), then the engine's own path: `engine.models.model.add_lora` (r=16 on all linear
 projections, gradient checkpointing), SEBP patched, the optimizer `auto` picks, and per
-step `engine.generation.rollouts.generate` + `engine.methods.fgrpo.policy_update`, exactly as
-engine/methods/fgrpo.py's loop calls them. A random-init model solves nothing, so rewards are
+step `engine.generation.rollouts.generate` + `engine.methods.fgrpo.fgrpo.policy_update`, exactly as
+engine/methods/fgrpo/fgrpo.py's loop calls them. A random-init model solves nothing, so rewards are
 seeded coin flips: that keeps the advantage structure of real training (mixed groups,
 some all-right or all-wrong groups dropped) and exercises every part of the update.
 
@@ -49,10 +49,10 @@ def main() -> dict:
 
     from edgetune.engine.generation.rollouts import generate
 
-    from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
     from edgetune.engine.training.loop import make_optimizer, make_scheduler
 
-    from edgetune.engine.methods.fgrpo import policy_update
+    from edgetune.engine.methods.fgrpo.fgrpo import policy_update
+    from edgetune.engine.methods.fgrpo.loss import focal_weights, group_advantages
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -75,7 +75,7 @@ def main() -> dict:
     with sebp_lib.enabled(model, dev == "cuda") as sebp:
         for step in range(a.steps):
             t = time.time()
-            with sebp.lifted():  # as engine/methods/fgrpo.py's loop: the packed fast path needs it
+            with sebp.lifted():  # as engine/methods/fgrpo/fgrpo.py's loop: the packed fast path needs it
                 roll = generate(model, tok, prompts, num_generations=s.num_generations,
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=step)
             if dev == "cuda":

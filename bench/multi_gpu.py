@@ -7,13 +7,13 @@ one decoder layer at a time (bench/essa.py's build_nf4_model); LoRA r=16 on all 
 projections. Measured in one torchrun job per GPU count (the model is built once a rank):
 
   SFT     16 rows x 1,024 tokens a step (batch 8 x grad_accum 2 on one GPU; 8 rows a rank
-          on two), gradient checkpointing, engine.methods.sft.accumulate (label count and LoRA
+          on two), gradient checkpointing, engine.methods.sft.sft.accumulate (label count and LoRA
           gradients all-reduced) + clip + fused AdamW: global tokens/s
-  ESSA    population 16, 16 prompts x 64 new tokens, greedy; engine.methods.essa.population_fitness
+  ESSA    population 16, 16 prompts x 64 new tokens, greedy; engine.methods.essa.population.population_fitness
           (each rank scores its share, one all_gather): candidates/min, batched (K = the
           rank's share in one pass) and sequential (population 8, one candidate at a time)
   F-GRPO  8 prompts x 8 completions x 256 new tokens a step (each rank whole groups of its
-          prompts), rewards all-gathered, engine.methods.fgrpo.policy_update (gradients
+          prompts), rewards all-gathered, engine.methods.fgrpo.fgrpo.policy_update (gradients
           all-reduced): steps/min
 
     python bench/multi_gpu.py                 # GPU: 1 vs 2 GPUs; JSON in $OUT (or bench/results/<date>-h200x2/)
@@ -109,7 +109,7 @@ def rank_job(a) -> None:
     if "sft" in only:
         from edgetune.engine.training.loop import make_optimizer
 
-        from edgetune.engine.methods.sft import accumulate
+        from edgetune.engine.methods.sft.sft import accumulate
 
         rows, seq, bs = (4, 16, 2) if a.tiny else (16, 1024, 8)
         ids = torch.randint(1, vocab, (rows, seq), generator=g)
@@ -146,8 +146,9 @@ def rank_job(a) -> None:
     if "essa" in only:
         from edgetune.engine.core.settings import ESSASettings
 
-        from edgetune.engine.methods.essa import Evaluator, make_es, population_fitness
-        from edgetune.engine.methods.essa_space import SVDSpace
+        from edgetune.engine.methods.essa.essa import make_es
+        from edgetune.engine.methods.essa.population import Evaluator, population_fitness
+        from edgetune.engine.methods.essa.space import SVDSpace
 
         model.eval()
         with torch.no_grad():  # a warm start stands in: B away from zero
@@ -185,10 +186,10 @@ def rank_job(a) -> None:
 
         from edgetune.engine.generation.rollouts import generate
 
-        from edgetune.engine.training.grpo_loss import focal_weights, group_advantages
         from edgetune.engine.training.loop import make_optimizer, make_scheduler
 
-        from edgetune.engine.methods.fgrpo import policy_update
+        from edgetune.engine.methods.fgrpo.fgrpo import policy_update
+        from edgetune.engine.methods.fgrpo.loss import focal_weights, group_advantages
 
         n_prompts, G, L, T = (2, 4, 8, 8) if a.tiny else (8, 8, 128, 256)
         s = FGRPOSettings(num_generations=G, prompts_per_step=n_prompts, max_new_tokens=T, temperature=0.9,

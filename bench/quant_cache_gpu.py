@@ -170,7 +170,7 @@ def child(folder: str) -> dict:
     import _common as C  # noqa: F401  (edgetune importable)
 
     # what the worker imports before the method's train: transformers, the method's module
-    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.methods.sft")]:
+    for label, mod in [("import_transformers", "transformers"), ("import_engine", "edgetune.engine.methods.sft.sft")]:
         t0 = time.perf_counter()
         importlib.import_module(mod)
         t[label] = time.perf_counter() - t0

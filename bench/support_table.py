@@ -82,6 +82,8 @@ def speed_paths(model_dir: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from edgetune.engine.core.arch import arch_from_config, read_model_config
+
     from edgetune.engine.planning import effective, planner
 
     from edgetune.engine.generation import fast_decode
@@ -89,7 +91,7 @@ def speed_paths(model_dir: Path) -> dict:
     cfg = sft_settings(model_dir, "runs", packing=True)
     GiB = 2**30
     eff = planner.estimate(cfg, gpu_total=80 * GiB, gpu_free=80 * GiB, device="cuda")["effective"]
-    arch = planner.arch_from_config(planner.read_model_config(str(model_dir)))
+    arch = arch_from_config(read_model_config(str(model_dir)))
     with torch.device("meta"):  # the module layout only: no weights
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     fast, why = fast_decode.supported(model, torch.device("cuda"))

@@ -627,7 +627,7 @@ def cmd_eval(a) -> int:
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
-    from edgetune.engine.methods.fgrpo import eval_passes, grading_settings
+    from edgetune.engine.methods.fgrpo.evaluate import eval_passes, grading_settings
 
     from edgetune.engine.run import evaluation
 

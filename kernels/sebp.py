@@ -26,7 +26,7 @@ Trade-offs:
   cuBLAS (copies of X[R] and dY[R] for the layer's backward, a faster GEMM and fewer
   launches). Under TRITON_INTERPRET=1 the Triton path runs; on a plain CPU, index_select.
 
-Use (the engine, engine/methods/sft.py and engine/methods/fgrpo.py):
+Use (the engine, engine/methods/sft/sft.py and engine/methods/fgrpo/fgrpo.py):
 
     with sebp.enabled(model, on) as h:    # after add_lora (patching first would leave the
                                           # LoRA product on PEFT's dense path); on=False: no-op

@@ -58,7 +58,7 @@ def sft_cfg(model_dir, runs, **sft):
 
 def one_process_sft(model_dir, root: Path, **sft):
     """The one-process run (in this process, as the worker would run it): its events and adapter."""
-    from edgetune.engine.methods import sft as sft_recipe
+    from edgetune.engine.methods.sft import sft as sft_recipe
 
     _, _, events = run_inline(sft_recipe.train, sft_cfg(model_dir, root, **sft), root / "one")
     return events, root / "one" / "adapter" / "adapter_model.safetensors"
@@ -153,7 +153,7 @@ def test_essa_under_torchrun_has_the_one_process_trajectory(tiny_model_dir, tmp_
     """A plain `torchrun ... -m edgetune.engine.cli train` (no launcher of ours): rank 0
     makes the run folder; population 5 is split 3 + 2; greedy fitness per candidate and
     generation equals the one-process run's."""
-    from edgetune.engine.methods import essa
+    from edgetune.engine.methods.essa import essa
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(3)]
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -400,7 +400,7 @@ def test_dpo_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
     gradient norm, and the adapter, are those of one process."""
     from test_dpo import dpo_config
 
-    from edgetune.engine.methods import dpo
+    from edgetune.engine.methods.dpo import dpo
 
     cfg = dpo_config(tiny_model_dir, tmp_path, dpo={"eval_every": 0})
     _, _, ref_events = run_inline(dpo.train, cfg, tmp_path / "one")

@@ -29,7 +29,7 @@ def _worker_run(cfg, path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_sft_loss_fails_the_run_at_that_step(tiny_model_dir, tmp_path, monkeypatch, bad):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     loss_fn, calls = sft.causal_lm_loss, [0]
 
@@ -56,7 +56,7 @@ def test_a_non_finite_essa_fitness_fails_the_run_at_that_generation(tiny_model_d
 
     from edgetune.engine.core.settings import resolve
 
-    from edgetune.engine.methods import essa
+    from edgetune.engine.methods.essa import essa
 
     root = essa_start(tmp_path_factory.mktemp("essa-nan"), tiny_model_dir)
     cfg = resolve(overrides={
@@ -85,7 +85,7 @@ def test_a_non_finite_fgrpo_update_fails_the_run_at_that_step(tiny_model_dir, tm
 
     from edgetune.engine.core.settings import resolve
 
-    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.methods.fgrpo import fgrpo
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]
     (tmp_path / "rl.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))

@@ -1,4 +1,4 @@
-"""Preference tuning (engine/methods/dpo.py, engine/data/pairs.py): each loss against TRL's
+"""Preference tuning (engine/methods/dpo/dpo.py, engine/data/pairs.py): each loss against TRL's
 own code on the same log-probs, the pairs' checks row by row, and a run of the quick start
 through the CLI (events, adapter, resume with the same losses)."""
 
@@ -13,7 +13,7 @@ import torch
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DataSettings
 
-from edgetune.engine.methods.dpo import pair_losses
+from edgetune.engine.methods.dpo.dpo import pair_losses
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 
@@ -214,7 +214,7 @@ def dpo_config(model_dir, runs_dir, **over):
 def _run(cfg, path, stop_after=0, resume=False):
     from inline_run import run_inline
 
-    from edgetune.engine.methods import dpo
+    from edgetune.engine.methods.dpo import dpo
 
     return run_inline(dpo.train, cfg, path, stop_after=stop_after, resume=resume)[2]
 
@@ -311,7 +311,7 @@ def test_the_planners_activations_match_what_a_pair_step_saves(tmp_path, embedde
     from edgetune.engine.data.pairs import PairExample
     from edgetune.engine.data.sft import SFTExample
 
-    from edgetune.engine.methods.dpo import forward_pairs
+    from edgetune.engine.methods.dpo.dpo import forward_pairs
 
     model, c = tiny_nf4_qwen2(tmp_path, embedded_dir)
     seq, prompt = 48, 6

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from edgetune.engine.core import settings
+from edgetune.engine.core.arch import KNOWN_CONFIGS, arch_from_config, arch_of, read_model_config
 
 from edgetune.engine.planning import effective, planner
 
@@ -49,11 +50,11 @@ EXPECTED = {
 
 def _engine_arch(hub_id: str):
     """The engine's way to the shape: a transformers config object (what a loaded model
-    carries), read through model.arch_of."""
+    carries), read through engine/core/arch.arch_of."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model(**planner.KNOWN_CONFIGS[hub_id])
-    return planner.arch_of(SimpleNamespace(config=cfg))
+    cfg = AutoConfig.for_model(**KNOWN_CONFIGS[hub_id])
+    return arch_of(SimpleNamespace(config=cfg))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -106,7 +107,7 @@ def test_rollout_copies_stay_inside_the_runs_memory_budget():
 def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     from inline_run import run_inline
 
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     cfg = settings.from_dict({
         "method": "sft", "model": {"name": str(tiny_model_dir), "quant": "none", "gradient_checkpointing": False},
@@ -116,7 +117,7 @@ def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
     run, _, events = run_inline(sft.train, cfg, tmp_path / "r")
     assert events[-1]["type"] == "finished"
     written = yaml.safe_load(run.config_path.read_text())
-    arch = planner.arch_from_config(planner.read_model_config(str(tiny_model_dir)))
+    arch = arch_from_config(read_model_config(str(tiny_model_dir)))
     assert written["effective"] == effective.decide(cfg, "cpu", arch).to_dict()
     assert written["sft"]["sebp"] == "auto" and written["effective"]["sebp"] is False
     assert written["effective"]["checkpointed_layers"] == 0  # model.gradient_checkpointing false
@@ -126,7 +127,7 @@ def test_a_run_records_what_it_decided_and_reads_back(tiny_model_dir, tmp_path):
 
 
 def test_a_family_without_sdpa_gets_eager_attention_and_liger_off_names_why():
-    from edgetune.engine.planning.planner import Arch
+    from edgetune.engine.core.arch import Arch
 
     assert effective.attention("auto", False, "cuda", "gemma2") == "eager"
     assert effective.attention("auto", True, "cuda", "gemma2") == "flex_attention"  # flex soft-caps

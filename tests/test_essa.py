@@ -13,7 +13,10 @@ from edgetune.engine.core.settings import resolve
 
 from edgetune.engine.training.loop import RunContext
 
-from edgetune.engine.methods import essa
+from edgetune.engine.methods.essa import essa
+from edgetune.engine.methods.essa.population import Evaluator
+from edgetune.engine.methods.essa.space import SVDSpace
+from edgetune.engine.methods.essa.warm_start import warm_start
 
 # A reward that depends on every character of the completion, so that equal fitness
 # means equal text (random tiny models rarely write the right number).
@@ -56,17 +59,17 @@ def evaluator_parts(tiny, tmp_path):
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
     rows = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
-    return cfg, model, tok, essa.SVDSpace(model), build_reward("file", str(tiny / "reward.py")), rows
+    return cfg, model, tok, SVDSpace(model), build_reward("file", str(tiny / "reward.py")), rows
 
 
 def test_batched_and_sequential_give_the_same_fitness(tiny, tmp_path):
     cfg, model, tok, space, reward, rows = evaluator_parts(tiny, tmp_path)
     xs = np.random.default_rng(0).normal(scale=1.0, size=(5, space.dim))
-    seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
+    seq = Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
     cfg.essa.evaluation = "batched"
     got = {}
     for k in (5, 2):  # all at once, and chunks of 2 + 2 + 1
-        got[k] = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=k).population(
+        got[k] = Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=k).population(
             xs, rows, on_candidate=lambda i, f, s: None)
     assert got[5] == seq and got[2] == seq
     assert len(set(seq)) > 1  # candidates really differ
@@ -77,10 +80,10 @@ def test_a_batch_that_runs_out_of_gpu_memory_is_scored_again_in_halves(tiny, tmp
     candidates a batch, the same fitness, and one warning each time K is halved."""
     cfg, model, tok, space, reward, rows = evaluator_parts(tiny, tmp_path)
     xs = np.random.default_rng(1).normal(scale=1.0, size=(5, space.dim))
-    seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
+    seq = Evaluator(model, tok, space, reward, cfg.essa).population(xs, rows)
     cfg.essa.evaluation = "batched"
     warnings, batches = [], []
-    ev = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=5, warn=warnings.append)
+    ev = Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=5, warn=warnings.append)
     real = ev._fitness
 
     def fitness_that_fits_two(rows_, seed, fast, k=1, kind=None):
@@ -94,7 +97,7 @@ def test_a_batch_that_runs_out_of_gpu_memory_is_scored_again_in_halves(tiny, tmp
     assert got == seq
     assert batches == [5, 2, 2, 1] and ev.k == 2  # 5 fails, then 2 + 2 + the last 1
     assert len(warnings) == 1 and "5 ESSA candidates" in warnings[0] and "continuing with 2" in warnings[0]
-    one = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=1)
+    one = Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=1)
     one._fitness = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("stand-in"))
     with pytest.raises(torch.OutOfMemoryError):  # one candidate a batch: nothing smaller to try
         one.population(xs, rows)
@@ -139,7 +142,7 @@ def test_exported_adapter_loads_with_peft_and_gives_the_same_logits(tiny, tmp_pa
 
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    space = essa.SVDSpace(model)
+    space = SVDSpace(model)
     space.write(np.random.default_rng(1).normal(scale=0.5, size=space.dim))
     model.save_pretrained(tmp_path / "exported")
     fresh = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "model"), tmp_path / "exported")
@@ -164,7 +167,7 @@ def test_sft_warm_start_runs_first_and_is_kept_on_resume(tiny, tmp_path):
     assert [e["step"] for e in warm_events if e["event"] == "step"] == [1, 2]
     assert warm_events[-1]["event"] == "finished"
     assert events[-1]["type"] == "finished" and events[-1]["step"] == 2
-    assert essa.warm_start(RunContext(cfg=cfg, run=run, emit=lambda *a, **k: None)) == run.path / "warm_start" / "adapter"
+    assert warm_start(RunContext(cfg=cfg, run=run, emit=lambda *a, **k: None)) == run.path / "warm_start" / "adapter"
 
 
 def test_missing_warm_start_adapter_is_a_config_error(tiny, tmp_path):

@@ -15,7 +15,9 @@ from edgetune.engine.core.settings import resolve
 
 from edgetune.engine.training.rewards import build_reward
 
-from edgetune.engine.methods import essa, essa_fitness
+from edgetune.engine.methods.essa import essa, fitness
+from edgetune.engine.methods.essa.population import Evaluator
+from edgetune.engine.methods.essa.space import SVDSpace
 
 ROWS = [{"prompt": f"What is {a} plus 2?", "answer": str(a + 2)} for a in range(3)]
 
@@ -42,8 +44,8 @@ def config(tiny, tmp_path, **essa_overrides):
 def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    batch = essa_fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
-    got = essa_fitness.gold_logprob(model, batch)
+    batch = fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
+    got = fitness.gold_logprob(model, batch)
     from edgetune.engine.generation.rollouts import render_prompts
 
     for row, g in zip(ROWS, got):
@@ -54,7 +56,7 @@ def test_gold_logprob_is_the_plain_forward_of_prompt_and_answer(tiny, tmp_path):
         lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(gold)[:, None])
         assert g == pytest.approx(float(lp.mean()), abs=1e-4)
     # Padding does not leak: one row alone scores what it scores in the batch.
-    alone = essa_fitness.gold_logprob(model, essa_fitness.gold_batch(tok, ROWS[2:], "Answer: {answer}", "", "cpu"))
+    alone = fitness.gold_logprob(model, fitness.gold_batch(tok, ROWS[2:], "Answer: {answer}", "", "cpu"))
     assert alone[0] == pytest.approx(got[2], abs=1e-4)
 
 
@@ -64,7 +66,7 @@ def test_gold_margin_is_positive_exactly_where_greedy_writes_the_gold_tokens(tin
     model, tok, _ = essa.load_model(config(tiny, tmp_path), tiny / "warm")
     roll = generate(model, tok, [r["prompt"] for r in ROWS], max_new_tokens=5, greedy=True, fast=False)
     greedy = (roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
-    margins = essa_fitness.gold_margin(model, greedy)
+    margins = fitness.gold_margin(model, greedy)
     assert all(m > 0 for m in margins)  # greedy's own tokens, teacher-forced: each one the argmax
 
     # The margin is the smallest over the tokens of the gold logit less the best other one,
@@ -84,22 +86,22 @@ def test_gold_margin_is_positive_exactly_where_greedy_writes_the_gold_tokens(tin
                    attention_mask=torch.cat([roll.prompt_mask, roll.completion_mask], 1)).logits
     second = logits[:, roll.prompt_ids.shape[1] - 1].float().topk(2, -1).indices[:, 1]
     off[:, 0] = second
-    wrong = essa_fitness.gold_margin(model, (roll.prompt_ids, roll.prompt_mask, off, roll.completion_mask))
+    wrong = fitness.gold_margin(model, (roll.prompt_ids, roll.prompt_mask, off, roll.completion_mask))
     assert all(m < 0 for m in wrong)
-    assert essa_fitness.combine("gold_margin", None, wrong) < 0.5 < essa_fitness.combine("gold_margin", None, margins)
-    assert essa_fitness.combine("gold_margin", None, [-1e4, 1e4]) == 0.5  # no overflow far from the flip
+    assert fitness.combine("gold_margin", None, wrong) < 0.5 < fitness.combine("gold_margin", None, margins)
+    assert fitness.combine("gold_margin", None, [-1e4, 1e4]) == 0.5  # no overflow far from the flip
 
 
 @pytest.mark.parametrize("template", ["Answer: {answer}", "{answer}, so: Answer: {answer}."])
 def test_gold_margin_scores_the_answer_tokens_only(tiny, tmp_path, template):
     model, tok, _ = essa.load_model(config(tiny, tmp_path), tiny / "warm")
     rows = ROWS + [{"prompt": "What is 40 plus 2?", "answer": "42"}]
-    batch = essa_fitness.gold_batch(tok, rows, template, "", "cpu")
+    batch = fitness.gold_batch(tok, rows, template, "", "cpu")
     prompt_ids, prompt_mask, ids, mask, answer = batch
     for i, row in enumerate(rows):  # the scored tokens spell the (last) answer, nothing else
         assert tok.decode(ids[i][answer[i]].tolist()).strip() == row["answer"]
-    got = essa_fitness.gold_margin(model, batch)
-    everything = essa_fitness.gold_margin(model, batch[:4])
+    got = fitness.gold_margin(model, batch)
+    everything = fitness.gold_margin(model, batch[:4])
     for i in range(len(rows)):
         prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
         gold = ids[i][mask[i].bool()].tolist()
@@ -115,18 +117,18 @@ def test_gold_margin_scores_the_answer_tokens_only(tiny, tmp_path, template):
 def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kind):
     cfg = config(tiny, tmp_path, fitness=kind)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    space = essa.SVDSpace(model)
+    space = SVDSpace(model)
     reward = build_reward("last_number")
     xs = np.random.default_rng(0).normal(scale=0.05, size=(5, space.dim))
-    seq = essa.Evaluator(model, tok, space, reward, cfg.essa).population(xs, ROWS)
+    seq = Evaluator(model, tok, space, reward, cfg.essa).population(xs, ROWS)
     cfg.essa.evaluation = "batched"
     for k in (5, 2):
-        got = essa.Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=k).population(xs, ROWS)
+        got = Evaluator(model, tok, space, reward, cfg.essa, candidates_per_batch=k).population(xs, ROWS)
         assert got == pytest.approx(seq, abs=1e-4)
     # A random tiny model never writes the right sum: every reward is 0, yet the small
     # perturbations get distinct fitnesses.
     cfg.essa.evaluation = "sequential"
-    ev = essa.Evaluator(model, tok, space, reward, cfg.essa)
+    ev = Evaluator(model, tok, space, reward, cfg.essa)
     rewards = [ev.one(x, ROWS, kind="reward") for x in xs]
     assert set(rewards) == {0.0}
     assert len(set(seq)) == 5
@@ -140,18 +142,18 @@ def test_batched_equals_sequential_and_candidates_do_not_tie(tiny, tmp_path, kin
 
 def test_reward_comes_first_in_the_combined_fitness():
     # 2 of 3 right beats 1 of 3 right however likely the gold answers are.
-    low = essa_fitness.combine("reward+gold_logprob", [1, 1, 0], [-50.0] * 3)
-    high = essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [0.0] * 3)
+    low = fitness.combine("reward+gold_logprob", [1, 1, 0], [-50.0] * 3)
+    high = fitness.combine("reward+gold_logprob", [1, 0, 0], [0.0] * 3)
     assert low > high
-    assert essa_fitness.combine("reward+gold_logprob", [1, 0, 0], [-1.0] * 3) < high
+    assert fitness.combine("reward+gold_logprob", [1, 0, 0], [-1.0] * 3) < high
     # the margin's soft count likewise: every row at a huge margin does not outrank one more right row
-    assert essa_fitness.combine("reward+gold_margin", [1, 1, 0], [-50.0] * 3) > \
-        essa_fitness.combine("reward+gold_margin", [1, 0, 0], [50.0] * 3)
-    assert essa_fitness.combine("reward+gold_margin", [1, 0, 0], [-1.0] * 3) < \
-        essa_fitness.combine("reward+gold_margin", [1, 0, 0], [1.0] * 3)
-    assert essa_fitness.combine("reward", [1, 0], None) == 0.5
-    assert essa_fitness.combine("gold_logprob", None, [-1.0, -3.0]) == -2.0
-    assert math.isinf(essa_fitness.combine("gold_logprob", None, []))
+    assert fitness.combine("reward+gold_margin", [1, 1, 0], [-50.0] * 3) > \
+        fitness.combine("reward+gold_margin", [1, 0, 0], [50.0] * 3)
+    assert fitness.combine("reward+gold_margin", [1, 0, 0], [-1.0] * 3) < \
+        fitness.combine("reward+gold_margin", [1, 0, 0], [1.0] * 3)
+    assert fitness.combine("reward", [1, 0], None) == 0.5
+    assert fitness.combine("gold_logprob", None, [-1.0, -3.0]) == -2.0
+    assert math.isinf(fitness.combine("gold_logprob", None, []))
 
 
 def test_a_run_ranks_by_gold_logprob_and_evaluates_the_reward(tiny, tmp_path):
@@ -199,11 +201,11 @@ def test_gold_logprob_needs_no_offsets_and_gold_margin_refuses_a_slow_tokenizer(
 
     cfg = config(tiny, tmp_path)
     model, tok, _ = essa.load_model(cfg, tiny / "warm")
-    fast = essa_fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
-    slow = essa_fitness.gold_batch(SlowTokenizer(tok), ROWS, "Answer: {answer}", "", "cpu", answer_tokens=False)
+    fast = fitness.gold_batch(tok, ROWS, "Answer: {answer}", "", "cpu")
+    slow = fitness.gold_batch(SlowTokenizer(tok), ROWS, "Answer: {answer}", "", "cpu", answer_tokens=False)
     for a, b in zip(fast[:4], slow[:4]):
         assert torch.equal(a, b)
-    assert essa_fitness.gold_logprob(model, slow) == pytest.approx(essa_fitness.gold_logprob(model, fast))
+    assert fitness.gold_logprob(model, slow) == pytest.approx(fitness.gold_logprob(model, fast))
 
     load_model, load_tok = essa.load_model, essa.model_lib.load_tokenizer
     monkeypatch.setattr(essa, "load_model", lambda *a: (lambda m, t, p: (m, SlowTokenizer(t), p))(*load_model(*a)))

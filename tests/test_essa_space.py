@@ -6,9 +6,9 @@ import torch
 
 from edgetune.engine.core.errors import ConfigError
 
-from edgetune.engine.training.multilora import batched_lora
+from edgetune.engine.generation.multilora import batched_lora
 
-from edgetune.engine.methods.essa_space import SVDSpace, lora_modules
+from edgetune.engine.methods.essa.space import SVDSpace, lora_modules
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -138,7 +138,7 @@ def test_cma_es_finds_a_target_adapter():
     """CMA-ES plus the space's plumbing recover a hidden adapter from its distance alone."""
     from edgetune.engine.core.settings import ESSASettings
 
-    from edgetune.engine.methods.essa import make_es
+    from edgetune.engine.methods.essa.essa import make_es
 
     model = tiny_lora_model(r=2)
     space = SVDSpace(model, alpha=0.5)  # one value per factor: 32 dimensions
@@ -163,7 +163,7 @@ def test_relative_steps_move_each_singular_value_by_a_share_of_itself():
     they move (sigma0 0.2: about 20% of it); absolute: alike for every value."""
     from edgetune.engine.core.settings import ESSASettings
 
-    from edgetune.engine.methods.essa import make_es
+    from edgetune.engine.methods.essa.essa import make_es
 
     model = tiny_lora_model(r=4)
     space = SVDSpace(model, alpha=1.0)

@@ -23,7 +23,10 @@ from edgetune.engine.planning import planner
 from edgetune.engine.models import export
 from edgetune.engine.models import model as model_lib
 
-from edgetune.engine.methods import dpo, essa, fgrpo, sft
+from edgetune.engine.methods.dpo import dpo
+from edgetune.engine.methods.essa import essa
+from edgetune.engine.methods.fgrpo import fgrpo
+from edgetune.engine.methods.sft import sft
 
 support = load("support_table")
 FAMILIES = [*support.FAMILIES, support.EMBEDDED]

@@ -137,6 +137,8 @@ def test_base_path_turns_spare_memory_into_copied_layers(nf4_model, monkeypatch)
 
 
 def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_model, monkeypatch):
+    from edgetune.engine.core.arch import arch_of
+
     from edgetune.engine.planning import planner
 
     from edgetune.engine.generation import fast_decode as fd
@@ -162,7 +164,7 @@ def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_
     assert seen["memory_budget"] == 123
     # the planner's formulas (an F-GRPO plan adds up the same two), for this model's shape
     # and its fp32 residual stream on the CPU
-    ctx = planner.decode_ctx(planner.arch_of(nf4_model), "nf4", 4)
+    ctx = planner.decode_ctx(arch_of(nf4_model), "nf4", 4)
     kv = planner.kv_cache_bytes(ctx, rows, longest + 2 + 64)
     assert seen["reserve_bytes"] == kv + planner.prefill_bytes(ctx, rows, longest)
     # and the static cache the loop then allocates fits in what was reserved for it

@@ -34,7 +34,7 @@ def _losses(events):
 
 
 def _sft(cfg, path, **kw):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     return run_inline(sft.train, cfg, path, **kw)[2]
 
@@ -415,7 +415,7 @@ def test_user_reward_failing_in_a_row_stops_with_the_reason(tmp_path, monkeypatc
 def test_fgrpo_run_with_a_broken_reward_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
     from edgetune.engine.training import rewards
 
-    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.methods.fgrpo import fgrpo
 
     monkeypatch.setattr(rewards, "USER_REWARD_MAX_CONSECUTIVE_FAILURES", 5)
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(4) for b in range(4)]
@@ -628,7 +628,7 @@ def test_cuda_out_of_memory_in_a_step_says_what_to_lower(tiny_model_dir, tmp_pat
 def test_fgrpo_stop_between_checkpoints_resumes_from_that_step(tiny_model_dir, tmp_path):
     from test_fgrpo import config
 
-    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.methods.fgrpo import fgrpo
 
     files = tmp_path / "files"
     files.mkdir()

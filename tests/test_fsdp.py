@@ -46,7 +46,7 @@ def fsdp_cfg(model_dir, runs, shard="fsdp"):
 
 
 def test_sft_sharded_on_two_ranks_equals_one_process_and_resumes_on_one(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     _, _, ref = run_inline(sft.train, fsdp_cfg(tiny_model_dir, tmp_path), tmp_path / "one")
     ref_adapter = tmp_path / "one" / "adapter" / "adapter_model.safetensors"

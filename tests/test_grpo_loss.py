@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgetune.engine.training.grpo_loss import focal_weights, group_advantages, policy_loss, success_share
+from edgetune.engine.methods.fgrpo.loss import focal_weights, group_advantages, policy_loss, success_share
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 from trl.trainer.utils import nanstd  # noqa: E402

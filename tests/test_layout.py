@@ -212,7 +212,7 @@ def test_app_imports_nothing_torch_heavy():
                     found.append(n.module)
         return found
 
-    assert heavy(mods["edgetune.engine.methods.sft"][0]) == ["torch"]  # the check sees them
+    assert heavy(mods["edgetune.engine.methods.sft.sft"][0]) == ["torch"]  # the check sees them
     for start in [m for m in mods if m.startswith("edgetune.app")]:
         seen, todo = set(), [start]
         while todo:
@@ -269,21 +269,51 @@ def _method_name_comparisons(path: Path, names: set, root: Path = ROOT) -> list[
     return out
 
 
-def test_a_method_is_named_only_in_its_record_and_its_own_module():
+def _own_method(path: Path, names: set) -> set:
+    """The method whose folder (engine/methods/<name>/) holds `path`: {name}, or none."""
+    parts = path.relative_to(ROOT).parts
+    return {parts[2]} & names if parts[:2] == ("engine", "methods") and len(parts) > 3 else set()
+
+
+def test_a_method_is_named_only_in_its_record_and_its_own_folder():
     """What a method can do is a field of its record (engine/core/methods.py); code outside
-    the record and the method's own module reads the field and never compares the method's
-    name, so a new method is a record, a module and presets, not a search for every if."""
+    the record and the method's own folder reads the field and never compares the method's
+    name, so a new method is a record, a folder and presets, not a search for every if."""
     from edgetune.engine.core.methods import METHODS
 
     names = set(METHODS)
+    assert _own_method(ROOT / "engine" / "methods" / "essa" / "fitness.py", names) == {"essa"}
+    assert _own_method(ROOT / "engine" / "methods" / "essa.py", names) == set()
     found = []
     for folder in ("engine", "app"):
         for f in sorted((ROOT / folder).rglob("*.py")):
             if f == ROOT / "engine" / "core" / "methods.py":
                 continue
-            own = {f.stem} & names if f.parent == ROOT / "engine" / "methods" else set()
-            found += _method_name_comparisons(f, names - own)
+            found += _method_name_comparisons(f, names - _own_method(f, names))
     assert found == []
+
+
+# A method's loop reads top to bottom on a screen or two; what grows inside it (a step, an
+# evaluation, a warm start) becomes a function of the method's folder that the loop calls.
+LOOP_LINES = 130
+
+
+def test_each_method_is_a_folder_with_its_loop_at_the_top():
+    """engine/methods/ holds one folder per record and nothing else: <name>/<name>.py opens
+    with `train(ctx)`, the loop, short enough to read whole; the rest of the method (its
+    losses, evaluation, search) sits beside it in the folder."""
+    import ast
+
+    from edgetune.engine.core.methods import METHODS
+
+    methods = ROOT / "engine" / "methods"
+    assert sorted(p.name for p in methods.iterdir() if p.name != "__pycache__") == sorted([*METHODS, "__init__.py"])
+    for name in METHODS:
+        main = methods / name / f"{name}.py"
+        assert (methods / name / "__init__.py").read_text().lstrip().startswith('"""'), name  # says what is where
+        defs = [n for n in ast.parse(main.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert defs[0].name == "train", (name, defs[0].name)
+        assert defs[0].end_lineno - defs[0].lineno + 1 <= LOOP_LINES, (name, defs[0].end_lineno - defs[0].lineno + 1)
 
 
 def test_the_method_name_check_finds_a_comparison(tmp_path):

@@ -15,7 +15,7 @@ def test_every_record_has_its_loop_its_settings_and_its_app_entry():
     assert S.METHODS == tuple(METHODS) == ("sft", "fgrpo", "essa", "dpo")
     for name, m in METHODS.items():
         module = worker.method_module(name)
-        assert module.__name__ == f"edgetune.engine.methods.{name}" and callable(module.train)
+        assert module.__name__ == f"edgetune.engine.methods.{name}.{name}" and callable(module.train)
         cfg = S.resolve(overrides=[f"method={name}"])
         assert m.total(cfg.to_dict()) == getattr(getattr(cfg, name), m.length) > 0
         for key in m.oom_levers:

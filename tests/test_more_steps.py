@@ -18,7 +18,7 @@ from edgetune.engine import cli
 
 
 def _sft(cfg, path, **kw):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     return run_inline(sft.train, cfg, path, **kw)[2]
 

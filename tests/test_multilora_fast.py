@@ -1,5 +1,5 @@
 """K ESSA candidates in one fast-loop generate call (engine/generation/fast_decode.py with
-engine/training/multilora.py): the same tokens and log-probs as each candidate decoded alone, on
+engine/generation/multilora.py): the same tokens and log-probs as each candidate decoded alone, on
 the module path and on the packed step, and the same ESSA fitness as sequential
 evaluation. Tiny random Llama / Qwen2 in fp32 on the CPU (the fast step runs eagerly)."""
 
@@ -9,12 +9,11 @@ import torch
 
 from edgetune.engine.core.settings import ESSASettings
 
+from edgetune.engine.generation.multilora import batched_lora
 from edgetune.engine.generation.rollouts import generate
 
-from edgetune.engine.training.multilora import batched_lora
-
-from edgetune.engine.methods import essa
-from edgetune.engine.methods.essa_space import SVDSpace
+from edgetune.engine.methods.essa.population import Evaluator
+from edgetune.engine.methods.essa.space import SVDSpace
 
 K, P, NEW = 3, 2, 8
 
@@ -112,9 +111,9 @@ def test_essa_batched_fitness_on_the_fast_loop_equals_sequential(setup):
     rows = [{"prompt": p, "answer": ""} for p in prompts]
     s = ESSASettings(population=K, max_new_tokens=NEW, greedy=True, prompts_per_generation=P)
     sb = ESSASettings(**{**s.__dict__, "evaluation": "batched"})
-    seq = essa.Evaluator(model, IdTokenizer(), space, id_reward, s, fast=False).population(xs, rows)
+    seq = Evaluator(model, IdTokenizer(), space, id_reward, s, fast=False).population(xs, rows)
     # chunks of 2 + 1 candidates: two generate calls, two shapes of the per-row step
-    got = essa.Evaluator(model, IdTokenizer(), space, id_reward, sb, candidates_per_batch=2,
+    got = Evaluator(model, IdTokenizer(), space, id_reward, sb, candidates_per_batch=2,
                          fast=True).population(xs, rows)
     assert got == seq
     assert len(set(seq)) > 1

@@ -99,7 +99,7 @@ def _first_losses(model_dir, path, packing):
 
     from edgetune.engine.training.loop import RunContext
 
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     cfg = settings.from_dict({
         "model": {"name": str(model_dir), "quant": "nf4", "gradient_checkpointing": True},

@@ -64,7 +64,7 @@ def test_describe_reads_like_a_status_line():
 
 
 def test_sft_phases_in_order_with_eval_progress(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     events = _run(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run")
     assert _order(events) == ["data_check", "loading", "initial_eval", "training", "final_eval", "export"]
@@ -80,7 +80,7 @@ def test_sft_phases_in_order_with_eval_progress(tiny_model_dir, tmp_path):
 
 
 def test_sft_stop_during_initial_eval_ends_between_batches(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     events = _run(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run", stop_in="initial_eval")
     done = [e["done"] for e in _phases(events) if e["phase"] == "initial_eval"]
@@ -99,7 +99,7 @@ def rl_file(tmp_path):
 
 
 def test_fgrpo_evaluates_the_base_after_training_and_stops_between_chunks(tiny_model_dir, rl_file, tmp_path):
-    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.methods.fgrpo import fgrpo
 
     cfg = settings.resolve(overrides={
         "method": "fgrpo",
@@ -160,13 +160,13 @@ def _check_clock_starts_at_training(events):
 
 
 def test_sft_elapsed_and_eta_count_from_the_first_step(tiny_model_dir, tmp_path):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     _check_clock_starts_at_training(_timed(sft.train, _sft_cfg(tiny_model_dir, tmp_path), tmp_path / "run"))
 
 
 def test_fgrpo_elapsed_and_eta_count_from_the_first_step(tiny_model_dir, rl_file, tmp_path):
-    from edgetune.engine.methods import fgrpo
+    from edgetune.engine.methods.fgrpo import fgrpo
 
     cfg = settings.resolve(overrides={
         "method": "fgrpo",

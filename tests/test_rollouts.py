@@ -195,7 +195,7 @@ def test_static_loop_through_lora_and_chunks(lora):
 def test_packed_step_through_lora(lora):
     # bf16_weights=True on a plain fp32 model packs fp32 copies (q|k|v, gate|up, stacked
     # LoRA factors): the packed step must reproduce the module path's tokens and log-probs.
-    from edgetune.engine.training.multilora import batched_lora
+    from edgetune.engine.generation.multilora import batched_lora
 
     model, tok = lora
     kw = dict(num_generations=2, max_new_tokens=10, temperature=0.9, seed=11)

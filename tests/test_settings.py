@@ -191,11 +191,11 @@ def test_the_largest_seed_is_one_every_consumer_takes():
 
     from edgetune.engine.training.loop import seed_everything
 
-    from edgetune.engine.methods.essa import make_es
+    from edgetune.engine.methods.essa.essa import make_es
 
     top = settings.resolve(overrides=["run.seed=4294967294"]).run.seed
     seed_everything(top)
-    np.random.seed(top + 1)  # CMA-ES is handed seed + 1 (engine/methods/essa.py)
+    np.random.seed(top + 1)  # CMA-ES is handed seed + 1 (engine/methods/essa/essa.py)
     make_es(4, settings.ESSASettings(population=4), top)
     with pytest.raises(ConfigError, match="run.seed must be in"):
         settings.resolve(overrides=[f"run.seed={top + 1}"])

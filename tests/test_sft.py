@@ -13,7 +13,7 @@ from edgetune.engine.core.runfolder import RunDir
 
 
 def _run(cfg, path, stop_after=0, resume=False):
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     return run_inline(sft.train, cfg, path, stop_after=stop_after, resume=resume)[2]
 
@@ -101,7 +101,7 @@ def test_gradient_accumulation_weighs_every_label_token_the_same(tiny_model_dir,
 
     from edgetune.engine.training.lm_loss import causal_lm_loss
 
-    from edgetune.engine.methods.sft import accumulate
+    from edgetune.engine.methods.sft.sft import accumulate
 
     from edgetune.engine import data as data_lib
 

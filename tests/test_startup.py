@@ -158,7 +158,7 @@ def _worker_run(run) -> int:
 def test_worker_imports_with_gc_off_and_trains_with_it_on(tmp_path, monkeypatch):
     """The worker's imports run with the collector off; the method's train (which loads the
     model, here a missing one) starts with it on again; the run fails as an input error."""
-    from edgetune.engine.methods import sft
+    from edgetune.engine.methods.sft import sft
 
     from edgetune.engine.run import worker
 

@@ -15,7 +15,7 @@ from edgetune.engine.core.errors import ConfigError
 from edgetune.engine.core.events import read_events
 from edgetune.engine.core.settings import resolve
 
-from edgetune.engine.methods import sft
+from edgetune.engine.methods.sft import sft
 
 from edgetune.engine.run import api, worker
 

@@ -1,13 +1,13 @@
 """One record per training method: what the worker, the planner, the CLI, the app and the
 export know about a method, in one place. Light on purpose (no torch): the app reads it.
 
-A method's training loop is `train(ctx)` in engine/methods/<name>.py; the worker
+A method's training loop is `train(ctx)` at the top of engine/methods/<name>/<name>.py; the worker
 (engine/run/worker.py, `method_module`) imports it, and the planner's memory model of its step
 is in engine/planning/planner.py's `PLANS`; both tables are checked against these records
 (tests/test_method_records.py). Adding a method is a record here, its settings dataclass in
-engine/core/settings.py, its module in engine/methods/, its plan, its presets and its plots
-in app/methods.py. No other code compares a method's name (tests/test_layout.py): it reads
-the record's fields.
+engine/core/settings.py, its folder in engine/methods/, its plan, its presets and its plots
+in app/methods.py. No code outside this file and the method's folder compares a method's name
+(tests/test_layout.py): it reads the record's fields.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Method:
-    name: str  # Config.method, its settings group, engine/methods/<name>.py
+    name: str  # Config.method, its settings group, engine/methods/<name>/
     label: str  # its name on screens and in model cards
     title: str  # what the label stands for, in a few words
     description: str  # one line: what it does

@@ -108,7 +108,7 @@ FRACTION = Range(0, 1, low_open=True)  # (0, 1]
 # lr overflows the update to inf/NaN.
 LEARNING_RATE = Range(0, 1, low_open=True, words="must be positive and at most 1")
 # Every consumer of the seed takes it: numpy's legacy seeding (loop.seed_everything) up to
-# 2**32 - 1, and CMA-ES (engine/methods/essa.py), which is handed seed + 1.
+# 2**32 - 1, and CMA-ES (engine/methods/essa/essa.py), which is handed seed + 1.
 SEED = Range(0, 2**32 - 2)
 
 # Numbers typed on the command line (and in the app's fields of the same meaning) that are
@@ -328,7 +328,7 @@ class RunSettings:
 
 @dataclass
 class SFTSettings:
-    """Supervised fine-tuning. See engine/methods/sft.py for the loop."""
+    """Supervised fine-tuning. See engine/methods/sft/sft.py for the loop."""
 
     lr: float = _lr(2e-4)
     steps: int = setting(60, "Optimizer steps.", section="optimisation", range=STEPS)
@@ -501,7 +501,7 @@ class ESSASettings:
         "decoding: candidates rarely tie); reward+gold_logprob = the reward, ties broken by the "
         "gold answer's probability; gold_margin = a soft count of the prompts whose greedy answer, "
         "teacher-forced after the template's lead-in, is the gold one (one forward, no decoding); "
-        "reward+gold_margin = the reward, ties broken by that soft count (engine/methods/essa_fitness.py).",
+        "reward+gold_margin = the reward, ties broken by that soft count (engine/methods/essa/fitness.py).",
         section=FITNESS,
         choices=("reward", "gold_logprob", "reward+gold_logprob", "gold_margin", "reward+gold_margin"))
     gold_template: str = setting(
@@ -558,7 +558,7 @@ DPO_REFERENCE_FREE = ("simpo", "orpo")  # the DPO losses that compare with no re
 
 @dataclass
 class DPOSettings:
-    """Preference tuning on chosen / rejected pairs. See engine/methods/dpo.py for the loop
+    """Preference tuning on chosen / rejected pairs. See engine/methods/dpo/dpo.py for the loop
     and docs/methods.md for the losses."""
 
     loss_type: str = setting(
@@ -632,7 +632,7 @@ def field_types(cls) -> dict[str, Any]:
 def warm_start_config(cfg: Config) -> Config:
     """The short SFT run an ESSA run starts from when `essa.warm_start` is unset: the same
     model and adapter shape, trained on `essa.warm_start_data` for `warm_start_steps`.
-    One definition for the engine (engine/methods/essa.py runs it) and the planner (which plans it)."""
+    One definition for the engine (engine/methods/essa/essa.py runs it) and the planner (which plans it)."""
     import copy
 
     s = cfg.essa

@@ -6,7 +6,7 @@ The embedded model is small: its matrix products are too short for many threads 
 and a thread that waits on a core taken by something else (the app, the chat worker, the
 other rank of a test run, any other job) holds up all the others at every product. On a
 2-core machine one thread is the measured choice; a loaded machine is where two threads
-lose most: bench/results/2026-12-06-cpu/threads/README.md. Larger machines get half
+lose most (bench/README.md, "CPU threads on 2 cores"). Larger machines get half
 their cores, leaving the other half to what runs beside the worker (not measured there),
 shared out among the processes of one run (the ranks of a run on several GPUs). A thread
 count the user sets (OMP_NUM_THREADS) is kept.

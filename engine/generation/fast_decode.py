@@ -33,7 +33,7 @@ Rows keep their order for the whole decode (finished rows are fed pad and masked
 per-row adapters stay aligned; graphs live for one generate call, so adapter weights
 written between calls (ESSA) are always seen.
 
-Per-row adapters (ESSA's batched population, engine/training/multilora.py): inside `batched_lora`
+Per-row adapters (ESSA's batched population, engine/generation/multilora.py): inside `batched_lora`
 with candidate-major row blocks, each pack holds the K candidates' factors stacked
 (A [K, R, in], block-diagonal scaling*B [K, N, R]) and applies them with two `bmm`s over
 the rows viewed as [K, B/K, in]: as many kernels as one adapter, and the base GEMM (bf16
@@ -108,7 +108,9 @@ def reserve_bytes(model, rows: int, prompt_len: int, cache_len: int) -> int:
     """What a decode of `rows` rows needs beside any copy of the base: its KV cache of
     `cache_len` positions and the prefill's transient over `prompt_len` tokens, by the
     planner's formulas (engine/planning/planner.py), so that the plan and the loop agree."""
-    from edgetune.engine.planning.planner import arch_of, decode_ctx, kv_cache_bytes, prefill_bytes
+    from edgetune.engine.core.arch import arch_of
+
+    from edgetune.engine.planning.planner import decode_ctx, kv_cache_bytes, prefill_bytes
 
     act = inner_model(model).get_input_embeddings().weight.dtype.itemsize  # the residual stream's dtype
     ctx = decode_ctx(arch_of(model), "nf4" if linear4bit_modules(model) else "none", act)

@@ -52,7 +52,7 @@ def shard(model):
     for m in model.modules():
         if isinstance(m, FSDPModule):
             # sum, not mean: the loss is already scaled by the step's label tokens over all
-            # ranks (engine/methods/sft.accumulate), as the data-parallel all_reduce sums
+            # ranks (engine/methods/sft/sft.accumulate), as the data-parallel all_reduce sums
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     return model

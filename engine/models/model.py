@@ -312,7 +312,7 @@ def load_base(ms: ModelSettings):
     device = resolve_device(ms)
     dtype = compute_dtype(ms, device)
     tok = load_tokenizer(path)
-    # packed SFT switches to its own choice after loading (engine/methods/sft.py)
+    # packed SFT switches to its own choice after loading (engine/methods/sft/sft.py)
     model_type = AutoConfig.from_pretrained(path, trust_remote_code=ms.trust_remote_code).model_type
     attn = effective.attention(ms.attn_implementation, packing=False, device=device, model_type=model_type)
     if attn == "eager" and ms.attn_implementation == "auto":

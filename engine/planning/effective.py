@@ -6,7 +6,7 @@ once the model is loaded (and record the result in the run's config.yaml), the m
 planner calls it before anything is loaded, and the app shows the planner's answer before
 Start, so the three cannot disagree. It imports no torch (the app's process calls it).
 
-`arch` is the model's shape as engine/planning/planner.Arch describes it (model_type, layers,
+`arch` is the model's shape as engine/core/arch.Arch describes it (model_type, layers,
 hidden, intermediate, kv_dim, projections()); None where it is not known yet, which only
 the Liger, ESSA and checkpointing decisions need.
 
@@ -22,6 +22,7 @@ import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from edgetune.engine.core.arch import PROJECTIONS
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import atomic_write_text
 
@@ -37,8 +38,6 @@ LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo
 # soft-capped, which sdpa cannot do): `auto` gives them eager attention, or flex_attention
 # for packed rows on CUDA (flex applies the soft-cap in its score function).
 NO_SDPA_FAMILIES = ("gemma2",)
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

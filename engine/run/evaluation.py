@@ -3,7 +3,7 @@ prompts, each score with its 95% interval, and every pair of systems compared on
 prompts with a paired test (engine/training/stats.py) and a sentence saying the answer.
 
 `compare(cfg, systems)` grades each system in turn (the config's held-out prompts, its
-method's reward: engine/methods/fgrpo.py's `evaluate_adapter`) and returns a plain dict
+method's reward: engine/methods/fgrpo/evaluate.py's `evaluate_adapter`) and returns a plain dict
 (`edgetune eval --json` prints it as it is):
 
     {"reward_fn", "prompts",
@@ -13,7 +13,7 @@ method's reward: engine/methods/fgrpo.py's `evaluate_adapter`) and returns a pla
                       "p_value", "needed", "better", "worse", "words"}]}
 
 Comparisons: each adapter against the base first, then the adapters against each other, on
-the metrics of fgrpo.COMPARED.
+the metrics of evaluate.COMPARED there.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from itertools import combinations
 
 from edgetune.engine.core.errors import ConfigError
 
-from edgetune.engine.methods.fgrpo import BASE, compare_held_out, evaluate_adapter, held_out_scores
+from edgetune.engine.methods.fgrpo.evaluate import BASE, compare_held_out, evaluate_adapter, held_out_scores
 
 
 def compare_results(results: list[tuple[str, dict]]) -> dict:

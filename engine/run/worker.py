@@ -68,10 +68,10 @@ def start_heartbeat(run: RunDir) -> threading.Event:
     return done
 
 
-# Each method's module, whose `train(ctx)` trains it: one entry per record of
-# engine/core/methods.py (tests/test_method_records.py checks the two agree).
-MODULES = {"sft": "edgetune.engine.methods.sft", "fgrpo": "edgetune.engine.methods.fgrpo",
-           "essa": "edgetune.engine.methods.essa", "dpo": "edgetune.engine.methods.dpo"}
+# Each method's module, whose `train(ctx)` trains it (engine/methods/<name>/<name>.py): one
+# entry per record of engine/core/methods.py (tests/test_method_records.py checks the two agree).
+MODULES = {"sft": "edgetune.engine.methods.sft.sft", "fgrpo": "edgetune.engine.methods.fgrpo.fgrpo",
+           "essa": "edgetune.engine.methods.essa.essa", "dpo": "edgetune.engine.methods.dpo.dpo"}
 
 
 def method_module(method: str):

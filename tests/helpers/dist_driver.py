@@ -67,8 +67,8 @@ def main(out: str, model_dir: str, shard: str = "none") -> None:
 
     from edgetune.engine.training.loop import make_optimizer, make_scheduler, seed_everything
 
-    from edgetune.engine.methods.fgrpo import policy_update
-    from edgetune.engine.methods.sft import accumulate
+    from edgetune.engine.methods.fgrpo.fgrpo import policy_update
+    from edgetune.engine.methods.sft.sft import accumulate
 
     from edgetune.engine import data as data_lib
 

@@ -36,11 +36,11 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.settings import DPO_REFERENCE_FREE
 
 from edgetune.engine.planning.effective import decide, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.models import model as model_lib
 
@@ -66,6 +66,84 @@ from edgetune.engine.training.loop import (
 from edgetune.engine import data as data_lib
 
 REFERENCE_FREE = DPO_REFERENCE_FREE
+
+
+def train(ctx: RunContext) -> dict:
+    cfg, s = ctx.cfg, ctx.cfg.dpo
+    seed_everything(cfg.run.seed)
+    t0 = time.time()
+    phases.emit(ctx.emit, "data_check")
+    tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
+    data = data_lib.load_pairs(cfg.data, tok, cfg.run.seed, phases.data_progress(ctx.emit))
+    ctx.emit("data", report=data.report.__dict__)
+    if not data.train:
+        raise DataError("no training pairs left after validation", file=cfg.data.path)
+    phases.emit(ctx.emit, "loading")
+    model, tok, base_path = model_lib.load(cfg)
+    device = model_lib.resolve_device(cfg.model)
+    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
+    record(ctx.run, cfg, eff)
+    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
+    # kept before a resume loads its checkpoint: the reference is the adapter the run started from
+    reference = Reference(model, bool(cfg.lora.init_from) and s.loss_type not in REFERENCE_FREE)
+    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
+    scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
+    start_step = 0
+    if ctx.resume is not None:
+        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
+
+    pad_id = tok.pad_token_id
+    metrics: dict = {}
+    picks = sample_prompts([p.chosen for p in data.eval], s.samples) if s.samples else []
+    n_eval = -(-len(data.eval) // s.batch_size)
+
+    def held_out(step: int, phase: str | None, sebp) -> None:
+        tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop) if phase else None
+        with sebp.lifted():  # the model's own forwards
+            m = evaluate(model, data.eval, pad_id, device, s, tick, reference)
+            if m is None:  # stopped during the evaluation
+                return
+            metrics.update({(k + "_start" if step == 0 else k): v for k, v in m.items()})
+            ctx.emit("eval", step=step, **m)
+            if picks and dist.is_main():
+                emit_samples(ctx, step, *complete_samples(model, tok, picks))
+
+    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+        if start_step == 0 and data.eval and s.eval_every:
+            held_out(0, "initial_eval", sebp)
+        progress = start_training(ctx, s.steps, start_step)
+        model.train()
+        step, stopped = start_step, False
+        while step < s.steps:
+            if ctx.should_stop():
+                stopped = True
+                break
+            t_step = time.time()
+            micro = [[data.train[i] for i in idx]
+                     for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed)]
+            m = accumulate(model, micro, pad_id, device, s, sebp, reference)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf")))
+            check_finite(step + 1, {"loss": m["loss"], "gradient norm": grad_norm},
+                         f"lower dpo.lr (now {s.lr:g}) or dpo.beta (now {s.beta:g})"
+                         + ("" if s.max_grad_norm else ", or set dpo.max_grad_norm"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            metrics.update(m)
+            if every(cfg.run.log_every, step) or step == s.steps:
+                ctx.emit("step", **progress.fields(step), **m, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                         pairs_per_s=round(sum(len(x) for x in micro) / (time.time() - t_step), 2))
+            final = bool(data.eval and s.eval_every and step == s.steps)
+            if data.eval and every(s.eval_every, step) or final:
+                held_out(step, "final_eval" if final else None, sebp)
+            if every(cfg.run.checkpoint_every, step) and step < s.steps:
+                save_checkpoint(ctx, step, model, optimizer, scheduler)
+        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
+    model.eval()
+    phases.emit(ctx.emit, "export")
+    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -199,81 +277,3 @@ def evaluate(model, pairs, pad_id: int, device: str, s, tick=None, reference=Non
     if "nll" in sums:
         out["eval_loss"] += sums["nll"] / max(chosen_tokens, 1)
     return out
-
-
-def train(ctx: RunContext) -> dict:
-    cfg, s = ctx.cfg, ctx.cfg.dpo
-    seed_everything(cfg.run.seed)
-    t0 = time.time()
-    phases.emit(ctx.emit, "data_check")
-    tok = model_lib.load_tokenizer(model_lib.check_model(cfg.model))
-    data = data_lib.load_pairs(cfg.data, tok, cfg.run.seed, phases.data_progress(ctx.emit))
-    ctx.emit("data", report=data.report.__dict__)
-    if not data.train:
-        raise DataError("no training pairs left after validation", file=cfg.data.path)
-    phases.emit(ctx.emit, "loading")
-    model, tok, base_path = model_lib.load(cfg)
-    device = model_lib.resolve_device(cfg.model)
-    eff = decide(cfg, device, arch_of(model), checkpointed=model_lib.checkpointed_layers(model))
-    record(ctx.run, cfg, eff)
-    dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
-    # kept before a resume loads its checkpoint: the reference is the adapter the run started from
-    reference = Reference(model, bool(cfg.lora.init_from) and s.loss_type not in REFERENCE_FREE)
-    optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
-    scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
-    start_step = 0
-    if ctx.resume is not None:
-        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
-
-    pad_id = tok.pad_token_id
-    metrics: dict = {}
-    picks = sample_prompts([p.chosen for p in data.eval], s.samples) if s.samples else []
-    n_eval = -(-len(data.eval) // s.batch_size)
-
-    def held_out(step: int, phase: str | None, sebp) -> None:
-        tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop) if phase else None
-        with sebp.lifted():  # the model's own forwards
-            m = evaluate(model, data.eval, pad_id, device, s, tick, reference)
-            if m is None:  # stopped during the evaluation
-                return
-            metrics.update({(k + "_start" if step == 0 else k): v for k, v in m.items()})
-            ctx.emit("eval", step=step, **m)
-            if picks and dist.is_main():
-                emit_samples(ctx, step, *complete_samples(model, tok, picks))
-
-    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
-        if start_step == 0 and data.eval and s.eval_every:
-            held_out(0, "initial_eval", sebp)
-        progress = start_training(ctx, s.steps, start_step)
-        model.train()
-        step, stopped = start_step, False
-        while step < s.steps:
-            if ctx.should_stop():
-                stopped = True
-                break
-            t_step = time.time()
-            micro = [[data.train[i] for i in idx]
-                     for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed)]
-            m = accumulate(model, micro, pad_id, device, s, sebp, reference)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf")))
-            check_finite(step + 1, {"loss": m["loss"], "gradient norm": grad_norm},
-                         f"lower dpo.lr (now {s.lr:g}) or dpo.beta (now {s.beta:g})"
-                         + ("" if s.max_grad_norm else ", or set dpo.max_grad_norm"))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            metrics.update(m)
-            if every(cfg.run.log_every, step) or step == s.steps:
-                ctx.emit("step", **progress.fields(step), **m, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                         pairs_per_s=round(sum(len(x) for x in micro) / (time.time() - t_step), 2))
-            final = bool(data.eval and s.eval_every and step == s.steps)
-            if data.eval and every(s.eval_every, step) or final:
-                held_out(step, "final_eval" if final else None, sebp)
-            if every(cfg.run.checkpoint_every, step) and step < s.steps:
-                save_checkpoint(ctx, step, model, optimizer, scheduler)
-        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
-    model.eval()
-    phases.emit(ctx.emit, "export")
-    return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)

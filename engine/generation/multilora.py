@@ -75,8 +75,8 @@ def is_block_layout(row_candidate: torch.Tensor, k: int) -> bool:
 
 @contextlib.contextmanager
 def batched_lora(modules, stacks, row_candidate, adapter: str = "default"):
-    """Inside the block, each LoRA module in `modules` ([(name, module)], as from
-    `essa_space.lora_modules`) uses per-row factors from `stacks` ([(A, B)] in the same
+    """Inside the block, each LoRA module in `modules` ([(name, module)]: the model's
+    LoRA layers, in a fixed order) uses per-row factors from `stacks` ([(A, B)] in the same
     order); `row_candidate` [rows] says which candidate each batch row uses."""
     if len(modules) != len(stacks):
         raise ValueError(f"{len(modules)} LoRA modules but {len(stacks)} stacked factor pairs")

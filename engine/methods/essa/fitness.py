@@ -36,7 +36,7 @@ most held-out answers with its system prompt's words (bench/README.md), so it is
 setting, not the default. `reward+gold_margin` keeps the free-running reward first and lets
 the soft count only break its ties (below one prompt's worth, as reward+gold_logprob).
 The margin kinds find the answer's tokens by the tokenizer's character offsets, which only
-fast tokenizers give: a run with a slow one is refused at its start (engine/methods/essa.py).
+fast tokenizers give: a run with a slow one is refused at its start (engine/methods/essa/essa.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def gold_batch(tok, rows: list[dict], template: str, system_prompt: str, device,
 @torch.inference_mode()
 def gold_logprob(model, batch, copies: int = 1) -> list[float]:
     """Mean per-token log-prob of the gold text of every row, for `copies` blocks of the
-    batch's rows in one forward (copy j = candidate j under engine/training/multilora.py), as
+    batch's rows in one forward (copy j = candidate j under engine/generation/multilora.py), as
     [copies * rows] floats, candidate-major."""
     prompt_ids, prompt_mask, ids, mask = (t.repeat(copies, 1) for t in batch[:4])
     lp = completion_logprobs(model, prompt_ids, prompt_mask, ids, mask)

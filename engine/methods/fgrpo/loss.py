@@ -1,6 +1,6 @@
 """Group-relative policy losses (GRPO, DAPO, Dr. GRPO, CISPO) with F-GRPO's focal weights.
 
-Pure tensor functions, no model: the loop (engine/methods/fgrpo.py) feeds them per-token
+Pure tensor functions, no model: the loop (engine/methods/fgrpo/fgrpo.py) feeds them per-token
 log-probs. Definitions follow TRL's `GRPOTrainer` (1.16) so that identical inputs give
 identical losses (tests/test_grpo_loss.py checks this against TRL's own code):
 

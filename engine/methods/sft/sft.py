@@ -39,9 +39,9 @@ from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import phases
+from edgetune.engine.core.arch import arch_of
 
 from edgetune.engine.planning.effective import decide, liger_off_reason, record
-from edgetune.engine.planning.planner import arch_of
 
 from edgetune.engine.data.packing import collate_packed
 
@@ -69,76 +69,6 @@ from edgetune.engine.training.loop import (
 )
 
 from edgetune.engine import data as data_lib
-
-
-def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
-    """Backward of one optimizer step's micro-batches: every label token of the step weighs
-    the same, so the gradient is that of the mean loss over the step's label tokens whatever
-    the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
-    different numbers of tokens; dividing each micro-batch's mean by grad_accum would
-    over-weigh the tokens of a short one). Returns (that mean loss, label tokens).
-    `sebp`: the handle of kernels/sebp.enabled (or None).
-
-    On several ranks `batches` are this rank's share of the step: the label tokens are
-    counted over all ranks (one all_reduce) and the gradients summed over them (one more),
-    so every rank ends with the gradient of the whole step, as one process would.
-
-    A sharded base (engine/models/fsdp.py) reduce-scatters the gradients in each backward, and
-    every forward and backward is a collective: a rank with fewer micro-batches than
-    another runs zero-weight ones, so the ranks stay in step."""
-    total = int(dist.all_reduce_sum(sum(label_count(b["labels"]) for b in batches)))
-    sharded = fsdp.is_sharded(model)
-    padded = [(b, 1.0) for b in batches]
-    if sharded:
-        most = int(dist.all_reduce_max(len(batches)))
-        padded += [(batches[-1] if batches else _filler(model), 0.0)] * (most - len(batches))
-    loss_sum = 0.0
-    for batch, weight in padded:
-        if sebp is not None:
-            sebp.set_active_rows(batch["attention_mask"].bool())
-        with model_lib.autocast(model):
-            loss, n = causal_lm_loss(model, batch)
-        (loss * (weight * n / max(total, 1))).backward()
-        loss_sum += weight * loss.item() * n
-    if not sharded:
-        dist.all_reduce_grads(model.parameters())
-    return dist.all_reduce_sum(loss_sum) / max(total, 1), total
-
-
-def _filler(model) -> dict:
-    """A one-label batch for a rank with no rows in a step (a sharded base's ranks must all
-    run the forward and backward); its loss is weighed zero."""
-    device = next(model.parameters()).device
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.new_tensor([[-100, 0]])}
-
-
-def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
-    n = -(-n_examples // batch_size)
-    return min(n, max_batches) if max_batches else n
-
-
-@torch.no_grad()
-def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0,
-             tick=None) -> float | None:
-    """Token-weighted mean loss over the held-out examples; `tick(batches_done)` after each
-    batch, and None when it returns True (a stop was asked for between batches)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for b, s in enumerate(range(0, len(examples), batch_size)):
-        if max_batches and b >= max_batches:
-            break
-        batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
-        with model_lib.autocast(model):
-            loss, n = causal_lm_loss(model, batch)
-        total += loss.item() * n
-        count += n
-        if tick is not None and tick(b + 1):
-            model.train(was_training)
-            return None
-    model.train(was_training)
-    return total / max(count, 1)
 
 
 def train(ctx: RunContext) -> dict:
@@ -246,3 +176,73 @@ def train(ctx: RunContext) -> dict:
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
+
+
+def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
+    """Backward of one optimizer step's micro-batches: every label token of the step weighs
+    the same, so the gradient is that of the mean loss over the step's label tokens whatever
+    the split (batch_size 8 equals 4 x grad_accum 2 even when the micro-batches hold very
+    different numbers of tokens; dividing each micro-batch's mean by grad_accum would
+    over-weigh the tokens of a short one). Returns (that mean loss, label tokens).
+    `sebp`: the handle of kernels/sebp.enabled (or None).
+
+    On several ranks `batches` are this rank's share of the step: the label tokens are
+    counted over all ranks (one all_reduce) and the gradients summed over them (one more),
+    so every rank ends with the gradient of the whole step, as one process would.
+
+    A sharded base (engine/models/fsdp.py) reduce-scatters the gradients in each backward, and
+    every forward and backward is a collective: a rank with fewer micro-batches than
+    another runs zero-weight ones, so the ranks stay in step."""
+    total = int(dist.all_reduce_sum(sum(label_count(b["labels"]) for b in batches)))
+    sharded = fsdp.is_sharded(model)
+    padded = [(b, 1.0) for b in batches]
+    if sharded:
+        most = int(dist.all_reduce_max(len(batches)))
+        padded += [(batches[-1] if batches else _filler(model), 0.0)] * (most - len(batches))
+    loss_sum = 0.0
+    for batch, weight in padded:
+        if sebp is not None:
+            sebp.set_active_rows(batch["attention_mask"].bool())
+        with model_lib.autocast(model):
+            loss, n = causal_lm_loss(model, batch)
+        (loss * (weight * n / max(total, 1))).backward()
+        loss_sum += weight * loss.item() * n
+    if not sharded:
+        dist.all_reduce_grads(model.parameters())
+    return dist.all_reduce_sum(loss_sum) / max(total, 1), total
+
+
+def _filler(model) -> dict:
+    """A one-label batch for a rank with no rows in a step (a sharded base's ranks must all
+    run the forward and backward); its loss is weighed zero."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.new_tensor([[-100, 0]])}
+
+
+def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
+    n = -(-n_examples // batch_size)
+    return min(n, max_batches) if max_batches else n
+
+
+@torch.no_grad()
+def evaluate(model, examples, pad_id: int, batch_size: int, device: str, max_batches: int = 0,
+             tick=None) -> float | None:
+    """Token-weighted mean loss over the held-out examples; `tick(batches_done)` after each
+    batch, and None when it returns True (a stop was asked for between batches)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for b, s in enumerate(range(0, len(examples), batch_size)):
+        if max_batches and b >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
+        with model_lib.autocast(model):
+            loss, n = causal_lm_loss(model, batch)
+        total += loss.item() * n
+        count += n
+        if tick is not None and tick(b + 1):
+            model.train(was_training)
+            return None
+    model.train(was_training)
+    return total / max(count, 1)
