@@ -356,8 +356,8 @@ def table(result: dict) -> str:
     lines = [f"# Learning on unseen tasks ({result['date']})", "",
              f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
-             f"Held-out greedy success (pass@{k} from {2 * k} samples at the preset's temperature in "
-             "brackets), then training wall time. Items of the held-out split never "
+             "Held-out greedy success" + (f" (pass@{k} from {2 * k} samples at the preset's temperature in "
+                                          "brackets)" if k else "") + ", then training wall time. Items of the held-out split never "
              f"appear in train (checked by content). The kept-aside task ({KEPT_ASIDE}) is not used to "
              "choose defaults.", ""]
     head = ["task", "train / held-out"] + [LABELS[c] for c in COLUMNS]
