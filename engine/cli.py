@@ -596,7 +596,8 @@ def _score(x: dict, proportion: bool) -> str:
 
 
 def _task_head(t: dict) -> str:
-    what = {"generative": f"graded by {t.get('reward_fn')}", "loss": "mean token loss (lower is better)"}
+    what = {"generative": f"graded by {t.get('reward_fn')}", "loss": "mean token loss (lower is better)",
+            "harness": "lm-evaluation-harness"}
     return (f"{t['task']}: {t['prompts']} {t.get('unit', 'prompts')}, {what.get(t['kind'], t['kind'])}; "
             f"each score with its 95% interval")
 
@@ -818,7 +819,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what to grade on (repeatable; default held-out): held-out = the config's held-out split "
                          "(generated and graded by its reward; SFT: the loss of its held-out demonstrations); a "
                          "JSONL/CSV/Parquet file of prompt + answer or chat rows, graded by the config's reward "
-                         "with its chat template, system prompt and seed")
+                         "with its chat template, system prompt and seed; lm:TASK = EleutherAI's lm-evaluation-harness "
+                         "on the loaded model (a shipped task, lm:path/to/task.yaml or lm:path/to/folder of YAMLs; "
+                         "pip install 'edgetune[harness]')")
     ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     ev.add_argument("--json", action="store_true",
                     help="scores, intervals, per-prompt outcomes and comparisons as JSON, no progress bar")

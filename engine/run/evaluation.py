@@ -13,6 +13,8 @@ Tasks (`edgetune eval --task`, repeatable; `held-out` when none is given):
   last turn is the answer (engine/data/rl.py's `task_rows`), generated and graded exactly
   as held-out prompts are: the reward of the config's method (fgrpo.reward for a method
   without one), its chat template and data.system_prompt, its seed.
+- `lm:TASK`: EleutherAI's lm-evaluation-harness on the loaded model (engine/run/harness.py):
+  a shipped task or a task YAML of one's own; each harness task is a task of the result.
 
 `compare(cfg, systems, tasks)` loads each system once, grades it on every task in turn and
 returns a plain dict (`edgetune eval --json` prints it as it is):
@@ -44,6 +46,8 @@ from edgetune.engine.training import stats
 from edgetune.engine.methods import fgrpo
 from edgetune.engine.methods.fgrpo import BASE, compare_held_out, held_out_scores
 
+from edgetune.engine.run import harness
+
 from edgetune.engine import data as data_lib
 
 HELD_OUT = "held-out"
@@ -56,8 +60,11 @@ class Stopped(EdgetuneError):
     """A stop was asked for while grading (progress returned True)."""
 
 
+HARNESS = "harness"  # a task's kind: lm-evaluation-harness tasks (engine/run/harness.py)
+
+
 def task_kind(task: str) -> str:
-    return HELD_OUT if task == HELD_OUT else "file"
+    return HELD_OUT if task == HELD_OUT else HARNESS if harness.is_harness(task) else "file"
 
 
 def file_grading(cfg):
@@ -87,6 +94,8 @@ def check_tasks(cfg, tasks: list[str]) -> dict[str, list[dict]]:
         if task_kind(task) == HELD_OUT:
             if held_out_kind(cfg) == GENERATIVE:
                 fgrpo.grading_settings(cfg)
+        elif task_kind(task) == HARNESS:
+            harness.load_tasks(task)  # unknown, or its data missing offline: its one line
         else:
             rows[task] = data_lib.task_rows(task, cfg.data)
     return rows
@@ -180,6 +189,32 @@ def compare_losses(graded: list[tuple[str, dict]]) -> dict:
             "comparisons": comparisons}
 
 
+def compare_scores(graded: list[tuple[str, dict]]) -> dict:
+    """The comparison dict of a task whose items carry metric values of any kind (the
+    harness's): a metric whose every value is 0 or 1 is a share (Wilson interval, exact
+    McNemar), any other a mean (bootstrap, paired bootstrap)."""
+    metrics = list(dict.fromkeys(m for _, r in graded for m in r["per_prompt"]))
+    shares = [m for m in metrics if all(v in (0, 1) for _, r in graded for v in r["per_prompt"].get(m, []))]
+
+    def interval(m, values):
+        return stats.wilson(int(sum(values)), len(values)) if m in shares else stats.bootstrap_mean(values)
+
+    systems = [{"name": name, "adapter": r.get("adapter"),
+                "scores": {m: asdict(interval(m, v)) for m, v in r["per_prompt"].items()},
+                "per_prompt": r["per_prompt"], "answers": r.get("answers", [])} for name, r in graded]
+    comparisons = []
+    for a, b in pairs(systems):
+        for m in metrics:
+            xa, xb = a["per_prompt"].get(m), b["per_prompt"].get(m)
+            if xa is None or xb is None:
+                continue
+            c = stats.compare_proportions(xa, xb) if m in shares else stats.compare_means(xa, xb)
+            comparisons.append({"a": a["name"], "b": b["name"], "metric": m, **c.dict(),
+                                "words": stats.in_words(c, a["name"], b["name"], unit="items")})
+    return {"prompts": graded[0][1]["prompts"], "unit": "items", "systems": systems, "comparisons": comparisons,
+            "metrics": metrics, "shares": shares, "items": graded[0][1].get("items", [])}
+
+
 def _release(model) -> None:
     """Free a graded system's model before the next one loads."""
     import torch
@@ -204,6 +239,10 @@ def compare(cfg, systems: list[tuple[str, str]], tasks: list[str] | None = None,
         for task in tasks:
             tick = ((lambda done, total, name=name, i=i, task=task: progress(name, i, task, done, total))
                     if progress else None)
+            if task_kind(task) == HARNESS:
+                for r in harness.run(cfg, model, tok, task, progress=tick):
+                    graded.setdefault(r["task"], []).append((name, {"adapter": adapter, **r}))
+                continue
             if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
                 graded[task].append((name, {"adapter": adapter, **_held_out_loss(cfg, model, tok, tick)}))
                 continue
@@ -215,7 +254,11 @@ def compare(cfg, systems: list[tuple[str, str]], tasks: list[str] | None = None,
             graded[task].append((name, {"adapter": adapter, **_grade_generative(cfg, s, model, tok, rows, tick)}))
         _release(model)
     out = []
-    for task in tasks:
+    for task in graded:
+        if task_kind(task) == HARNESS:
+            if graded[task]:  # (the `lm:` spec itself: its harness tasks come under their own names)
+                out.append({"task": task, "kind": HARNESS, **compare_scores(graded[task])})
+            continue
         if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
             out.append({"task": task, "kind": LOSS, **compare_losses(graded[task]), "metrics": [LOSS], "shares": []})
             continue
