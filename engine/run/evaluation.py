@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 from dataclasses import asdict, replace
 from itertools import combinations
-from pathlib import Path
 
 from edgetune.engine.core.errors import ConfigError, DataError, EdgetuneError
 from edgetune.engine.core.methods import METHODS as RECORDS
@@ -225,6 +224,32 @@ def _release(model) -> None:
         torch.cuda.empty_cache()
 
 
+def _grade(cfg, task: str, file_rows: dict, model, tok, tick) -> list[tuple[str, str, dict]]:
+    """(task name, kind, result) of one loaded system on one task: one entry, or one a
+    harness task of an `lm:` task."""
+    if task_kind(task) == HARNESS:
+        return [(r["task"], HARNESS, r) for r in harness.run(cfg, model, tok, task, progress=tick)]
+    if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
+        return [(task, LOSS, _held_out_loss(cfg, model, tok, tick))]
+    if task_kind(task) == HELD_OUT:
+        s = fgrpo.grading_settings(cfg)
+        rows = fgrpo.held_out_rows(cfg, tok, s)
+    else:
+        s, rows = file_grading(cfg), file_rows[task]
+    return [(task, GENERATIVE, _grade_generative(cfg, s, model, tok, rows, tick))]
+
+
+def _task_result(task: str, kind: str, graded: list[tuple[str, dict]]) -> dict:
+    if kind == HARNESS:
+        return {"task": task, "kind": kind, **compare_scores(graded)}
+    if kind == LOSS:
+        return {"task": task, "kind": kind, **compare_losses(graded), "metrics": [LOSS], "shares": []}
+    result = compare_results(graded)
+    metrics = list(dict.fromkeys(m for s in result["systems"] for m in s["scores"]))
+    return {"task": task, "kind": kind, **result, "metrics": metrics,
+            "shares": [m for m in metrics if m not in UNBOUNDED], "items": graded[0][1]["items"]}
+
+
 def compare(cfg, systems: list[tuple[str, str]], tasks: list[str] | None = None, progress=None) -> dict:
     """Grade each (name, adapter path or "" for the base) on every task and compare them.
     progress(name, index, task, done, total) as it goes; True back stops the evaluation
@@ -233,39 +258,14 @@ def compare(cfg, systems: list[tuple[str, str]], tasks: list[str] | None = None,
     if not systems:
         raise ConfigError("nothing to evaluate: give --adapter (repeatable) and/or --base")
     file_rows = check_tasks(cfg, tasks)
-    graded: dict[str, list[tuple[str, dict]]] = {t: [] for t in tasks}
+    graded: dict[tuple[str, str], list[tuple[str, dict]]] = {}  # (task, kind) -> each system's result, in order
     for i, (name, path) in enumerate(systems):
         model, tok, adapter = fgrpo.eval_model(cfg, path)
         for task in tasks:
             tick = ((lambda done, total, name=name, i=i, task=task: progress(name, i, task, done, total))
                     if progress else None)
-            if task_kind(task) == HARNESS:
-                for r in harness.run(cfg, model, tok, task, progress=tick):
-                    graded.setdefault(r["task"], []).append((name, {"adapter": adapter, **r}))
-                continue
-            if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
-                graded[task].append((name, {"adapter": adapter, **_held_out_loss(cfg, model, tok, tick)}))
-                continue
-            if task_kind(task) == HELD_OUT:
-                s = fgrpo.grading_settings(cfg)
-                rows = fgrpo.held_out_rows(cfg, tok, s)
-            else:
-                s, rows = file_grading(cfg), file_rows[task]
-            graded[task].append((name, {"adapter": adapter, **_grade_generative(cfg, s, model, tok, rows, tick)}))
+            for shown, kind, result in _grade(cfg, task, file_rows, model, tok, tick):
+                graded.setdefault((shown, kind), []).append((name, {"adapter": adapter, **result}))
         _release(model)
-    out = []
-    for task in graded:
-        if task_kind(task) == HARNESS:
-            if graded[task]:  # (the `lm:` spec itself: its harness tasks come under their own names)
-                out.append({"task": task, "kind": HARNESS, **compare_scores(graded[task])})
-            continue
-        if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
-            out.append({"task": task, "kind": LOSS, **compare_losses(graded[task]), "metrics": [LOSS], "shares": []})
-            continue
-        result = compare_results(graded[task])
-        items = graded[task][0][1]["items"]
-        metrics = list(dict.fromkeys(m for s in result["systems"] for m in s["scores"]))
-        out.append({"task": task if task_kind(task) == HELD_OUT else str(Path(task)), "kind": GENERATIVE,
-                    **result, "metrics": metrics, "shares": [m for m in metrics if m not in UNBOUNDED],
-                    "items": items})
-    return {"seed": cfg.run.seed, "system_prompt": cfg.data.system_prompt, "tasks": out}
+    return {"seed": cfg.run.seed, "system_prompt": cfg.data.system_prompt,
+            "tasks": [_task_result(task, kind, g) for (task, kind), g in graded.items()]}

@@ -127,6 +127,11 @@ def run(cfg, model, tok, task: str, tasks: dict | None = None, progress=None) ->
         progress(0, total)
     chat = prompts.has_template(tok)
     seed = cfg.run.seed
+    from lm_eval import evaluator
+
+    # It records the git commit of the working folder, and outside a repository git prints
+    # "fatal: not a git repository" to our terminal: no commit of the user's folder is ours to record.
+    evaluator.get_git_commit_hash = lambda: None
     out = simple_evaluate(model=lm, tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0,
                           apply_chat_template=chat, system_instruction=(cfg.data.system_prompt or None) if chat else None,
                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,

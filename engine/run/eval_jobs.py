@@ -1,0 +1,202 @@
+"""An evaluation as a job of its own process, the way a run trains: started from the app (or
+any caller) with `start`, it outlives the page that started it, says how far it got, can be
+stopped, and leaves its result on disk beside the runs, where the page finds it again.
+
+    <runs_dir>/.evaluations/<name>/
+        request.json   the systems ([name, adapter folder or ""]) and the tasks asked for
+        config.yaml    the settings it grades with (model, data, reward, seed)
+        progress.json  the system and task being graded, items done of total
+        result.json    engine/run/evaluation.py's comparison, written once at the end
+        error.txt      the one line of a job that failed
+        stopped        there when a stop was asked for and the job ended on it
+        pid, worker.log
+
+Status: `finished` (result.json), `failed` (error.txt), `stopped`, `running` while its process
+lives, else `crashed` (the process died without a word: worker.log says why). A stop sends
+the job's process group SIGTERM: the job ends at once, writing no result.
+
+Importing this module loads no torch: the worker imports the evaluation when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.runfolder import atomic_write_text, open_append, pid_alive
+from edgetune.engine.core.threads import worker_env
+
+EVALS = ".evaluations"  # <runs_dir>/.evaluations: one folder an evaluation job
+STATUSES = ("running", "finished", "failed", "stopped", "crashed")
+
+
+def evals_dir(runs_dir: str | os.PathLike) -> Path:
+    return Path(runs_dir) / EVALS
+
+
+class EvalJob:
+    def __init__(self, path: str | os.PathLike, process: subprocess.Popen | None = None):
+        self.path = Path(path)
+        self.process = process
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def _read(self, name: str):
+        try:
+            return json.loads((self.path / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def request(self) -> dict:
+        return self._read("request.json") or {}
+
+    def progress(self) -> dict:
+        return self._read("progress.json") or {}
+
+    def result(self) -> dict | None:
+        return self._read("result.json")
+
+    def error(self) -> str:
+        try:
+            return (self.path / "error.txt").read_text().strip()
+        except OSError:
+            return ""
+
+    def pid(self) -> int | None:
+        try:
+            return int((self.path / "pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return pid_alive(self.pid())
+
+    def status(self) -> str:
+        if (self.path / "result.json").is_file():
+            return "finished"
+        if (self.path / "error.txt").is_file():
+            return "failed"
+        if (self.path / "stopped").is_file():
+            return "stopped"
+        return "running" if self.alive() else "crashed"
+
+    def stop(self) -> None:
+        """End the job now (its process group gets SIGTERM); it writes no result."""
+        pid = self.pid()
+        if pid is None or not self.alive():
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)  # the worker leads its own session
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> str:
+        if self.process is not None:
+            self.process.wait(timeout)
+        return self.status()
+
+
+def list_evals(runs_dir: str | os.PathLike) -> list[EvalJob]:
+    """The evaluation jobs beside the runs, newest first."""
+    d = evals_dir(runs_dir)
+    if not d.is_dir():
+        return []
+    jobs = [EvalJob(p) for p in d.iterdir() if (p / "request.json").is_file()]
+    return sorted(jobs, key=lambda j: (j.path / "request.json").stat().st_mtime, reverse=True)
+
+
+def active_eval(runs_dir: str | os.PathLike) -> EvalJob | None:
+    return next((j for j in list_evals(runs_dir) if j.status() == "running"), None)
+
+
+def start(cfg, systems: list[tuple[str, str]], tasks: list[str], runs_dir: str | os.PathLike) -> EvalJob:
+    """A new job folder with its request and settings, and its worker started. One
+    evaluation at a time per runs folder, and none while a run there trains (both would
+    share the device)."""
+    from edgetune.engine.run import api
+
+    if not systems:
+        raise EdgetuneError("nothing to evaluate: pick the base and/or runs")
+    if not tasks:
+        raise EdgetuneError("nothing to grade on: pick the held-out split, a task file or a harness task")
+    busy = active_eval(runs_dir)
+    if busy is not None:
+        raise RunError(f"the evaluation {busy.name} is still running: stop it first")
+    training = api.active_run(runs_dir)
+    if training is not None:
+        raise RunError(f"run '{training.name}' is training in {runs_dir}: evaluate when it has ended")
+    d = evals_dir(runs_dir)
+    stem = datetime.now().strftime("eval-%Y%m%d-%H%M%S")
+    name, n = stem, 1
+    while (d / name).exists():
+        n += 1
+        name = f"{stem}-{n}"
+    path = d / name
+    try:
+        path.mkdir(parents=True)
+        atomic_write_text(path / "config.yaml", cfg.to_yaml())
+        atomic_write_text(path / "request.json", json.dumps({"systems": [list(s) for s in systems], "tasks": tasks,
+                                                             "created": datetime.now().isoformat(timespec="seconds")}))
+    except OSError as e:
+        raise RunError(f"{path}: cannot create the evaluation folder ({e.strerror})") from None
+    log = open_append(path / "worker.log")
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.run.eval_jobs", str(path)], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=worker_env(PYTHONUNBUFFERED="1"), cwd=os.getcwd())
+    log.close()
+    atomic_write_text(path / "pid", str(proc.pid))
+    return EvalJob(path, proc)
+
+
+def _stopped(*_):
+    raise KeyboardInterrupt
+
+
+def run(path: str | os.PathLike) -> int:
+    """The worker: grade, write progress as it goes and the result at the end."""
+    path = Path(path)
+    signal.signal(signal.SIGTERM, _stopped)
+    try:
+        from edgetune.engine.core.settings import load_run_config
+
+        from edgetune.engine.run import evaluation
+
+        request = json.loads((path / "request.json").read_text())
+        cfg = load_run_config(path / "config.yaml")
+        systems = [tuple(s) for s in request["systems"]]
+
+        def progress(name, i, task, done, total):
+            atomic_write_text(path / "progress.json", json.dumps(
+                {"system": name, "index": i, "systems": len(systems), "task": task, "done": done, "total": total}))
+            return False
+
+        result = evaluation.compare(cfg, systems, request["tasks"], progress=progress)
+        atomic_write_text(path / "result.json", json.dumps(result))
+        return 0
+    except KeyboardInterrupt:
+        atomic_write_text(path / "stopped", "")
+        return 130
+    except EdgetuneError as e:
+        atomic_write_text(path / "error.txt", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the page shows one line; worker.log has the traceback
+        import traceback
+
+        traceback.print_exc()
+        atomic_write_text(path / "error.txt", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                                              f"(the traceback is in {path / 'worker.log'})")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1]))
