@@ -28,7 +28,7 @@ def _until(job, check, seconds=240):
 def test_a_job_saves_its_result_where_a_fresh_handle_finds_it(tiny_model_dir, tmp_path):
     runs = tmp_path / "runs"
     cfg = _cfg(tiny_model_dir, tmp_path, "fgrpo.eval_prompts=3", "fgrpo.max_new_tokens=4")
-    job = eval_jobs.start(cfg, [("the base", "")], ["held-out"], runs)
+    job = eval_jobs.start(cfg, True, [], ["held-out"], runs)
     assert job.path.parent == runs / ".evaluations" and job.status() == "running"
     assert job.wait(240) == "finished", (job.path / "worker.log").read_text()[-2000:]
     again = eval_jobs.list_evals(runs)[0]  # what a reloaded page sees
@@ -44,7 +44,7 @@ def test_a_job_saves_its_result_where_a_fresh_handle_finds_it(tiny_model_dir, tm
 def test_a_stopped_job_ends_without_a_result_and_a_bad_one_says_why(tiny_model_dir, tmp_path):
     runs = tmp_path / "runs"
     cfg = _cfg(tiny_model_dir, tmp_path, "fgrpo.eval_prompts=30", "fgrpo.max_new_tokens=200")
-    job = eval_jobs.start(cfg, [("the base", "")], ["held-out"], runs)
+    job = eval_jobs.start(cfg, True, [], ["held-out"], runs)
     _until(job, lambda j: j.progress().get("total"))  # the model is loaded and grading
     fresh = eval_jobs.EvalJob(job.path)  # stopped from another handle, as a reloaded page would
     assert fresh.status() == "running" and eval_jobs.active_eval(runs).path == job.path
@@ -55,7 +55,7 @@ def test_a_stopped_job_ends_without_a_result_and_a_bad_one_says_why(tiny_model_d
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
-    job = eval_jobs.start(cfg, [("the base", "")], [str(bad)], runs)
+    job = eval_jobs.start(cfg, True, [], [str(bad)], runs)
     assert job.wait(120) == "failed"
     assert job.error() == f"{bad}, row 2: missing 'answer' (columns: ['prompt'])"
     assert [j.status() for j in eval_jobs.list_evals(runs)] == ["failed", "stopped"]

@@ -3,9 +3,10 @@ any caller) with `start`, it outlives the page that started it, says how far it 
 stopped, and leaves its result on disk beside the runs, where the page finds it again.
 
     <runs_dir>/.evaluations/<name>/
-        request.json   the systems ([name, adapter folder or ""]) and the tasks asked for
+        request.json   the systems (the base or not, [name, adapter folder] each) and the tasks
         config.yaml    the settings it grades with (model, data, reward, seed)
-        progress.json  the system and task being graded, items done of total
+        progress.json  {"loading": true} from the worker's start, then the system and task
+                       being graded, items done of total
         result.json    engine/run/evaluation.py's comparison, written once at the end
         error.txt      the one line of a job that failed
         stopped        there when a stop was asked for and the job ended on it
@@ -119,13 +120,15 @@ def active_eval(runs_dir: str | os.PathLike) -> EvalJob | None:
     return next((j for j in list_evals(runs_dir) if j.status() == "running"), None)
 
 
-def start(cfg, systems: list[tuple[str, str]], tasks: list[str], runs_dir: str | os.PathLike) -> EvalJob:
-    """A new job folder with its request and settings, and its worker started. One
-    evaluation at a time per runs folder, and none while a run there trains (both would
-    share the device)."""
+def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
+          runs_dir: str | os.PathLike) -> EvalJob:
+    """A new job folder with its request and settings, and its worker started: the base
+    (when `base`) and each (name, adapter or run folder) graded on `tasks`. One evaluation
+    at a time per runs folder, and none while a run there trains (both would share the
+    device)."""
     from edgetune.engine.run import api
 
-    if not systems:
+    if not base and not adapters:
         raise EdgetuneError("nothing to evaluate: pick the base and/or runs")
     if not tasks:
         raise EdgetuneError("nothing to grade on: pick the held-out split, a task file or a harness task")
@@ -145,7 +148,7 @@ def start(cfg, systems: list[tuple[str, str]], tasks: list[str], runs_dir: str |
     try:
         path.mkdir(parents=True)
         atomic_write_text(path / "config.yaml", cfg.to_yaml())
-        atomic_write_text(path / "request.json", json.dumps({"systems": [list(s) for s in systems], "tasks": tasks,
+        atomic_write_text(path / "request.json", json.dumps({"base": bool(base), "adapters": [list(a) for a in adapters], "tasks": tasks,
                                                              "created": datetime.now().isoformat(timespec="seconds")}))
     except OSError as e:
         raise RunError(f"{path}: cannot create the evaluation folder ({e.strerror})") from None
@@ -166,6 +169,7 @@ def run(path: str | os.PathLike) -> int:
     """The worker: grade, write progress as it goes and the result at the end."""
     path = Path(path)
     signal.signal(signal.SIGTERM, _stopped)
+    atomic_write_text(path / "progress.json", json.dumps({"loading": True}))  # a stop from here on is heard
     try:
         from edgetune.engine.core.settings import load_run_config
 
@@ -173,7 +177,7 @@ def run(path: str | os.PathLike) -> int:
 
         request = json.loads((path / "request.json").read_text())
         cfg = load_run_config(path / "config.yaml")
-        systems = [tuple(s) for s in request["systems"]]
+        systems = ([(evaluation.BASE, "")] if request["base"] else []) + [tuple(a) for a in request["adapters"]]
 
         def progress(name, i, task, done, total):
             atomic_write_text(path / "progress.json", json.dumps(

@@ -46,10 +46,10 @@ from edgetune.engine.methods import fgrpo
 from edgetune.engine.methods.fgrpo import BASE, compare_held_out, held_out_scores
 
 from edgetune.engine.run import harness
+from edgetune.engine.run.eval_tasks import HELD_OUT
 
 from edgetune.engine import data as data_lib
 
-HELD_OUT = "held-out"
 GENERATIVE = "generative"  # a task's kind: prompts generated and graded by a reward
 LOSS = "loss"  # a task's kind, and its one metric: the held-out demonstrations' mean token loss
 UNBOUNDED = ("reward",)  # a generative task's metrics that are not shares of 0..1 (the rest show in percent)

@@ -29,7 +29,8 @@ from edgetune.engine.core.errors import ConfigError
 
 from edgetune.engine.data import prompts
 
-PREFIX = "lm:"
+from edgetune.engine.run.eval_tasks import HARNESS_PREFIX as PREFIX
+
 INSTALL = "pip install 'edgetune[harness]'"  # what puts lm-eval on a machine without it
 BATCH_SIZE = 8  # items the harness scores in one forward
 
