@@ -82,9 +82,10 @@ def _manager(folder: str | None):
     return TaskManager(include_path=folder, include_defaults=False) if folder else TaskManager()
 
 
-def load_tasks(task: str) -> dict:
-    """The harness's task objects of an `lm:` task, their data loaded: a one-line
-    ConfigError for an unknown task or data that is not here and cannot be fetched."""
+def load_tasks(task: str) -> tuple:
+    """(the TaskManager, {name: the harness's task object}) of an `lm:` task, their data
+    loaded: a one-line ConfigError for an unknown task or data that is not here and
+    cannot be fetched."""
     _lm_eval()
     names, folder = task_names(task)
     tm = _manager(folder)
@@ -104,7 +105,7 @@ def load_tasks(task: str) -> dict:
             raise ConfigError(f"{task}: its data could not be loaded ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else ''}); download the dataset {where} "
                               f"while online (HF_HUB_OFFLINE unset), or point a task YAML at local files") from None
-    return built
+    return tm, built
 
 
 def _flat(loaded) -> dict:
@@ -113,7 +114,7 @@ def _flat(loaded) -> dict:
     return dict(tasks)
 
 
-def run(cfg, model, tok, task: str, tasks: dict | None = None, progress=None) -> list[dict]:
+def run(cfg, model, tok, task: str, progress=None) -> list[dict]:
     """Each harness task of `task` graded on the loaded model: [{"task", "prompts",
     "per_prompt": {metric: [value of each item]}, "items": [{"prompt", "reference"}],
     "answers": [...]}], items in the harness's document order."""
@@ -121,7 +122,7 @@ def run(cfg, model, tok, task: str, tasks: dict | None = None, progress=None) ->
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    tasks = tasks if tasks is not None else load_tasks(task)
+    tm, tasks = load_tasks(task)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=BATCH_SIZE)
     total = sum(len(list(t.eval_docs)) for t in tasks.values())
     if progress is not None:
@@ -133,7 +134,7 @@ def run(cfg, model, tok, task: str, tasks: dict | None = None, progress=None) ->
     # It records the git commit of the working folder, and outside a repository git prints
     # "fatal: not a git repository" to our terminal: no commit of the user's folder is ours to record.
     evaluator.get_git_commit_hash = lambda: None
-    out = simple_evaluate(model=lm, tasks=list(tasks.values()), log_samples=True, bootstrap_iters=0,
+    out = simple_evaluate(model=lm, tasks=list(tasks.values()), task_manager=tm, log_samples=True, bootstrap_iters=0,
                           apply_chat_template=chat, system_instruction=(cfg.data.system_prompt or None) if chat else None,
                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                           verbosity="ERROR")
