@@ -6,6 +6,7 @@ run's curve in the Runs tab's comparison -> download the adapter zip (loaded wit
 the end) and a folder export's zip -> a three-turn chat, the question shown at once, base
 and adapter side by side; a malformed data file shows its row number; the run deleted to
 the trash and restored. No finished worker stays behind as a defunct process of the app.
+The Evaluate tab: the base against a run, as a job that survives a reload and can be stopped.
 
 Trains the embedded SmolLM2-135M (fp32) on the CPU for a few steps (a minute or two).
 Screenshots of each stage go to artifacts/screenshots/.

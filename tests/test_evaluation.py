@@ -3,6 +3,7 @@ chat rows) graded by the engine's rewards next to the held-out split, on the sam
 systems; bad task files refused in one line naming the file and the row."""
 
 import json
+import re
 
 import pytest
 
@@ -83,6 +84,11 @@ def test_a_task_file_is_graded_by_the_reward_next_to_the_held_out_split(tmp_path
     assert mine2["systems"][0]["per_prompt"]["success_rate"] == [1, 1, 0, 0]
     assert mine2["systems"][0]["scores"]["success_rate"]["estimate"] == 0.5
     assert held2["systems"][0]["per_prompt"] == held["systems"][0]["per_prompt"]  # fixed seed, same prompts
+    assert cli.main([a for a in [*args[:7], task2, *args[8:]] if a != "--json"]) == 0  # the table: one a task
+    table = capsys.readouterr().out
+    assert "held-out: 3 prompts, graded by exact; each score with its 95% interval" in table
+    assert f"{task2}: 4 prompts, graded by exact; each score with its 95% interval" in table
+    assert re.search(r"^the base\s+50\.0% \[15\.0, 85\.0\]\s+0\.500 ", table, re.M), table
 
 
 def test_eval_refuses_a_bad_task_file_before_loading(tmp_path, capsys):
