@@ -202,8 +202,8 @@ class EvalTab:
             cfg = S.load_run_config(p.runs_dir / names[0] / "config.yaml") if names else p.config(values)
             tasks = task_list(values[self.held_out], (values[self.files] or "").splitlines(),
                               (values[self.harness] or "").split(","))
-            job = eval_jobs.start(cfg, values[self.base], [(n, str(p.runs_dir / n)) for n in names], tasks,
-                                  p.runs_dir)
+            job = p.adopt(eval_jobs.start(cfg, values[self.base], [(n, str(p.runs_dir / n)) for n in names], tasks,
+                                          p.runs_dir))  # reaped when it ends, as the runs' workers are
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error")}
         return {self.msg: message(f"Started evaluation **{job.name}**.", "ok"), self.shown: str(job.path),

@@ -472,8 +472,9 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
     words, the answers side by side); a second job is stopped; the result stays on disk and
     shows again when picked."""
     sync_api = pytest.importorskip("playwright.sync_api")
+    import psutil
 
-    url, runs, _ = app_server
+    url, runs, app_proc = app_server
     train = subprocess.run(
         [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart", "--runs-dir", str(runs),
          "--name", "tiny", "--set", f"model.name={tiny_model_dir}", "--set", "model.quant=none",
@@ -533,3 +534,5 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
         _wait(lambda: "finished" in page.locator("#eval-status").inner_text()
               and "tiny" in page.locator("#eval-table").inner_text(), 30, "the saved result shown again")
         browser.close()
+    _wait(lambda: not [c for c in psutil.Process(app_proc.pid).children(recursive=True)
+                       if c.status() == psutil.STATUS_ZOMBIE], 15, "no defunct evaluation job under the app")
