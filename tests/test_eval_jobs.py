@@ -3,11 +3,16 @@ page, a restarted app) finds its progress and its saved result; a stop ends it w
 result; a bad request ends it with one line."""
 
 import json
+import os
 import time
 
+import pytest
+
+from edgetune.engine.core.errors import RunError
+from edgetune.engine.core.runfolder import lock_runs_folder
 from edgetune.engine.core.settings import resolve
 
-from edgetune.engine.run import eval_jobs
+from edgetune.engine.run import api, eval_jobs
 
 
 def _cfg(tiny_model_dir, tmp_path, *more):
@@ -48,10 +53,18 @@ def test_a_stopped_job_ends_without_a_result_and_a_bad_one_says_why(tiny_model_d
     _until(job, lambda j: j.progress().get("total"))  # the model is loaded and grading
     fresh = eval_jobs.EvalJob(job.path)  # stopped from another handle, as a reloaded page would
     assert fresh.status() == "running" and eval_jobs.active_eval(runs).path == job.path
+    # it holds the runs folder's lock: no run starts (the queue waits), no second evaluation
+    with pytest.raises(RunError, match=f"the evaluation {job.name} is running in {runs}"):
+        api.create(cfg)
+    with pytest.raises(RunError, match=f"the evaluation {job.name} is running in {runs} \\(one job on the device"):
+        eval_jobs.start(cfg, True, [], ["held-out"], runs)
     fresh.stop()
     job.wait(60)
     assert fresh.status() == "stopped" and not (job.path / "result.json").exists()
     assert eval_jobs.active_eval(runs) is None
+    fd = lock_runs_folder(runs)  # the lock went with the job's process
+    assert fd is not None
+    os.close(fd)
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "answer": "1"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
-from edgetune.engine.core.runfolder import atomic_write_text, open_append, pid_alive
+from edgetune.engine.core.runfolder import atomic_write_text, lock_runs_folder, open_append, pid_alive
 from edgetune.engine.core.threads import worker_env
 
 EVALS = ".evaluations"  # <runs_dir>/.evaluations: one folder an evaluation job
@@ -123,21 +123,26 @@ def active_eval(runs_dir: str | os.PathLike) -> EvalJob | None:
 def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
           runs_dir: str | os.PathLike) -> EvalJob:
     """A new job folder with its request and settings, and its worker started: the base
-    (when `base`) and each (name, adapter or run folder) graded on `tasks`. One evaluation
-    at a time per runs folder, and none while a run there trains (both would share the
-    device)."""
-    from edgetune.engine.run import api
-
+    (when `base`) and each (name, adapter or run folder) graded on `tasks`. The worker holds
+    the runs folder's lock, as a run's worker does (engine/core/runfolder.py): one job on
+    the device at a time, so no run starts and the queue waits while it grades, and none
+    starts while a run trains."""
     if not base and not adapters:
         raise EdgetuneError("nothing to evaluate: pick the base and/or runs")
     if not tasks:
         raise EdgetuneError("nothing to grade on: pick the held-out split, a task file or a harness task")
-    busy = active_eval(runs_dir)
-    if busy is not None:
-        raise RunError(f"the evaluation {busy.name} is still running: stop it first")
-    training = api.active_run(runs_dir)
-    if training is not None:
-        raise RunError(f"run '{training.name}' is training in {runs_dir}: evaluate when it has ended")
+    fd = lock_runs_folder(runs_dir)  # the device does one thing at a time: the worker holds it to its end
+    if fd is None:
+        other = active_eval(runs_dir)
+        who = f"the evaluation {other.name} is running" if other else "a run is training or starting"
+        raise RunError(f"{who} in {runs_dir} (one job on the device at a time): evaluate when it has ended")
+    try:
+        return _start(cfg, base, adapters, tasks, runs_dir, fd)
+    finally:
+        os.close(fd)
+
+
+def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
     d = evals_dir(runs_dir)
     stem = datetime.now().strftime("eval-%Y%m%d-%H%M%S")
     name, n = stem, 1
@@ -155,7 +160,7 @@ def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
     log = open_append(path / "worker.log")
     proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.run.eval_jobs", str(path)], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                            env=worker_env(PYTHONUNBUFFERED="1"), cwd=os.getcwd())
+                            env=worker_env(PYTHONUNBUFFERED="1"), cwd=os.getcwd(), pass_fds=(fd,))
     log.close()
     atomic_write_text(path / "pid", str(proc.pid))
     return EvalJob(path, proc)
