@@ -490,13 +490,18 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
         page.set_default_timeout(60_000)
         page.goto(url)
         page.wait_for_selector("#tabs")
+
+        def msg() -> str:
+            return page.locator("#eval-message").inner_text()
+
         _tab(page, "8 · Evaluate")
         _wait(lambda: "No evaluation yet" in page.locator("#eval-status").inner_text(), 30, "the tab's first draw")
         page.locator("#eval-runs input").click()
         page.get_by_role("option", name="tiny", exact=True).click()
         page.locator("#eval-files textarea").fill(str(sums))
         page.click("#eval-start-btn")
-        page.wait_for_selector("#eval-message:has-text('Started evaluation')")
+        _wait(lambda: "Started evaluation" in msg() or "✗" in msg(), 60, "the start's message")
+        assert "Started evaluation" in msg(), msg()
         job = page.locator("#eval-status strong").inner_text()
         page.reload()  # the job goes on in its own process; the page finds it again
         page.wait_for_selector("#tabs")
@@ -522,7 +527,8 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
 
         # a second job, stopped while its model loads: it ends without a result
         page.click("#eval-start-btn")
-        page.wait_for_selector("#eval-message:has-text('Started evaluation')")
+        _wait(lambda: "Started evaluation" in msg() or "✗" in msg(), 60, "the start's message")
+        assert "Started evaluation" in msg(), msg()
         _wait(lambda: "loading the model" in page.locator("#eval-status").inner_text()
               or "%" in page.locator("#eval-status").inner_text() or "/" in page.locator("#eval-status").inner_text(),
               60, "the second job to start")

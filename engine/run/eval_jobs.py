@@ -158,7 +158,7 @@ def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
     except OSError as e:
         raise RunError(f"{path}: cannot create the evaluation folder ({e.strerror})") from None
     log = open_append(path / "worker.log")
-    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.run.eval_jobs", str(path)], stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.run.eval_jobs", str(path), str(fd)], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=worker_env(PYTHONUNBUFFERED="1"), cwd=os.getcwd(), pass_fds=(fd,))
     log.close()
@@ -170,9 +170,18 @@ def _stopped(*_):
     raise KeyboardInterrupt
 
 
-def run(path: str | os.PathLike) -> int:
-    """The worker: grade, write progress as it goes and the result at the end."""
-    path = Path(path)
+def run(path: str | os.PathLike, lock_fd: int | None = None) -> int:
+    """The worker: grade, write progress as it goes and the result at the end. `lock_fd`:
+    the runs folder's lock it inherited, let go as soon as the job has ended (before the
+    interpreter's slow exit), so that the next job can start once the page says it ended."""
+    try:
+        return _run(Path(path))
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+def _run(path: Path) -> int:
     signal.signal(signal.SIGTERM, _stopped)
     atomic_write_text(path / "progress.json", json.dumps({"loading": True}))  # a stop from here on is heard
     try:
@@ -208,4 +217,4 @@ def run(path: str | os.PathLike) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1]))
+    sys.exit(run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None))
