@@ -22,6 +22,7 @@ from edgetune.engine.run import api
 from .page import Page
 from .tab_chat import ChatTab
 from .tab_data import DataTab
+from .tab_eval import EvalTab
 from .tab_export import ExportTab
 from .tab_method import MethodTab
 from .tab_model import ModelTab
@@ -101,14 +102,18 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 page.chat_tab = ChatTab(page)
             with gr.Tab("7 · Export", id="export", elem_id="tab-export"):
                 page.export_tab = ExportTab(page)
+            with gr.Tab("8 · Evaluate", id="evaluate", elem_id="tab-evaluate"):
+                page.eval_tab = EvalTab(page)
 
-        for tab in (page.model_tab, page.data_tab, page.method_tab, page.runs_tab, page.chat_tab, page.export_tab):
+        for tab in (page.model_tab, page.data_tab, page.method_tab, page.runs_tab, page.chat_tab, page.export_tab,
+                    page.eval_tab):
             tab.wire()
         page.train_tab.wire(train_tab)
 
         train = page.train_tab
         page.timer.tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
 
+        demo.load(page.eval_tab.refresh, None, [page.eval_tab.runs])  # the runs to pick, as they are now
         demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,
                                                     page.runs_tab.compare, *page.train_tab.queue.section_outputs,
                                                     *page.form_outputs, page.tabs])

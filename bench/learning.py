@@ -270,9 +270,10 @@ def bench_task(task: str, a, data: dict, work: Path, log, save) -> dict:
                  "train_s": None if train_s is None else round(train_s, 1), "eval_s": round(secs, 1)}
         if m is None:
             entry["error"] = f"eval exited {rc}: see {work / f'{task}-{method}-eval.log'}"
-        else:  # `edgetune eval --json`: one system (the adapter), each score with its interval
-            (system,) = m["systems"]
-            entry.update({k: v["estimate"] for k, v in system["scores"].items()}, prompts=m["prompts"])
+        else:  # `edgetune eval --json`: one task (held-out), one system (the adapter), each score with its interval
+            (held_out,) = m["tasks"]
+            (system,) = held_out["systems"]
+            entry.update({k: v["estimate"] for k, v in system["scores"].items()}, prompts=held_out["prompts"])
             entry["intervals"] = {k: [v["low"], v["high"]] for k, v in system["scores"].items()}
         if run is not None:
             entry["curve"] = curve(run)

@@ -588,38 +588,48 @@ def cmd_estimate(a) -> int:
     return 0
 
 
-def _score(x: dict, metric: str) -> str:
+def _score(x: dict, proportion: bool) -> str:
     """A score and its 95% interval: shares in percent, other means as they are."""
-    if metric == "reward":
+    if not proportion:
         return f"{x['estimate']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
     return f"{100 * x['estimate']:5.1f}% [{100 * x['low']:.1f}, {100 * x['high']:.1f}]"
 
 
+def _task_head(t: dict) -> str:
+    what = {"generative": f"graded by {t.get('reward_fn')}", "loss": "mean token loss (lower is better)",
+            "harness": "lm-evaluation-harness"}
+    return (f"{t['task']}: {t['prompts']} {t.get('unit', 'prompts')}, {what.get(t['kind'], t['kind'])}; "
+            f"each score with its 95% interval")
+
+
 def eval_table(result: dict) -> str:
-    """`edgetune eval`'s table: each system's scores with their 95% intervals, then each
-    pair compared on the same prompts, in numbers and in words."""
+    """`edgetune eval`'s tables, one a task: each system's scores with their 95% intervals,
+    then each pair compared on the same items, in numbers and in words."""
     from edgetune.engine.training.stats import TESTS, p_text
 
-    systems = result["systems"]
-    metrics = list(dict.fromkeys(m for s in systems for m in s["scores"]))
-    cells = [[_score(s["scores"][m], m) if m in s["scores"] else "–" for m in metrics] for s in systems]
-    names = [s["name"] for s in systems]
-    nw = max(len(n) for n in names + ["system"])
-    widths = [max(len(m), *(len(c[j]) for c in cells)) for j, m in enumerate(metrics)]
-    lines = [f"{result['prompts']} held-out prompts, graded by {result['reward_fn']}; "
-             f"each score with its 95% interval", "",
-             f"{'system':{nw}s}  " + "  ".join(f"{m:{w}s}" for m, w in zip(metrics, widths))]
-    lines += [f"{n:{nw}s}  " + "  ".join(f"{c:{w}s}" for c, w in zip(row, widths)) for n, row in zip(names, cells)]
-    for s in systems:
-        if s.get("adapter"):
-            lines.append(f"  {s['name']}: {s['adapter']}")
-    if result["comparisons"]:
-        lines += ["", "paired on the same prompts:"]
-        for c in result["comparisons"]:
-            unit = (lambda x: f"{100 * x:+.1f} pts") if c["kind"] == "proportion" else (lambda x: f"{x:+.3f}")
-            lines.append(f"  {c['b']} vs {c['a']}, {c['metric']}: {unit(c['difference'])} "
-                         f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])} ({TESTS[c['kind']]})")
-            lines.append(f"    {c['words']}")
+    lines = []
+    for t in result["tasks"]:
+        systems = t["systems"]
+        metrics = t.get("metrics") or list(dict.fromkeys(m for s in systems for m in s["scores"]))
+        shares = set(t.get("shares", ()))
+        cells = [[_score(s["scores"][m], m in shares) if m in s["scores"] else "–" for m in metrics]
+                 for s in systems]
+        names = [s["name"] for s in systems]
+        nw = max(len(n) for n in names + ["system"])
+        widths = [max(len(m), *(len(c[j]) for c in cells)) for j, m in enumerate(metrics)]
+        lines += ([""] if lines else []) + [_task_head(t), "",
+                                            f"{'system':{nw}s}  " + "  ".join(f"{m:{w}s}" for m, w in zip(metrics, widths))]
+        lines += [f"{n:{nw}s}  " + "  ".join(f"{c:{w}s}" for c, w in zip(row, widths)) for n, row in zip(names, cells)]
+        for s in systems:
+            if s.get("adapter"):
+                lines.append(f"  {s['name']}: {s['adapter']}")
+        if t["comparisons"]:
+            lines += ["", f"paired on the same {t.get('unit', 'prompts')}:"]
+            for c in t["comparisons"]:
+                unit = (lambda x: f"{100 * x:+.1f} pts") if c["kind"] == "proportion" else (lambda x: f"{x:+.3f}")
+                lines.append(f"  {c['b']} vs {c['a']}, {c['metric']}: {unit(c['difference'])} "
+                             f"[{unit(c['low'])}, {unit(c['high'])}], {p_text(c['p_value'])} ({TESTS[c['kind']]})")
+                lines.append(f"    {c['words']}")
     return "\n".join(ln.rstrip() for ln in lines)
 
 
@@ -627,31 +637,30 @@ def cmd_eval(a) -> int:
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
-    from edgetune.engine.methods.fgrpo.evaluate import eval_passes, grading_settings
-
     from edgetune.engine.run import evaluation
 
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)
-    passes = eval_passes(grading_settings(cfg))  # a method without a reward: its one line, before loading
+    tasks = list(dict.fromkeys(a.task or [evaluation.HELD_OUT]))
+    evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
     systems = [(name, _run_arg(path, a.runs_dir) if path else "")
                for name, path in evaluation.system_names(a.adapter or [], a.base)]
     if not systems:
         raise EdgetuneError("nothing to evaluate: give --adapter RUN (repeatable) and/or --base")
-    bar = tqdm(total=None, unit="prompt", dynamic_ncols=True, disable=a.json, desc="loading the model",
+    bar = tqdm(total=None, unit="item", dynamic_ncols=True, disable=a.json, desc="loading the model",
                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}")
 
-    def tick(name: str, i: int, done: int, total: int) -> bool:
+    def tick(name: str, i: int, task: str, done: int, total: int) -> bool:
         if bar.total != total or done < bar.n:
             bar.reset(total=total)
         bar.n = done
-        what = "evaluating" if passes == 1 else "evaluating (greedy, then pass@k samples)"
-        bar.set_description_str(f"{name} ({i + 1}/{len(systems)}): {what}", refresh=False)
+        task_part = f", {task}" if len(tasks) > 1 else ""
+        bar.set_description_str(f"{name} ({i + 1}/{len(systems)}{task_part}): evaluating", refresh=False)
         bar.refresh()
         return False
 
     try:
-        result = evaluation.compare(cfg, systems, progress=tick)
+        result = evaluation.compare(cfg, systems, tasks, progress=tick)
     finally:
         bar.close()
     print(json.dumps(result, indent=2) if a.json else eval_table(result))
@@ -799,13 +808,20 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--gpus", default=1, help="the peak of each GPU of a data-parallel run on that many")
     es.set_defaults(fn=cmd_estimate)
 
-    ev = sub.add_parser("eval", help="the base and adapters on the held-out prompts: scores with 95%% intervals, "
+    ev = sub.add_parser("eval", help="the base and adapters on the same tasks: scores with 95%% intervals, "
                                      "paired comparisons")
     config_args(ev)
     ev.add_argument("--adapter", action="append",
                     help="an adapter folder, a run folder or a run name as `edgetune runs` prints it (repeatable; "
                          "'' = the base)")
     ev.add_argument("--base", action="store_true", help="grade the base model too (the adapter off)")
+    ev.add_argument("--task", action="append", metavar="TASK",
+                    help="what to grade on (repeatable; default held-out): held-out = the config's held-out split "
+                         "(generated and graded by its reward; SFT: the loss of its held-out demonstrations); a "
+                         "JSONL/CSV/Parquet file of prompt + answer or chat rows, graded by the config's reward "
+                         "with its chat template, system prompt and seed; lm:TASK = EleutherAI's lm-evaluation-harness "
+                         "on the loaded model (a shipped task, lm:path/to/task.yaml or lm:path/to/folder of YAMLs; "
+                         "pip install 'edgetune[harness]')")
     ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
     ev.add_argument("--json", action="store_true",
                     help="scores, intervals, per-prompt outcomes and comparisons as JSON, no progress bar")

@@ -6,6 +6,7 @@ run's curve in the Runs tab's comparison -> download the adapter zip (loaded wit
 the end) and a folder export's zip -> a three-turn chat, the question shown at once, base
 and adapter side by side; a malformed data file shows its row number; the run deleted to
 the trash and restored. No finished worker stays behind as a defunct process of the app.
+The Evaluate tab: the base against a run, as a job that survives a reload and can be stopped.
 
 Trains the embedded SmolLM2-135M (fp32) on the CPU for a few steps (a minute or two).
 Screenshots of each stage go to artifacts/screenshots/.
@@ -13,6 +14,7 @@ Screenshots of each stage go to artifacts/screenshots/.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -460,3 +462,83 @@ def test_runs_added_to_the_queue_run_one_after_another(app_server, tiny_model_di
     first, second = (read_events(d / "events.jsonl") for d in done)
     assert first[-1]["type"] == second[-1]["type"] == "finished"
     assert first[-1]["time"] <= next(e for e in second if e["type"] == "started")["time"]
+
+
+def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops(app_server, tiny_model_dir,
+                                                                                tmp_path):
+    """The Evaluate tab: the base and a run picked from the runs list, its held-out split (an
+    SFT run: the loss) and a task file, run as a job of its own process; a reload finds the
+    same job and then its result (the table with intervals, the bar chart, the comparison in
+    words, the answers side by side); a second job is stopped; the result stays on disk and
+    shows again when picked."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import psutil
+
+    url, runs, app_proc = app_server
+    train = subprocess.run(
+        [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart", "--runs-dir", str(runs),
+         "--name", "tiny", "--set", f"model.name={tiny_model_dir}", "--set", "model.quant=none",
+         "--set", "sft.steps=2", "--set", "sft.eval_every=0", "--set", "sft.samples=0", "--set", "sft.lr=0.01",
+         "--set", "fgrpo.max_new_tokens=6", "--set", "fgrpo.eval_k=0"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert train.returncode == 0, train.stderr[-2000:]
+    sums = tmp_path / "sums.jsonl"
+    sums.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(1, 6)))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+
+        def msg() -> str:
+            return page.locator("#eval-message").inner_text()
+
+        _tab(page, "8 · Evaluate")
+        _wait(lambda: "No evaluation yet" in page.locator("#eval-status").inner_text(), 30, "the tab's first draw")
+        page.locator("#eval-runs input").click()
+        page.get_by_role("option", name="tiny", exact=True).click()
+        page.locator("#eval-files textarea").fill(str(sums))
+        page.click("#eval-start-btn")
+        _wait(lambda: "Started evaluation" in msg() or "✗" in msg(), 60, "the start's message")
+        assert "Started evaluation" in msg(), msg()
+        job = page.locator("#eval-status strong").inner_text()
+        page.reload()  # the job goes on in its own process; the page finds it again
+        page.wait_for_selector("#tabs")
+        _tab(page, "8 · Evaluate")
+        _wait(lambda: job in page.locator("#eval-status").inner_text(), 30, "the same job after the reload")
+        _wait(lambda: "finished" in page.locator("#eval-status").inner_text(), 300, "the evaluation to finish")
+        _wait(lambda: "tiny" in page.locator("#eval-table").inner_text(), 30, "the scores table")
+        table = page.locator("#eval-table").inner_text()
+        for needle in ("held-out", "loss", str(sums), "success_rate", "the base", "tiny", "%"):
+            assert needle in table, (needle, table)
+        assert page.locator("#eval-plot img").count() == 1
+        assert "better than" in page.locator("#eval-words").inner_text() or \
+            "no detectable difference" in page.locator("#eval-words").inner_text()
+        page.screenshot(path=str(SHOTS / "08-evaluate.png"), full_page=True)
+        done = runs / ".evaluations" / job
+        result = json.loads((done / "result.json").read_text())
+        assert [t["task"] for t in result["tasks"]] == ["held-out", str(sums)]
+        shown = page.locator("#eval-diffs").inner_text()
+        gen = result["tasks"][1]
+        differ = [i for i in range(5) if len({s["answers"][i].strip() for s in gen["systems"]}) > 1]
+        for i in differ[:3]:  # the answers where they differ, side by side
+            assert gen["systems"][0]["answers"][i].strip()[:20] in shown
+
+        # a second job, stopped while its model loads: it ends without a result
+        page.click("#eval-start-btn")
+        _wait(lambda: "Started evaluation" in msg() or "✗" in msg(), 60, "the start's message")
+        assert "Started evaluation" in msg(), msg()
+        _wait(lambda: "loading the model" in page.locator("#eval-status").inner_text()
+              or "%" in page.locator("#eval-status").inner_text() or "/" in page.locator("#eval-status").inner_text(),
+              60, "the second job to start")
+        page.click("#eval-stop-btn")
+        _wait(lambda: "stopped" in page.locator("#eval-status").inner_text(), 60, "the stop")
+        # the first result, picked again from the saved evaluations
+        page.locator("#eval-select input").click()
+        page.get_by_role("option", name=job, exact=True).click()
+        _wait(lambda: "finished" in page.locator("#eval-status").inner_text()
+              and "tiny" in page.locator("#eval-table").inner_text(), 30, "the saved result shown again")
+        browser.close()
+    _wait(lambda: not [c for c in psutil.Process(app_proc.pid).children(recursive=True)
+                       if c.status() == psutil.STATUS_ZOMBIE], 15, "no defunct evaluation job under the app")

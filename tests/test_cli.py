@@ -394,7 +394,7 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monk
     assert p.returncode == 0, p.stderr[-2000:]
     # the random tiny model never answers: 0 of 4, with the Wilson interval of 0/4
     assert re.search(r"^the base\s+0\.0% \[0\.0, 49\.0\]\s+0\.000 \[0\.000, 0\.000\]", p.stdout, re.M), p.stdout
-    assert "4 held-out prompts, graded by last_number" in p.stdout and "paired" not in p.stdout
+    assert "held-out: 4 prompts, graded by last_number" in p.stdout and "paired" not in p.stdout
     assert "8/8" in p.stderr  # the bar counted 4 prompts in each of its two passes
     assert "Loading weights" not in p.stderr and "FutureWarning" not in p.stderr
     # --json: the same command in this process (a second model load in a fresh one adds nothing)
@@ -403,7 +403,7 @@ def test_eval_shows_progress_then_a_table_or_json(tmp_path, tiny_model_dir, monk
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert cli.main([*args, "--json"]) == 0
-    raw = json.loads(capsys.readouterr().out)
+    (raw,) = json.loads(capsys.readouterr().out)["tasks"]
     (base,) = raw["systems"]
     assert raw["prompts"] == 4 and base["name"] == "the base" and base["adapter"] is None
     assert base["per_prompt"]["success_rate"] == [0, 0, 0, 0] and raw["comparisons"] == []
@@ -435,8 +435,10 @@ def test_eval_compares_a_run_with_the_base_in_a_table(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--preset", "sft-quickstart", "--base"],
-     "SFT runs have no held-out prompts to grade: `edgetune eval` grades methods with a reward (F-GRPO, ESSA)"),
+    (["--preset", "dpo-quickstart", "--base"],
+     "DPO runs have no held-out split `edgetune eval` can grade (it grades those of SFT, F-GRPO, ESSA); give a "
+     "task file of prompts and answers: --task FILE"),
+    (["--preset", "sft-quickstart", "--base", "--task", "missing.jsonl"], "missing.jsonl: file not found"),
     (["--preset", "fgrpo-quickstart"], "nothing to evaluate: give --adapter RUN (repeatable) and/or --base"),
     (["--preset", "fgrpo-quickstart", "--adapter", "no-such-run"], "no run or folder 'no-such-run'"),
 ])

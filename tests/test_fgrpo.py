@@ -353,7 +353,7 @@ def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir,
     run_b, m_b, _ = run_fgrpo(config(tiny_model_dir, rl_files, tmp_path, steps=2, eval_prompts=4, lr=3e-2),
                               tmp_path / "b")
     a, b = str(run_a.path), str(run_b.path)
-    out = evaluation.compare(cfg, evaluation.system_names([a, b, a], base=True))
+    (out,) = evaluation.compare(cfg, evaluation.system_names([a, b, a], base=True))["tasks"]
     base, sa, sb = out["systems"]
     assert [s["name"] for s in out["systems"]] == ["the base", a, b] and out["prompts"] == 4
     for s in out["systems"]:

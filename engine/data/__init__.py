@@ -35,7 +35,7 @@ from edgetune.engine.data.files import (
     resolve_data_path,
 )
 from edgetune.engine.data.pairs import PairData, PairExample, load_pairs, tokenize_pairs
-from edgetune.engine.data.rl import DROP_LONG_PROMPT, RLData, load_rl, rl_rows
+from edgetune.engine.data.rl import DROP_LONG_PROMPT, TASK_FORMATS, RLData, load_rl, rl_rows, task_rows
 from edgetune.engine.data.sft import (
     DROP_LONG,
     DROP_NO_TARGET,
@@ -51,7 +51,7 @@ __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE",
            "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
            "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
            "collate", "tokenize_rows", "rl_rows", "bad_rows", "PairData", "PairExample", "load_pairs",
-           "tokenize_pairs", "load_for"]
+           "tokenize_pairs", "load_for", "task_rows", "TASK_FORMATS"]
 
 
 def load_for(method: str, ds, tokenizer, seed: int, progress=None):

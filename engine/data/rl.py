@@ -19,6 +19,7 @@ from edgetune.engine.data.files import (
     iter_rows,
     length_stats,
     messages_cell,
+    read_rows,
     split_rows,
     text_cell,
 )
@@ -133,3 +134,33 @@ def load_rl(ds: DataSettings, seed: int, tokenizer=None, progress=None) -> RLDat
         length_unit="tokens" if tokenizer is not None else "characters",
     )
     return RLData(train, evals, report)
+
+
+TASK_FORMATS = ("rl", "messages", "prompt_completion")  # what a task file of graded prompts may hold
+
+
+def task_rows(path: str, ds: DataSettings) -> list[dict]:
+    """The prompts of a task file, each with the answer it is graded against: rows of
+    prompt + answer (or prompt + completion), or chat rows whose last turn is the
+    assistant's answer and whose earlier turns are the prompt. Every row is checked; a bad
+    one is a DataError naming the file and the row."""
+    rows = read_rows(path)
+    fmt = format_for(rows, ds, path)
+    if fmt not in TASK_FORMATS:
+        raise DataError(f"a task file needs rows of prompt + answer, prompt + completion or chat messages "
+                        f"(found columns {sorted(rows[0])}, format '{fmt}')", file=path)
+    if fmt == "rl":
+        return rl_rows(rows, fmt, ds, path)
+    out = []
+    for n, row in enumerate(rows, start=1):
+        if fmt == "prompt_completion":
+            out += rl_rows([{**row, "answer": row.get("completion")}], "rl", ds, path, n)
+            continue
+        msgs = messages_cell(row.get("messages"), "messages", path, n)
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            raise DataError("the last message must be the assistant's answer (role 'assistant', not empty)",
+                            file=path, row=n)
+        if not any(m["role"] == "user" for m in msgs[:-1]):
+            raise DataError("no user message before the answer", file=path, row=n)
+        out.append({**row, "prompt": msgs[:-1], "answer": msgs[-1]["content"]})
+    return out

@@ -52,6 +52,8 @@ from edgetune.engine.core.settings import (  # noqa: F401
 )
 from edgetune.engine.core.threads import worker_env
 
+from edgetune.engine.run.eval_jobs import active_eval
+
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
 
@@ -355,7 +357,9 @@ def _locked(runs_dir: Path) -> int:
     fd = lock_runs_folder(runs_dir)
     if fd is None:
         busy = active_run(runs_dir)
-        who = f"run '{busy.name}' is still training" if busy else "another run is starting"
+        grading = None if busy else active_eval(runs_dir)
+        who = (f"run '{busy.name}' is still training" if busy else f"the evaluation {grading.name} is running"
+               if grading else "another run is starting")
         raise RunsFolderBusy(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
     return fd
 

@@ -131,14 +131,11 @@ def grading_settings(cfg: Config) -> FGRPOSettings:
     return replace(cfg.fgrpo, **{k: getattr(group, k) for k in GRADING if hasattr(group, k)})
 
 
-def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
-    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
-    ("" = the base alone, for a before/after comparison in the same precision), with
-    each metric per prompt (`per_prompt`). `progress(prompts_done, total)` as the
-    evaluation advances."""
+def eval_model(cfg: Config, adapter_path: str | None):
+    """(model, tokenizer, adapter folder or None) an evaluation grades: the config's base
+    with the adapter of an adapter folder or a run folder ("" = the base alone, for a
+    before/after comparison in the same precision), in eval mode."""
     cfg = copy.deepcopy(cfg)
-    s = grading_settings(cfg)
-    check_seed(cfg.run.seed)  # its sampling streams come from it
     if adapter_path:
         if (Path(adapter_path) / "adapter" / "adapter_config.json").is_file():  # a run folder
             adapter_path = str(Path(adapter_path) / "adapter")
@@ -148,17 +145,42 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
     cfg.model = replace(cfg.model, gradient_checkpointing=False)
     model, tok, _ = model_lib.load(cfg)
     model.eval()
+    return model, tok, adapter_path or None
+
+
+def held_out_rows(cfg: Config, tok, s: FGRPOSettings) -> list[dict]:
+    """The config's held-out prompts, the first s.eval_prompts of them (0 = all)."""
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     rows = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
     if not rows:
         raise DataError("no held-out rows to evaluate on (set data.eval_fraction or data.eval_path)",
                         file=cfg.data.path)
+    return rows
+
+
+def grade_rows(cfg: Config, s: FGRPOSettings, model, tok, rows: list[dict], progress=None,
+               samples: int = 0) -> dict | None:
+    """`evaluate` of a loaded model on `rows` with s's reward, the config's system prompt
+    and seed; `progress(prompts_done, total)` as it advances (True back: stop, and None
+    is returned)."""
+    check_seed(cfg.run.seed)  # its sampling streams come from it
     reward = build_reward(s.reward, s.reward_file)
     total = len(rows) * eval_passes(s)
     tick = (lambda done: progress(done, total)) if progress is not None else None
     metrics = evaluate(model, tok, rows, reward, s, cfg.data.system_prompt, cfg.run.seed, tick=tick,
-                       memory_budget=copy_budget(cfg))
-    return {"adapter": adapter_path or None, "reward_fn": reward.name, **metrics}
+                       memory_budget=copy_budget(cfg), samples=samples)
+    return None if metrics is None else {"reward_fn": reward.name, **metrics}
+
+
+def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
+    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
+    ("" = the base alone), with each metric per prompt (`per_prompt`).
+    `progress(prompts_done, total)` as the evaluation advances."""
+    s = grading_settings(cfg)
+    check_seed(cfg.run.seed)
+    model, tok, adapter_path = eval_model(cfg, adapter_path)
+    out = grade_rows(cfg, s, model, tok, held_out_rows(cfg, tok, s), progress)
+    return {"adapter": adapter_path, **out}
 
 
 # The metrics two systems' held-out evaluations are compared on, prompt by prompt: greedy
