@@ -132,7 +132,7 @@ def effective_markdown(eff: dict, title: str = "Decided for this run", layers: i
 # --------------------------------------------------------------------------- runs
 
 
-RUN_COLUMNS = ["run", "status", "method", "step", "metrics", "created"]
+RUN_COLUMNS = ["run", "status", "method", "step", "metrics", "held-out, against the base", "created"]
 
 
 def metric_words(key: str) -> str:
@@ -156,6 +156,7 @@ def runs_frame(summaries: list[dict]) -> pd.DataFrame:
     rows = [{"run": s["name"], "status": s["status"], "method": s.get("method") or "",
              "step": f"{s.get('step', 0)}/{s.get('total') or '?'}",
              "metrics": s.get("message") or "" if s["status"] == "damaged" else _metrics_text(s.get("metrics") or {}),
+             "held-out, against the base": s.get("helped") or "",
              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s.get("created") else ""}
             for s in summaries]
     return pd.DataFrame(rows, columns=RUN_COLUMNS)

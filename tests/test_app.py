@@ -272,6 +272,9 @@ def test_runs_table_rows():
     rl = panels.runs_frame([{"name": "rl", "status": "finished", "method": "fgrpo", "step": 32, "total": 32,
                              "metrics": {"success_rate_start": 0.1, "pass@1_end": 0.94, "eval_loss": 0.2}}])
     assert rl.iloc[0]["metrics"] == "success rate before 0.1, pass@1 after 0.94, eval loss 0.2"
+    said = "the adapter is better than the base by 12 points (95% CI 5 to 19, p = 0.003)"
+    helped = panels.runs_frame([{"name": "rl", "status": "finished", "method": "fgrpo", "helped": said}])
+    assert helped.iloc[0]["held-out, against the base"] == said and rl.iloc[0]["held-out, against the base"] == ""
 
 
 # --------------------------------------------------------------------------- engine helpers the app calls
@@ -901,6 +904,8 @@ def test_a_page_update_while_a_run_trains_redraws_the_plots_only_now_and_then(tm
         (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     live_run = runs / "run-200"
     (live_run / "worker.pid").write_text(str(os.getpid()))  # a worker that lives: the run trains
+    # a long interval, so a slow machine's draws never reach it by themselves; the test moves the clock
+    monkeypatch.setattr(tab_train, "PLOT_EVERY_S", 3600.0)
     demo = build_app(runs)
     try:
         train = demo.edgetune_page.train_tab

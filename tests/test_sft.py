@@ -38,6 +38,31 @@ def test_resume_continues_with_identical_losses(tiny_model_dir, tmp_path):
     assert len(set(full.values())) == 6
 
 
+def test_a_finished_run_says_whether_its_adapter_beat_the_base(tiny_model_dir, tmp_path):
+    """With held-out evaluation on, the run ends with a paired comparison of each held-out
+    demonstration's loss, the adapter against the base (the adapter switched off), and the
+    Runs table shows its sentence."""
+    from edgetune.engine.methods.fgrpo.evaluate import eval_model
+    from edgetune.engine.methods.sft import sft
+
+    from edgetune.engine.run import api
+
+    from edgetune.engine import data as data_lib
+
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"eval_every": 3, "lr": 1e-2})
+    events = _run(cfg, tmp_path / "r")
+    (c,) = [e for e in events if e["type"] == "comparison"]
+    assert (c["a"], c["b"], c["metric"]) == ("the base", "the adapter", "loss") and c["n"] > 0
+    final = [e for e in events if e["type"] == "eval"][-1]["eval_loss"]
+    assert c["difference"] < 0 and c["low"] <= c["difference"] <= c["high"]  # it learned: a lower loss
+    # the adapter's side is the final evaluation's examples, one loss each
+    model, tok, _ = eval_model(cfg, str(tmp_path / "r"))
+    data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
+    mine = sft.example_losses(model, data.eval, tok.pad_token_id, 4, "cpu")
+    assert len(mine) == c["n"] and abs(sum(mine) / len(mine) - final) < 0.5
+    assert api.Run(tmp_path / "r").summary()["helped"] == c["words"]
+
+
 def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
     from peft import PeftModel
 

@@ -191,8 +191,17 @@ class Run:
             "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": total,
             "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
+            "helped": _helped(events),
             "damaged_event_lines": damaged, "problem": bool(problem), "ending": _ending(events),
         }
+
+
+def _helped(events: list[dict]) -> str:
+    """Did the run help: the words of the first `comparison` its last attempt recorded (its
+    adapter against the base on the held-out split), or ""."""
+    started = [e["i"] for e in events if e["type"] == "started"]
+    since = started[-1] if started else -1
+    return next((e.get("words") or "" for e in events if e["type"] == "comparison" and e["i"] > since), "")
 
 
 def _ending(events: list[dict]) -> dict:

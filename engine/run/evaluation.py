@@ -34,7 +34,7 @@ Comparisons: each adapter against the base first, then the adapters against each
 from __future__ import annotations
 
 import gc
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from itertools import combinations
 
 from edgetune.engine.core.errors import ConfigError, DataError, EdgetuneError
@@ -178,12 +178,8 @@ def compare_losses(graded: list[tuple[str, dict]]) -> dict:
     systems = [{"name": name, "adapter": r.get("adapter"),
                 "scores": {LOSS: asdict(stats.bootstrap_mean(r["per_prompt"][LOSS]))},
                 "per_prompt": r["per_prompt"]} for name, r in graded]
-    comparisons = []
-    for a, b in pairs(systems):
-        c = stats.compare_means(a["per_prompt"][LOSS], b["per_prompt"][LOSS])
-        lower = replace(c, difference=-c.difference, low=-c.high, high=-c.low)  # a lower loss is better
-        comparisons.append({"a": a["name"], "b": b["name"], "metric": LOSS, **c.dict(),
-                            "words": stats.in_words(lower, a["name"], b["name"], unit="demonstrations")})
+    comparisons = [stats.compare_losses(a["per_prompt"][LOSS], b["per_prompt"][LOSS], a["name"], b["name"], LOSS,
+                                        "demonstrations") for a, b in pairs(systems)]
     return {"prompts": graded[0][1]["prompts"], "unit": "demonstrations", "systems": systems,
             "comparisons": comparisons}
 

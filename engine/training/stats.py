@@ -18,7 +18,7 @@ Bootstraps draw from a fixed seed, so the same outcomes give the same intervals 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -28,6 +28,7 @@ ALPHA = 0.05  # a difference whose p-value is below this is called detected
 GAP = 0.05  # the gap the sample-size sentence speaks of (5 points of a share)
 RESAMPLES = 10_000
 SEED = 0
+BASE, ADAPTER = "the base", "the adapter"  # the two systems of a run's own before / after comparison
 TESTS = {"proportion": "exact McNemar", "mean": "paired bootstrap"}  # the test of each Paired.kind
 
 
@@ -159,3 +160,12 @@ def in_words(c: Paired, a: str, b: str, unit: str = "prompts", gap: float = GAP)
         size = f"a {_amount(gap, c.kind)}-point gap" if c.kind == "proportion" else f"a gap of {gap:g}"
         line += f"; about {c.needed} would show {size}"
     return line
+
+
+def compare_losses(a_values, b_values, a: str, b: str, metric: str, unit: str) -> dict:
+    """System b against system a on per-item losses (lower is better): the paired
+    bootstrap's fields, signed as measured (b - a), and the answer in words, where
+    "better" means a lower loss."""
+    c = compare_means(a_values, b_values)
+    lower = replace(c, difference=-c.difference, low=-c.high, high=-c.low)
+    return {"a": a, "b": b, "metric": metric, **c.dict(), "words": in_words(lower, a, b, unit=unit)}

@@ -186,7 +186,7 @@ def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> di
 # The metrics two systems' held-out evaluations are compared on, prompt by prompt: greedy
 # success (0/1 per prompt: exact McNemar) and the mean reward (paired bootstrap).
 COMPARED = ("success_rate", "reward")
-BASE, ADAPTER = "the base", "the adapter"  # the two systems of a run's own comparison
+BASE, ADAPTER = stats.BASE, stats.ADAPTER  # the two systems of a run's own comparison
 
 
 def held_out_scores(per_prompt: dict) -> dict:

@@ -51,7 +51,8 @@ from edgetune.engine.models.liger import apply as apply_liger
 
 from edgetune.engine.generation.samples import complete_samples, sample_prompts
 
-from edgetune.engine.training.lm_loss import causal_lm_loss, label_count
+from edgetune.engine.training import stats
+from edgetune.engine.training.lm_loss import causal_lm_loss, label_count, labelled_logprobs
 from edgetune.engine.training.loop import (
     RunContext,
     check_finite,
@@ -173,9 +174,23 @@ def train(ctx: RunContext) -> dict:
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
+    if data.eval and s.eval_every and not stopped:  # did it help: the adapter against the base, demonstration by demonstration
+        before_after(ctx, model, data.eval[: n_eval * s.batch_size], pad_id, s.batch_size, device, step)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
+
+
+def before_after(ctx, model, examples, pad_id: int, batch_size: int, device: str, step: int) -> None:
+    """The held-out demonstrations' loss with the adapter and with it switched off, compared
+    pair by pair (paired bootstrap, lower is better): a `comparison` event."""
+    tick = phases.counter(ctx.emit, "base_eval", -(-len(examples) // batch_size), "batches", ctx.should_stop)
+    end = example_losses(model, examples, pad_id, batch_size, device)
+    with model.disable_adapter():
+        start = example_losses(model, examples, pad_id, batch_size, device, tick)
+    if start is not None and end is not None:
+        ctx.emit("comparison", step=step, **stats.compare_losses(start, end, stats.BASE, stats.ADAPTER, "loss",
+                                                                 "demonstrations"))
 
 
 def accumulate(model, batches: list[dict], sebp=None) -> tuple[float, int]:
@@ -223,6 +238,25 @@ def _filler(model) -> dict:
 def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
     n = -(-n_examples // batch_size)
     return min(n, max_batches) if max_batches else n
+
+
+@torch.no_grad()
+def example_losses(model, examples, pad_id: int, batch_size: int, device: str, tick=None) -> list[float] | None:
+    """Each example's mean token loss (its labelled tokens); `tick(batches_done)` after each
+    batch, and None when it returns True."""
+    was_training = model.training
+    model.eval()
+    out: list[float] = []
+    for b, s in enumerate(range(0, len(examples), batch_size)):
+        batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
+        with model_lib.autocast(model):
+            sums, counts = labelled_logprobs(model, batch)
+        out += (-sums / counts.clamp(min=1)).float().tolist()
+        if tick is not None and tick(b + 1):
+            out = None
+            break
+    model.train(was_training)
+    return out
 
 
 @torch.no_grad()
