@@ -256,7 +256,7 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         stopped_at = _progress(page)["step"]
         assert 2 <= stopped_at < STEPS
         # the stop's message went when the run reached its end; Resume and Start apply now
-        _wait(lambda: page.locator("#train-message").inner_text().strip() == "", 10, "the stale message to go")
+        _wait(lambda: page.locator("#train-message").inner_text().strip() == "", 30, "the stale message to go")
         _wait(lambda: _enabled(page) == {"start": True, "stop": False, "resume": True}, 30, "buttons of a stopped run")
         page.screenshot(path=str(SHOTS / "04-train-stopped.png"), full_page=True)
 
