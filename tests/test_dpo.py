@@ -287,8 +287,8 @@ def test_quickstart_learns_to_prefer_the_right_sum(tmp_path):
                         "--set", "fgrpo.eval_k=0", "--base", "--adapter", str(runs / "qs"), "--json"],
                        capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
-    result = json.loads(p.stdout)
-    (c,) = [c for c in result["comparisons"] if c["metric"] == "success_rate"]
+    (held_out,) = json.loads(p.stdout)["tasks"]
+    (c,) = [c for c in held_out["comparisons"] if c["metric"] == "success_rate"]
     assert not (c["difference"] < 0 and c["p_value"] < 0.05), c["words"]  # no detectable fall
     out = tmp_path / "exported"
     p = subprocess.run([sys.executable, "-m", "edgetune.engine.cli", "export", str(runs / "qs"), "--out", str(out)],
