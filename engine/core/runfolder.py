@@ -378,14 +378,19 @@ def lock_runs_folder(runs_dir: str | os.PathLike) -> int | None:
     """Take the runs folder's lock without waiting: the fd holding it, or None when
     another process holds it. A worker inherits the fd, so the lock lives exactly as long
     as the run's process (the kernel drops it when that dies, even by SIGKILL)."""
+    return try_lock(Path(runs_dir) / LOCK_FILE)
+
+
+def try_lock(path: Path) -> int | None:
+    """Take an exclusive lock on `path` (a lock file in a runs folder, made if missing)
+    without waiting: the fd holding it, or None when another process holds it."""
     import fcntl
 
-    d = Path(runs_dir)
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise RunError(f"{d}: cannot use as the runs folder ({e.strerror})") from None
+        raise RunError(f"{path.parent}: cannot use as the runs folder ({e.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
-from edgetune.engine.core.runfolder import RunDir, atomic_write_text, lock_runs_folder
+from edgetune.engine.core.runfolder import RunDir, atomic_write_text, lock_runs_folder, try_lock
 
 from edgetune.engine.run import api
 
@@ -268,7 +268,7 @@ def driver_pid(runs_dir: str | os.PathLike) -> int | None:
     p = Path(runs_dir) / DRIVER_LOCK
     if not p.is_file():
         return None
-    fd = _take(p)
+    fd = try_lock(p)
     if fd is not None:
         os.close(fd)
         return None
@@ -276,20 +276,6 @@ def driver_pid(runs_dir: str | os.PathLike) -> int | None:
         return int(p.read_text().strip())
     except (OSError, ValueError):
         return -1  # held, pid not yet written
-
-
-def _take(p: Path) -> int | None:
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise RunError(f"{p.parent}: cannot use as the runs folder ({e.strerror})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _busy(runs_dir: Path) -> bool:
@@ -313,7 +299,7 @@ class Driver:
     def acquire(self) -> bool:
         """Become the queue's driver; False when another process is."""
         if self.fd is None:
-            self.fd = _take(self.runs_dir / DRIVER_LOCK)
+            self.fd = try_lock(self.runs_dir / DRIVER_LOCK)
             if self.fd is not None:
                 os.ftruncate(self.fd, 0)
                 os.pwrite(self.fd, str(os.getpid()).encode(), 0)
