@@ -31,6 +31,15 @@ def _as_sent(payload):
     return payload
 
 
+def or_skip(handler):
+    """A handler whose "nothing changed" is an empty dict, as Gradio takes it: Gradio reads
+    an empty dict as too few outputs, and a single gr.skip() as no update to any of them."""
+    def answer(*args):
+        return handler(*args) or gr.skip()
+    answer.__name__ = handler.__name__
+    return answer
+
+
 def number_field(**kwargs) -> gr.Number:
     """A number field whose value reaches its handler as it was sent. The handler reads it
     with the engine's own checks (the settings' ranges, settings.typed_number), so a value

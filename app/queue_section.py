@@ -16,7 +16,7 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from edgetune.engine.run import api, queue
 
-from .page import message
+from .page import message, or_skip
 
 COLUMNS = ["place", "job", "state", "run", "method", "steps", "queued"]
 ENDED_SHOWN = 5  # the last jobs that ended, under the table
@@ -169,4 +169,4 @@ class QueueSection:
         for btn, how in ((self.up_btn, "up"), (self.down_btn, "down"), (self.cancel_btn, "cancel")):
             btn.click(lambda picked, how=how: self.act(picked, how), self.pick, changed)
         if p.timer is not None:
-            p.timer.tick(self.refresh, inputs, self.outputs, show_progress="hidden")
+            p.timer.tick(or_skip(self.refresh), inputs, self.outputs, show_progress="hidden")

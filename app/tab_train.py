@@ -19,7 +19,7 @@ from edgetune.engine.run import api
 
 from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
-from .page import message, number_field
+from .page import message, number_field, or_skip
 from .queue_section import QueueSection
 from .tab_model import decided_text
 
@@ -201,8 +201,8 @@ class TrainTab:
         tab.select(self.show_decided, p.form_inputs, [self.decided], show_progress="hidden")
         acted = [self.msg, p.attached, p.msg_at]
         self.start_btn.click(self.do_start, p.form_inputs | {p.attached, self.gpus}, acted) \
-            .then(self.draw, self.live_inputs, self.live_outputs) \
+            .then(or_skip(self.draw), self.live_inputs, self.live_outputs) \
             .then(p.runs_tab.refresh, p.attached, p.runs_tab.outputs)
         self.stop_btn.click(self.do_stop, p.attached, [self.msg, p.msg_at])
-        self.resume_btn.click(self.do_resume, p.attached, acted).then(self.draw, self.live_inputs, self.live_outputs)
+        self.resume_btn.click(self.do_resume, p.attached, acted).then(or_skip(self.draw), self.live_inputs, self.live_outputs)
         self.queue.wire(self.queue_btn)

@@ -19,7 +19,7 @@ import gradio as gr
 
 from edgetune.engine.run import api
 
-from .page import Page
+from .page import Page, or_skip
 from .tab_chat import ChatTab
 from .tab_data import DataTab
 from .tab_eval import EvalTab
@@ -111,7 +111,7 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
         page.train_tab.wire(train_tab)
 
         train = page.train_tab
-        page.timer.tick(train.draw, train.live_inputs, train.live_outputs, show_progress="hidden")
+        page.timer.tick(or_skip(train.draw), train.live_inputs, train.live_outputs, show_progress="hidden")
 
         demo.load(page.eval_tab.refresh, None, [page.eval_tab.runs])  # the runs to pick, as they are now
         demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,

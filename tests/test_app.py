@@ -972,3 +972,32 @@ def test_the_queue_section_adds_moves_cancels_and_follows_the_queued_run(own_pag
     assert page.attached not in section.refresh("", str(done))
     (done / "queue-job").write_text("an earlier job's token")
     assert section.refresh("", str(done))[page.attached] == str(running)
+
+
+def test_every_timer_tick_answers_what_gradio_accepts(tmp_path):
+    """Each timer handler, ticked twice on a page with nothing new (the second tick sees the
+    state the first wrote back), gives an answer that Gradio's own output check takes: an
+    unchanged page must not answer with too few outputs (a traceback per tick in the app's
+    terminal that the page never shows)."""
+    import asyncio
+
+    from gradio import skip
+
+    from edgetune.app.ui import build_app
+
+    demo = build_app(tmp_path / "runs")
+    try:
+        ticks = [fn for fn in demo.fns.values() if any(event == "tick" for _, event in fn.targets)]
+        assert len(ticks) >= 3  # the Train tab's live view, the queue section, the Evaluate tab
+        for fn in ticks:
+            values = {c._id: c.value for c in fn.inputs}
+            answers = []
+            for _ in range(2):
+                out = fn.fn(*[values[c._id] for c in fn.inputs])
+                asyncio.run(demo.postprocess_data(fn, out, None))  # raises on a malformed answer
+                answers.append(out)
+                if isinstance(out, dict):
+                    values.update({c._id: v for c, v in out.items() if hasattr(c, "_id") and c._id in values})
+            assert answers[0] != skip(), fn.name  # the first tick draws the page
+    finally:
+        demo.edgetune_chat.close()
