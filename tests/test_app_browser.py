@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -42,6 +43,10 @@ def _chromium() -> str | None:
         if p and Path(p).exists():
             return p
     return None  # Playwright's own browser, if installed
+
+
+# A traceback, or an exception's `SomethingError: ...` line, in the app's output
+SERVER_ERROR = re.compile(r"Traceback \(most recent call last\)|\b[A-Z]\w*(Error|Exception)\b:")
 
 
 def _free_port() -> int:
@@ -83,6 +88,12 @@ def app_server(tmp_path):
         proc.wait(20)
     except subprocess.TimeoutExpired:
         proc.kill()
+    log.close()
+    # What the app's process printed while the page was driven: a handler that breaks
+    # shows nothing wrong on the page, only a traceback here.
+    broken = [line for line in (tmp_path / "app.log").read_text(errors="replace").splitlines()
+              if SERVER_ERROR.search(line)]
+    assert not broken, "the app's process printed:\n" + "\n".join(broken[:20])
 
 
 def _progress(page) -> dict:
