@@ -7,7 +7,9 @@ failed logins are refused. Its command-line flags are the CLI's (engine/cli.py).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
+import traceback
 from pathlib import Path
 
 from edgetune.engine.core.errors import ConfigError
@@ -50,6 +52,19 @@ def check_allow_hosts(names: list[str] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+class EndedStreams(logging.Filter):
+    """The event stream of a page that was reloaded or closed outlives its session in
+    Gradio, which then raises a 404 after the response started; uvicorn logs that as an
+    "Exception in ASGI application" with two tracebacks, though nothing failed. Such a record
+    is dropped; any other error is logged as it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        cause = getattr(exc, "__cause__", None)
+        return not (getattr(cause, "status_code", None) == 404 and cause.__traceback__ is not None
+                    and any(f.name == "sse_stream" for f in traceback.extract_tb(cause.__traceback__)))
+
+
 def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", block: bool = True,
            auth: str | None = None, insecure_no_auth: bool = False, allow_hosts: list[str] | None = None):
     import gradio as gr
@@ -62,13 +77,17 @@ def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", bl
     # this process runs the queue whenever it holds jobs and no other process runs it
     threading.Thread(target=queue.serve, args=(Path(runs_dir).resolve(),), name="edgetune-queue",
                      daemon=True).start()
+    logging.getLogger("uvicorn.error").addFilter(EndedStreams())
     try:
         demo.launch(server_name=host, server_port=port, css=CSS, theme=gr.themes.Soft(), auth=credentials,
                     # Adapter zips are written into the run folder and downloaded from there.
                     allowed_paths=[str(Path(runs_dir).resolve())], prevent_thread_lock=not block,
                     # Every request passes the guard; no Node server answers in front of it.
                     app_kwargs={"middleware": [guard]}, ssr_mode=False,
-                    footer_links=[], quiet=True, max_file_size=MAX_UPLOAD_BYTES)
+                    footer_links=[], quiet=True, max_file_size=MAX_UPLOAD_BYTES,
+                    # no self-check of the address: on a loaded machine its 3 s request times
+                    # out and Gradio refuses to start; the CLI says when the app answers
+                    _frontend=False)
     finally:
         if block:
             demo.edgetune_chat.close()

@@ -1001,3 +1001,34 @@ def test_every_timer_tick_answers_what_gradio_accepts(tmp_path):
             assert answers[0] != skip(), fn.name  # the first tick draws the page
     finally:
         demo.edgetune_chat.close()
+
+
+def test_an_ended_pages_event_stream_is_no_traceback_in_the_terminal():
+    """uvicorn's record of Gradio's 404 for a reloaded page's stream is dropped; another
+    error, a 404 elsewhere included, is still logged."""
+    import logging
+
+    from fastapi import HTTPException
+
+    from edgetune.app.main import EndedStreams
+
+    def record(where):
+        try:
+            try:
+                where()
+            except HTTPException as e:
+                raise RuntimeError("Caught handled exception, but response already started.") from e
+        except RuntimeError as e:
+            return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application",
+                                     None, (type(e), e, e.__traceback__))
+
+    def sse_stream():
+        raise HTTPException(status_code=404)
+
+    def download():
+        raise HTTPException(status_code=404)
+
+    keep = EndedStreams().filter
+    assert not keep(record(sse_stream))
+    assert keep(record(download))
+    assert keep(logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "other", None, None))
