@@ -134,3 +134,15 @@ def test_estimate_fit_seq_len_on_the_command_line(tmp_path):
 def test_the_72b_preset_fits_80_gb():
     cfg = resolve(preset="sft-long-72b")
     assert L.longest(cfg, 80 * GiB) >= cfg.data.max_seq_len
+
+
+def test_the_model_tab_shows_the_longest_sequence():
+    from edgetune.app import tab_model
+
+    cfg = resolve(preset="sft-qlora-7b")
+    text = tab_model.estimate_text(cfg)
+    as_set = L.longest(cfg, 24 * GiB)
+    every = L.longest(L._with(cfg, L.lever_settings(cfg)[-1][1]), 24 * GiB)
+    assert f"- 24 GiB: {as_set:,} tokens as set; with model.offload_activations=true + " in text
+    assert text.splitlines()[-3].endswith(f": {every:,}") and every > 4 * as_set
+    assert "Longest" not in tab_model.estimate_text(resolve(preset="fgrpo-quickstart"))  # no levers in its step
