@@ -15,11 +15,26 @@ def estimate_text(cfg) -> str:
     """The planner's estimate of `cfg` as the panel shows it. The planner reads config.json
     and asks nvidia-smi: no torch, so it runs in the app's process."""
     try:
-        return panels.estimate_markdown({"ok": True, "estimate": api.estimate(cfg)})
+        est = api.estimate(cfg)
+        return panels.estimate_markdown({"ok": True, "estimate": est}) + longest_text(
+            api.longest_sequence(cfg, est.get("gpu_total")))
     except ImportError:
         return panels.estimate_markdown({"ok": False, "error": "the memory planner is not installed"})
     except EdgetuneError as e:
         return panels.estimate_markdown({"ok": False, "error": str(e)})
+
+
+def longest_text(rows: list[dict]) -> str:
+    """The longest data.max_seq_len per memory (api.longest_sequence), as set and with every
+    long-sequence lever the settings do not use yet; "" when there are none."""
+    if not rows:
+        return ""
+    lines = ["", "", "**Longest `data.max_seq_len` that fits** (the planner's prediction):"]
+    for r in rows:
+        levers = list(r["levers"].items())
+        more = f"; with {levers[-1][0]}: {levers[-1][1]:,}" if levers else ""
+        lines.append(f"- {r['memory_gib']:g} GiB: {r['as_set']:,} tokens as set{more}")
+    return "\n".join(lines)
 
 
 def decided_text(cfg) -> str:

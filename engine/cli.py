@@ -583,8 +583,14 @@ def estimate_table(est: dict) -> str:
 def cmd_estimate(a) -> int:
     from edgetune.engine.run import api
 
-    est = api.estimate(_config(a), gpus=a.gpus)
-    print(json.dumps(est, indent=2) if a.json else estimate_table(est))
+    cfg = _config(a)
+    est = api.estimate(cfg, gpus=a.gpus)
+    if a.fit_seq_len is not None:  # the longest data.max_seq_len per memory, as set and with each lever
+        from edgetune.engine.planning import long_context
+
+        est["fit_seq_len"] = long_context.fit_rows(cfg, long_context.parse_memories(a.fit_seq_len))
+    print(json.dumps(est, indent=2) if a.json else estimate_table(est) + (
+        "\n\n" + long_context.fit_text(est["fit_seq_len"], cfg) if "fit_seq_len" in est else ""))
     return 0
 
 
@@ -806,6 +812,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(es)
     es.add_argument("--json", action="store_true", help="the planner's raw numbers (bytes) as JSON")
     es.add_argument("--gpus", default=1, help="the peak of each GPU of a data-parallel run on that many")
+    es.add_argument("--fit-seq-len", nargs="?", const="", metavar="GIB,...",
+                    help="also the longest data.max_seq_len that fits each memory (default 24,48,80 GiB), "
+                         "as set and with each long-sequence lever")
     es.set_defaults(fn=cmd_estimate)
 
     ev = sub.add_parser("eval", help="the base and adapters on the same tasks: scores with 95%% intervals, "

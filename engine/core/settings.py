@@ -225,6 +225,25 @@ class ModelSettings:
         "With checkpointing: keep each layer's saved input in pinned host RAM instead of GPU memory "
         "(engine/models/offload.py), for very long sequences; costs host RAM of layers x tokens x hidden x "
         "2-4 bytes and one host->GPU copy per layer per step.")
+    offload_prefetch: bool = setting(
+        False,
+        "With offload_activations: in the backward, copy the next layer's saved input back from host "
+        "RAM on a side stream while this layer recomputes (double-buffered: two inputs on the GPU at a "
+        "time), instead of waiting for each copy (engine/models/offload.py). Same gradients.")
+    mlp_chunk_tokens: int = setting(
+        0,
+        "SFT: compute each layer's MLP in chunks of this many tokens along the sequence, each chunk "
+        "recomputed in the backward (engine/models/long_context.py): the MLP's [tokens, intermediate] "
+        "activations exist for one chunk at a time, for very long sequences. 0 = off (the whole "
+        "sequence at once). Same loss and gradients.",
+        range=Range(0, 2**20))
+    mask_free_attention: bool = setting(
+        False,
+        "SFT: attention with no [tokens, tokens] mask: each packed document (position ids restarting "
+        "at 0) or each row's unpadded tokens attend causally to themselves through SDPA's flash / "
+        "memory-efficient kernels, keys and values at their grouped width (engine/models/long_context.py): "
+        "memory linear in the sequence. The training step only; generation keeps attn_implementation. "
+        "Same loss and gradients.")
     attn_implementation: str = setting(
         "auto",
         "auto = flex_attention for packed SFT rows on CUDA (a block mask from the rows' position "

@@ -21,6 +21,14 @@ The decoder's input must require grad (engine/models/model.add_lora enables inpu
 checkpointing), or no gradient would reach the LoRA weights inside the layer.
 On the CPU there is no separate host memory: the input is kept as is (plain reentrant
 checkpointing), which is what the CPU tests exercise.
+
+With `prefetch` (model.offload_prefetch) the copies back are double-buffered: the backward
+of layer i, as it starts, has layer i-1's input copied back on the side stream, so that
+copy runs beside layer i's recompute and backward instead of before layer i-1's; two
+inputs are on the GPU at a time. Each saved input knows the one saved before it in the
+same forward (the layer whose backward comes next). On the CPU the same bookkeeping runs
+on the tensors themselves, or on copies of them when the stash is made with
+`copies=True` (what the CPU test of the prefetch order uses).
 """
 
 from __future__ import annotations
@@ -28,31 +36,79 @@ from __future__ import annotations
 import torch
 
 
+class _Slot:
+    """One saved layer input: its host copy, the event of that copy, and once fetched back,
+    the device tensor and the event of the copy back."""
+
+    __slots__ = ("host", "done", "device", "fetched", "ready", "prev")
+
+    def __init__(self, host, done, device, prev):
+        self.host, self.done, self.device, self.prev = host, done, device, prev
+        self.fetched = self.ready = None
+
+
 class HostStash:
-    """Asynchronous device -> pinned host copies, and the way back."""
+    """Asynchronous device -> pinned host copies, and the way back (double-buffered with
+    `prefetch`). `copies`: keep CPU tensors as copies (default: as they are)."""
 
-    def __init__(self):
+    def __init__(self, prefetch: bool = False, copies: bool = False):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.prefetch, self.copies = prefetch, copies
+        self.last = None  # the slot saved last in this forward: the previous layer of the next one
+        self.prefetched = 0  # inputs that were already back when their backward started
 
-    def save(self, t: torch.Tensor):
+    def save(self, t: torch.Tensor) -> _Slot:
+        prev = self.last if self.prefetch else None
         if t.device.type != "cuda":
-            return (t, None, None)
-        host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)  # the allocator reuses t's memory only after the copy
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        return (host, done, t.device)
+            slot = _Slot(t.clone() if self.copies else t, None, None, prev)
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # the allocator reuses t's memory only after the copy
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            slot = _Slot(host, done, t.device, prev)
+        if self.prefetch:
+            self.last = slot
+        return slot
 
-    @staticmethod
-    def load(slot) -> torch.Tensor:
-        t, done, device = slot
-        if done is None:
-            return t
-        torch.cuda.current_stream(device).wait_event(done)
-        return t.to(device, non_blocking=True)
+    def _fetch(self, slot: _Slot) -> None:
+        """Start copying `slot` back (on the side stream for a CUDA tensor)."""
+        if slot.fetched is not None:
+            return
+        if slot.done is None:
+            slot.fetched = slot.host.clone() if self.copies else slot.host
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(slot.done)
+            slot.fetched = slot.host.to(slot.device, non_blocking=True)
+            slot.ready = torch.cuda.Event()
+            slot.ready.record(self.stream)
+
+    def load(self, slot: _Slot) -> torch.Tensor:
+        """The saved input on its device again; with prefetch, the previous layer's input
+        starts coming back too."""
+        self.last = None  # a backward has begun: the next forward starts a new chain
+        if slot.fetched is not None:
+            self.prefetched += 1
+        elif slot.done is None:
+            slot.fetched = slot.host.clone() if self.copies else slot.host
+        elif self.prefetch:
+            self._fetch(slot)
+        else:  # the copy back on the compute stream, after the copy out
+            torch.cuda.current_stream(slot.device).wait_event(slot.done)
+            slot.fetched = slot.host.to(slot.device, non_blocking=True)
+        t = slot.fetched
+        if slot.ready is not None:  # copied back on the side stream: used and freed on this one
+            stream = torch.cuda.current_stream(slot.device)
+            stream.wait_event(slot.ready)
+            t.record_stream(stream)
+        if slot.prev is not None:
+            self._fetch(slot.prev)  # the next layer of the backward, beside this one's recompute
+        slot.host = slot.fetched = slot.prev = None
+        return t
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
@@ -72,7 +128,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden = HostStash.load(ctx.slot).detach().requires_grad_(True)
+        hidden = ctx.stash.load(ctx.slot).detach().requires_grad_(True)
         devices = [ctx.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.cpu_rng)
@@ -101,12 +157,13 @@ def offloaded_checkpoint(stash: HostStash):
     return checkpoint_fn
 
 
-def enable(model) -> int:
+def enable(model, prefetch: bool = False, stash: HostStash | None = None) -> int:
     """Route every checkpointed decoder layer of `model` (PEFT or plain HF) through the
-    offloading checkpoint. Gradient checkpointing must be on. Returns the layer count."""
+    offloading checkpoint (`prefetch`: double-buffered copies back, model.offload_prefetch).
+    Gradient checkpointing must be on. Returns the layer count."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    fn = offloaded_checkpoint(HostStash())
+    fn = offloaded_checkpoint(stash or HostStash(prefetch))
     n = 0
     for m in model.modules():
         if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing:

@@ -52,6 +52,7 @@ from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import DPO_REFERENCE_FREE, Config, warm_start_config
 from edgetune.engine.core.units import size
 
+from edgetune.engine.planning import long_levers
 from edgetune.engine.planning.effective import (
     DTYPE_BYTES,
     LOSS_CHUNK_ROWS,
@@ -113,6 +114,8 @@ class Ctx:
     offload: bool = False  # model.offload_activations: layer inputs in pinned host memory
     autocast: bool = False  # engine/models/model.autocast: 16-bit compute on CUDA, adapter products in bf16
     liger: bool = False  # engine/models/liger.py's RMSNorm / SwiGLU in the training step
+    mlp_chunk: int = 0  # model.mlp_chunk_tokens (engine/planning/long_levers.py counts it)
+    mask_free: bool = False  # model.mask_free_attention: no [T, T] mask, k and v at their grouped width
 
 
 def _targets(target_modules, notes: list) -> tuple[str, ...]:
@@ -138,6 +141,7 @@ def make_ctx(cfg: Config, device: str, optimizer: str) -> tuple[Ctx, list]:
               bool(cfg.model.gradient_checkpointing), opt,
               offload=bool(cfg.model.gradient_checkpointing) and getattr(cfg.model, "offload_activations", False),
               autocast=eff.autocast, liger=eff.liger)
+    long_levers.levers_of(cfg, ctx)
     return ctx, notes
 
 
@@ -218,7 +222,7 @@ def layer_activation_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     # autocast's bf16 copies of the layer's fp32 LoRA factors live as long as its activations
     lora_casts = sum(ctx.r * (dims[t][0] + dims[t][1]) * dims[t][2] for t in ctx.targets) * ctx.compute_bytes \
         if ctx.autocast else 0
-    return tokens * (per_tok + lora_mid) + lora_casts
+    return long_levers.chunked_layer(ctx, tokens, tokens * (per_tok + lora_mid) + lora_casts)
 
 
 def dequant_transient(ctx: Ctx) -> int:
@@ -233,10 +237,11 @@ def recompute_bytes(ctx: Ctx, tokens: int, masked: bool = False) -> int:
     buffers about two [tokens, intermediate] wide, the input cast to compute dtype, and the
     dequantised weight."""
     a = ctx.arch
-    grads = tokens * 2 * _mlp_width(a) * ctx.act_bytes
-    cast = tokens * _mlp_width(a) * ctx.compute_bytes if ctx.act_bytes != ctx.compute_bytes else 0
+    mlp_tokens = long_levers.mlp_tokens(ctx, tokens)  # the MLP in chunks: one chunk's worth at a time
+    grads = mlp_tokens * 2 * _mlp_width(a) * ctx.act_bytes
+    cast = mlp_tokens * _mlp_width(a) * ctx.compute_bytes if ctx.act_bytes != ctx.compute_bytes else 0
     layer = layer_activation_bytes(ctx, tokens, masked) if n_checkpointed(ctx) else 0
-    return layer + grads + cast + dequant_transient(ctx)
+    return layer + long_levers.chunk_recompute(ctx, tokens) + grads + cast + dequant_transient(ctx)
 
 
 def n_checkpointed(ctx: Ctx) -> int:
@@ -262,7 +267,7 @@ def train_activation_parts(ctx: Ctx, rows: int, seq: int, labelled: int, masked:
     """Saved activations and the peak transient of one forward+backward. `masked`: sdpa
     gets a mask (default: when there are several rows, which are padded in practice)."""
     a = ctx.arch
-    masked = rows > 1 if masked is None else masked
+    masked = (rows > 1 if masked is None else masked) and not ctx.mask_free
     tokens = rows * seq
     host = 0
     k = n_checkpointed(ctx)

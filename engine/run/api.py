@@ -685,6 +685,18 @@ def estimate(cfg: Config, gpus: int = 1) -> dict:
     return _estimate(cfg, gpus=typed_number("--gpus", gpus, GPUS))
 
 
+def longest_sequence(cfg: Config, gpu_total: int | None = None) -> list[dict]:
+    """The longest data.max_seq_len of `cfg` that fits the card's memory (`gpu_total` bytes),
+    or 24, 48 and 80 GiB when no card is known: as set and with each long-sequence lever it
+    does not use yet (engine/planning/long_context.fit_rows); [] for a method whose step has
+    no such levers."""
+    from edgetune.engine.planning import long_context
+
+    if not RECORDS[cfg.method].offload:
+        return []
+    return long_context.fit_rows(cfg, (gpu_total / 2**30,) if gpu_total else long_context.FIT_MEMORIES_GIB)
+
+
 def check_data(cfg: Config) -> dict:
     """Preview, detected format, validation report and every bad row of `cfg.data`,
     computed in a subprocess (it needs the model's tokenizer). See engine/run/checks.py."""

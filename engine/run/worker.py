@@ -261,9 +261,12 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             ctx.emit = tracker = Tracker(emit, cfg, run)
         import transformers  # noqa: F401  (the tokenizer and the model load need it first)
 
+        from edgetune.engine.planning.long_context import refuse_too_long
         from edgetune.engine.planning.planner import refuse_far_beyond
 
         refuse_far_beyond(cfg, resolve_device(cfg.model), dist.world())  # a typo'd batch of 1e9 rows, before loading
+        if dist.world() == 1:  # a sequence past the card's longest, with the lever that makes it fit
+            refuse_too_long(cfg, resolve_device(cfg.model))
 
         train = method_module(cfg.method).train
         startup.remember_measurements(cache_dir())

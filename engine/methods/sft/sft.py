@@ -18,6 +18,8 @@ Memory/speed trade-offs, each a setting:
   the full [tokens x vocab] matrix.
 - `model.liger`: Liger-Kernel's fused RMSNorm / SwiGLU / RoPE on CUDA (less activation
   memory, fewer elementwise kernels, same math).
+- Long sequences: `model.offload_activations` (+ `offload_prefetch`), `model.mlp_chunk_tokens`
+  and `model.mask_free_attention` (engine/models/offload.py, engine/models/long_context.py).
 - `sft.packing`: rows laid end to end, no padding (engine/data/packing.py); on CUDA attention
   then runs through flex_attention with a block-diagonal mask (`model.attn_implementation`).
 - `sft.sebp`: the exact sparsity-exploiting backward (kernels/sebp.py) skips the rows of
@@ -45,7 +47,7 @@ from edgetune.engine.planning.effective import decide, liger_off_reason, record
 
 from edgetune.engine.data.packing import collate_packed
 
-from edgetune.engine.models import fsdp
+from edgetune.engine.models import fsdp, long_context
 from edgetune.engine.models import model as model_lib
 from edgetune.engine.models.liger import apply as apply_liger
 
@@ -101,7 +103,10 @@ def train(ctx: RunContext) -> dict:
     if cfg.model.offload_activations:
         from edgetune.engine.models.offload import enable as offload_activations
 
-        offload_activations(model)  # checkpointed layer inputs wait in pinned host memory
+        # checkpointed layer inputs wait in pinned host memory (copied back ahead with offload_prefetch)
+        offload_activations(model, prefetch=cfg.model.offload_prefetch)
+    if cfg.model.mlp_chunk_tokens:
+        long_context.chunk_mlp(model, cfg.model.mlp_chunk_tokens)  # the MLP along the sequence in chunks
 
     dist.broadcast_params(model.parameters())  # the ranks start from rank 0's adapter
     if cfg.model.shard == "fsdp" and dist.enabled():
@@ -148,7 +153,8 @@ def train(ctx: RunContext) -> dict:
             for idx in step_rows(len(data.train), s.batch_size, s.grad_accum, step, cfg.run.seed):
                 rows = [data.train[i] for i in idx]
                 batches.append({key: v.to(device) for key, v in collate(rows, pad_id).items()})
-            step_loss, _ = accumulate(model, batches, sebp)
+            with long_context.mask_free_attention(model, cfg.model.mask_free_attention):  # the step only
+                step_loss, _ = accumulate(model, batches, sebp)
             tokens = int(dist.all_reduce_sum(sum(int(b["attention_mask"].sum()) for b in batches)))
             grad_norm = fsdp.clip_grad_norm(
                 [p for p in model.parameters() if p.requires_grad], s.max_grad_norm or float("inf"))
