@@ -350,13 +350,13 @@ def _plan_pairs(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dic
 
 def _plan_rollouts(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     """The rollout's generation, or the policy update in micro-batches, whichever is larger."""
-    s = _group(cfg)
+    s, record = _group(cfg), RECORDS[cfg.method]
     prompt = cfg.data.max_seq_len
-    roll_rows = s.prompts_per_step * s.num_generations
+    roll_rows = _get(cfg, record.rollout_batch) * s.num_generations
     seq = prompt + s.max_new_tokens
     kv = kv_cache_bytes(ctx, roll_rows, seq)
     prefill = prefill_bytes(ctx, roll_rows, prompt)
-    mb = min(s.micro_batch_size, roll_rows)
+    mb = min(_get(cfg, record.batch) or roll_rows, roll_rows)  # 0 = the whole step at once
     train = train_activation_parts(ctx, mb, seq, mb * s.max_new_tokens)
     static = _static(ctx, True)
     if kv + prefill >= train["activations"] + train["transient"]:
