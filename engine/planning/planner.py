@@ -1,5 +1,6 @@
-"""Memory planner: predict the peak GPU memory of an SFT / F-GRPO / ESSA configuration
-before anything is loaded, and say whether it fits.
+"""Memory planner: predict the peak GPU memory of a configuration before anything is
+loaded, and say whether it fits. A method's step is planned with the memory model its
+record names (engine/core/methods.py's `memory`: rows, pairs, rollouts, population).
 
 Imports no torch (the UI process calls it on every widget change): the model's shape
 comes from its `config.json` (engine/core/arch.py), and the GPU's memory from `nvidia-smi`
@@ -26,9 +27,9 @@ What is counted, in bytes, following what the engine actually does:
   chunks of 512 rows; the backward of one chunk holds about three [chunk, vocab] fp32
   buffers (logits, log-softmax, its gradient). The peak holds either this or the layer
   recompute, not both (the head's backward finishes before the last layer's recompute).
-- F-GRPO: the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
+- rollouts (F-GRPO): the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
   and prefill, or the policy update on micro_batch_size rows, whichever is larger.
-- ESSA: inference only (no gradients, no optimizer state), plus K stacked LoRA copies
+- population (ESSA): inference only (no gradients, no optimizer state), plus K stacked LoRA copies
   when candidates share a batch, plus the warm-start SFT when it runs first.
 - overhead: the CUDA context (outside PyTorch's allocator; nvidia-smi sees it) and the
   caching allocator's slack (fragmentation, rounding to blocks).
