@@ -20,23 +20,29 @@ import yaml
 
 from edgetune.engine.core import config_files
 from edgetune.engine.core import settings as S
+from edgetune.engine.core.methods import METHODS as RECORDS
 
-# Settings groups of a Config, in the order the page shows them.
-# Every settings group of Config: the shared ones, then one per method (its record's name).
-GROUPS = {f.name: f.default_factory for f in dataclasses.fields(S.Config) if f.name != "method"}
 
-# What a newcomer needs to see; everything else of a group folds into "Advanced".
+def groups() -> dict:
+    """Every settings group of Config, in the order the page shows them: the shared ones,
+    then one per method (its record's name)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(S.Config) if f.name != "method"}
+
+
+# What a newcomer needs to see of the shared groups; a method's group shows its record's
+# `basic` first. Everything else of a group folds into "Advanced".
 BASIC = {
     "model": ("name", "quant"),
     "data": ("path", "format", "max_seq_len"),
     "lora": ("r", "alpha", "target_modules"),
     "run": ("name", "seed", "checkpoint_every"),
-    "sft": ("steps", "lr", "batch_size", "eval_every"),
-    "fgrpo": ("steps", "lr", "num_generations", "prompts_per_step", "max_new_tokens", "reward", "gamma",
-              "sample_every"),
-    "essa": ("generations", "population", "reward", "prompts_per_generation", "warm_start", "evaluation"),
-    "dpo": ("loss_type", "beta", "steps", "lr", "batch_size", "eval_every"),
 }
+
+
+def basic(group: str) -> tuple[str, ...]:
+    """The settings of a group the page shows first."""
+    return RECORDS[group].basic if group in RECORDS else BASIC.get(group, ())
+
 
 # The app owns where runs live.
 HIDDEN = {"run.runs_dir"}
@@ -67,7 +73,7 @@ def _kind(typ) -> str:
 
 def field_specs() -> list[FieldSpec]:
     specs = []
-    for group, cls in GROUPS.items():
+    for group, cls in groups().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             key = f"{group}.{f.name}"
@@ -75,7 +81,7 @@ def field_specs() -> list[FieldSpec]:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             specs.append(FieldSpec(group, f.name, _kind(hints[f.name]), default, f.metadata["help"],
-                                   f.metadata["section"], f.name in BASIC.get(group, ()), f.metadata["choices"]))
+                                   f.metadata["section"], f.name in basic(group), f.metadata["choices"]))
     return specs
 
 

@@ -122,10 +122,10 @@ def progress(events: list[dict], now: float | None = None) -> dict:
     last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
     total = (last_step or {}).get("total")
     if total is None and started and method:
-        total = method.record.total(started.get("config", {}))
+        total = method.total(started.get("config", {}))
     out = {"step": (last_step or {}).get("step", 0), "total": total, "elapsed": _elapsed(events, started, now),
            "eta": (last_step or {}).get("eta"), "phase": "", "values": {},
-           "unit": method.record.unit if method else "step"}
+           "unit": method.unit if method else "step"}
     if last_step and method:
         out["values"] = {k: last_step[k] for k in method.headline if isinstance(last_step.get(k), (int, float))}
     out["phase_done"] = out["phase_total"] = None

@@ -155,7 +155,7 @@ class Page:
         """The form's widget values ({component: value}) -> a validated Config (raises
         ConfigError with a one-line message)."""
         keys = list(self.fields)
-        return form.config_from_values(BY_LABEL[values[self.method_radio]].key,
+        return form.config_from_values(BY_LABEL[values[self.method_radio]].name,
                                        [values[self.fields[k]] for k in keys],
                                        [self.spec_of[k] for k in keys], str(self.runs_dir))
 

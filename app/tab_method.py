@@ -33,10 +33,10 @@ class MethodTab:
         page.method_radio = gr.Radio([m.label for m in METHODS], value=BY_KEY[page.start_cfg.method].label,
                                      label="Method", elem_id="method-radio")
         for m in METHODS:
-            with gr.Column(visible=m.key == page.start_cfg.method, elem_id=f"method-{m.key}") as col:
-                gr.Markdown(f"**{m.label}**: {m.blurb}")
-                page.group_fields(m.key)
-            page.method_cols[m.key] = col
+            with gr.Column(visible=m.name == page.start_cfg.method, elem_id=f"method-{m.name}") as col:
+                gr.Markdown(f"**{m.label}**: {m.description}")
+                page.group_fields(m.name)
+            page.method_cols[m.name] = col
         with gr.Accordion("LoRA adapter", open=True):
             page.group_fields("lora")
         with gr.Accordion("Run", open=False):

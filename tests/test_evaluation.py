@@ -100,11 +100,23 @@ def test_eval_refuses_a_bad_task_file_before_loading(tmp_path, capsys):
     assert err == f"error: {bad}, row 2: missing 'answer' (columns: ['prompt'])", err
 
 
-def test_a_task_file_of_an_sft_config_is_graded_by_fgrpos_reward():
-    from edgetune.engine.run import evaluation
+def test_a_task_file_is_graded_by_the_methods_own_grading_not_another_methods():
+    """Each method's settings say how its runs are graded: an SFT or DPO config grades a task
+    file with GradingSettings' defaults whatever its fgrpo group says; F-GRPO and ESSA with
+    their own reward and lengths."""
+    from edgetune.engine.core.settings import GradingSettings
 
-    s = evaluation.file_grading(resolve(preset="sft-quickstart", overrides=["fgrpo.reward=math"]))
-    assert s.reward == "math"
+    from edgetune.engine.training import grading
+
+    for preset in ("sft-quickstart", "dpo-quickstart"):
+        cfg = resolve(preset=preset, overrides=["fgrpo.reward=math", "fgrpo.max_new_tokens=7"])
+        assert grading.grading_settings(cfg) == GradingSettings()
+    fg = grading.grading_settings(resolve(preset="fgrpo-quickstart", overrides=["fgrpo.reward=math",
+                                                                                "fgrpo.eval_k=2"]))
+    assert (fg.reward, fg.eval_k) == ("math", 2)
+    es = grading.grading_settings(resolve(preset="essa-quickstart", overrides=["essa.reward=exact",
+                                                                               "fgrpo.reward=math"]))
+    assert (es.reward, es.eval_k) == ("exact", GradingSettings().eval_k)
 
 
 def test_sft_held_out_loss_per_demonstration_and_the_adapter_against_the_base(tiny_model_dir, tmp_path):
@@ -119,9 +131,9 @@ def test_sft_held_out_loss_per_demonstration_and_the_adapter_against_the_base(ti
     sys.path.insert(0, str(Path(__file__).parent / "helpers"))
     from inline_run import run_inline, sft_config
 
+    from edgetune.engine.training import grading
     from edgetune.engine.training.lm_loss import causal_lm_loss
 
-    from edgetune.engine.methods.fgrpo import evaluate as fgrpo
     from edgetune.engine.methods.sft import sft
 
     from edgetune.engine.run import evaluation
@@ -134,7 +146,7 @@ def test_sft_held_out_loss_per_demonstration_and_the_adapter_against_the_base(ti
     (out,) = evaluation.compare(cfg, evaluation.system_names([str(run.path)], base=True))["tasks"]
     assert (out["task"], out["kind"], out["metrics"], out["unit"]) == ("held-out", "loss", ["loss"], "demonstrations")
     base, adapter = out["systems"]
-    model, tok, _ = fgrpo.eval_model(cfg, "")
+    model, tok, _ = grading.eval_model(cfg, "")
     examples = data_lib.load_sft(cfg.data, tok, cfg.run.seed).eval
     assert out["prompts"] == len(examples) == len(base["per_prompt"]["loss"]) > 5
     with torch.no_grad():

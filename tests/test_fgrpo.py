@@ -12,9 +12,9 @@ from inline_run import run_inline
 
 from edgetune.engine.core.settings import resolve
 
+from edgetune.engine.training import grading
 from edgetune.engine.training.lm_loss import completion_logprobs
 
-from edgetune.engine.methods.fgrpo import evaluate as fgrpo_evaluate
 from edgetune.engine.methods.fgrpo import fgrpo
 
 # Depends on every character, so rewards differ within groups even for a random model.
@@ -121,7 +121,7 @@ def test_events_and_resume(tiny_model_dir, rl_files, tmp_path):
     assert {"success_rate", "pass@1", "pass@2"} <= base.keys()
     assert 0 <= base["pass@1"] <= base["pass@2"] <= 1
     # the same figures as the base model measured alone (`edgetune eval --adapter ''`)
-    alone = fgrpo_evaluate.evaluate_adapter(cfg, None)
+    alone = grading.evaluate_adapter(cfg, None)
     assert {k: alone[k] for k in ("success_rate", "pass@1", "pass@2")} == \
         {k: base[k] for k in ("success_rate", "pass@1", "pass@2")}
     assert m_full["success_rate_start"] == base["success_rate"]
@@ -155,7 +155,7 @@ def test_sebp_is_lifted_for_generation_and_back_for_the_update(tiny_model_dir, r
 
     monkeypatch.setattr(sebp, "_sparse_backward", counting_backward)
     monkeypatch.setattr(fgrpo, "generate", watching_generate)  # the training rollouts
-    monkeypatch.setattr(fgrpo_evaluate, "generate", watching_generate)  # the held-out evaluations
+    monkeypatch.setattr(grading, "generate", watching_generate)  # the held-out evaluations
     # the torch path of the same math: the Triton kernels' equality has its own tests, and the
     # interpreter would take a minute here
     monkeypatch.setattr(sebp, "_use_triton", lambda t, backend: False)
@@ -332,13 +332,13 @@ def test_kl_reference_is_the_base_with_the_adapter_off(tiny_model_dir, rl_files,
 def test_evaluate_adapter(tiny_model_dir, rl_files, tmp_path):
     cfg = config(tiny_model_dir, rl_files, tmp_path, steps=1)
     run, metrics, _ = run_fgrpo(cfg, tmp_path / "ev")
-    out = fgrpo_evaluate.evaluate_adapter(cfg, str(run.adapter))
+    out = grading.evaluate_adapter(cfg, str(run.adapter))
     assert out["prompts"] == 3 and {"success_rate", "pass@1", "pass@2"} <= out.keys()
     assert out["pass@1"] == pytest.approx(metrics["pass@1_end"])  # same seed, same adapter
     from edgetune.engine.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="adapter_config.json"):
-        fgrpo_evaluate.evaluate_adapter(cfg, str(tmp_path))
+        grading.evaluate_adapter(cfg, str(tmp_path))
 
 
 def test_eval_compares_the_base_and_adapters_on_the_same_prompts(tiny_model_dir, rl_files, tmp_path):
@@ -394,10 +394,10 @@ def test_eval_grades_with_the_methods_own_reward_and_refuses_a_method_without_on
     from edgetune.engine.core.errors import ConfigError
 
     essa = resolve(preset="essa-quickstart", overrides=["essa.reward=exact"])
-    s = fgrpo_evaluate.grading_settings(essa)
+    s = grading.held_out_grading(essa)
     assert (s.reward, s.max_new_tokens, s.eval_prompts) == ("exact", 24, 30)
     with pytest.raises(ConfigError, match="SFT runs have no held-out prompts to grade"):
-        fgrpo_evaluate.grading_settings(resolve(preset="sft-quickstart"))
+        grading.held_out_grading(resolve(preset="sft-quickstart"))
 
 
 @pytest.mark.slow

@@ -93,7 +93,8 @@ def _engine_choice(model, tok, context: str, choices: list[str]) -> int:
 def test_harness_tasks_from_local_files_score_as_the_engines_own_grader(tiny_model_dir, tmp_path, monkeypatch):
     from edgetune.engine.core.settings import resolve
 
-    from edgetune.engine.methods.fgrpo import evaluate as fgrpo
+    from edgetune.engine.training import grading
+
     from edgetune.engine.methods.sft import sft
 
     from edgetune.engine.run import evaluation
@@ -132,7 +133,7 @@ def test_harness_tasks_from_local_files_score_as_the_engines_own_grader(tiny_mod
 
     # multiple choice: the harness's acc of each item is the engine's own log-likelihood choice
     for system, (name, path) in zip(mc["systems"], systems):
-        model, tok, _ = fgrpo.eval_model(cfg, path)
+        model, tok, _ = grading.eval_model(cfg, path)
         contexts = [it["prompt"] for it in mc["items"]]
         mine = [int(_engine_choice(model, tok, c, x["choices"]) == x["label"]) for c, x in zip(contexts, MC)]
         assert system["per_prompt"]["acc"] == mine, name

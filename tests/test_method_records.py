@@ -18,10 +18,10 @@ def test_every_record_has_its_loop_its_settings_and_its_app_entry():
         assert module.__name__ == f"edgetune.engine.methods.{name}.{name}" and callable(module.train)
         cfg = S.resolve(overrides=[f"method={name}"])
         assert m.total(cfg.to_dict()) == getattr(getattr(cfg, name), m.length) > 0
-        for key in m.oom_levers:
+        for key in m.settings():
             group, field = key.split(".")
             assert hasattr(getattr(cfg, group), field), key
-        assert (BY_KEY[name].label, BY_KEY[name].blurb) == (m.label, m.description)
+        assert BY_KEY[name] is m
     assert [m.unit for m in METHODS.values()] == ["step", "step", "generation", "step"]
 
 
@@ -40,12 +40,12 @@ def test_oom_advice_lowers_each_methods_levers_in_its_order():
         ("essa.evaluation", "sequential")]
 
 
-def test_the_tables_that_pick_a_methods_code_name_every_record_and_its_settings():
-    """The worker's modules and the planner's memory models are tables keyed by method:
-    one entry per record, no more, and every setting a record names exists."""
+def test_every_record_names_a_memory_model_and_settings_that_exist():
+    """The planner's memory models are keyed by what a record's `memory` names (several
+    methods may share one), never by a method; every setting a record names exists."""
     from edgetune.engine.planning import planner
 
-    assert set(worker.MODULES) == set(planner.PLANS) == set(METHODS)
+    assert {m.memory for m in METHODS.values()} == set(planner.PLANS)
     for name, m in METHODS.items():
         cfg = S.resolve(overrides=[f"method={name}"])
         for path in filter(None, (m.batch, m.rollout_batch)):

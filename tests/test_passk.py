@@ -3,7 +3,7 @@ from math import comb
 
 import pytest
 
-from edgetune.engine.methods.fgrpo.passk import mean_pass_at_k, pass_at_k
+from edgetune.engine.training.passk import mean_pass_at_k, pass_at_k
 
 
 def test_hand_checked():

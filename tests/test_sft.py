@@ -42,7 +42,8 @@ def test_a_finished_run_says_whether_its_adapter_beat_the_base(tiny_model_dir, t
     """With held-out evaluation on, the run ends with a paired comparison of each held-out
     demonstration's loss, the adapter against the base (the adapter switched off), and the
     Runs table shows its sentence."""
-    from edgetune.engine.methods.fgrpo.evaluate import eval_model
+    from edgetune.engine.training.grading import eval_model
+
     from edgetune.engine.methods.sft import sft
 
     from edgetune.engine.run import api

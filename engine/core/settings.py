@@ -345,6 +345,24 @@ class RunSettings:
         choices=("tensorboard", "mlflow", "wandb", "none"))
 
 
+@dataclass(frozen=True)
+class GradingSettings:
+    """How a run's completions are graded (engine/training/grading.py): its held-out prompts
+    and task files (`edgetune eval --task FILE`). Not a settings group of its own: each
+    method's settings say it, from their own fields, in their `grading()`; these defaults
+    grade the runs of a method with no reward of its own (its task files)."""
+
+    reward: Any = "last_number"  # REWARD_HELP
+    reward_file: str = ""  # REWARD_FILE_HELP
+    max_new_tokens: int = 48  # the most tokens of a graded completion
+    temperature: float = 0.9  # the pass@k samples' temperature
+    top_p: float = 1.0  # and their nucleus
+    success_threshold: Any = None  # what counts as success (fgrpo.success_threshold's help)
+    eval_k: int = 4  # pass@k from n = 2k samples per prompt (0 = greedy success only)
+    eval_prompts: int = 50  # held-out prompts graded (0 = the whole held-out split)
+    batch_rows: int = 32  # completions decoded together (a training rollout batch: a size the run fits)
+
+
 @dataclass
 class SFTSettings:
     """Supervised fine-tuning. See engine/methods/sft/sft.py for the loop."""
@@ -374,6 +392,10 @@ class SFTSettings:
         "position ids restarting at each row, a block-diagonal causal mask. No compute or memory is "
         "spent on padding in the forward either; same loss as the padded batch.",
         section="speed")
+
+    def grading(self) -> GradingSettings:
+        """Task files of prompts and answers are graded with GradingSettings' defaults."""
+        return GradingSettings()
 
 
 @dataclass
@@ -464,6 +486,12 @@ class FGRPOSettings:
                                 range=EVERY)
     samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
+
+    def grading(self) -> GradingSettings:
+        """Its held-out prompts and task files are graded with its own reward and sampling."""
+        return GradingSettings(self.reward, self.reward_file, self.max_new_tokens, self.temperature, self.top_p,
+                               self.success_threshold, self.eval_k, self.eval_prompts,
+                               max(1, self.prompts_per_step * self.num_generations))
 
 
 FITNESS = "fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation"
@@ -560,6 +588,12 @@ class ESSASettings:
         "mean = the CMA-ES mean (less favoured by a lucky mini-batch); best = best candidate seen.",
         section="result", choices=("mean", "best"))
 
+    def grading(self) -> GradingSettings:
+        """Graded with its own reward (its fitness), at its max_new_tokens and temperature."""
+        return dataclasses.replace(GradingSettings(), reward=self.reward, reward_file=self.reward_file,
+                                   max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                   eval_prompts=self.eval_prompts)
+
     def check(self) -> None:
         """The rules between these settings, for a run of this method (validate calls it)."""
         if not self.warm_start:
@@ -607,6 +641,10 @@ class DPOSettings:
         section="evaluation", range=EVERY)
     samples: int = _samples(" (greedy completions of held-out prompts)")
     sebp: str = _sebp("")
+
+    def grading(self) -> GradingSettings:
+        """Task files of prompts and answers are graded with GradingSettings' defaults."""
+        return GradingSettings()
 
 
 @dataclass
@@ -656,7 +694,7 @@ def warm_start_config(cfg: Config) -> Config:
 
     s = cfg.essa
     warm = copy.deepcopy(cfg)
-    warm.method = "sft"
+    warm.method = RECORDS[cfg.method].warm_start
     warm.data = DataSettings(path=s.warm_start_data or EMBEDDED_SFT_DATA, system_prompt=cfg.data.system_prompt,
                              max_seq_len=cfg.data.max_seq_len)
     warm.sft = dataclasses.replace(cfg.sft, steps=s.warm_start_steps, eval_every=0)
@@ -927,8 +965,8 @@ def _setting(cfg: Config, path: str) -> Any:
 def validate(cfg: Config) -> None:
     """Every setting against its declaration (choices, range, a finite number) and the
     rules between settings; the first problem is raised as one line that names the key."""
-    if cfg.method not in METHODS:
-        raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(METHODS))}")
+    if cfg.method not in RECORDS:
+        raise ConfigError(f"unknown method '{cfg.method}'{_suggest(cfg.method, list(RECORDS))}")
     if not (isinstance(cfg.model.gradient_checkpointing, bool) or cfg.model.gradient_checkpointing == "auto"):
         raise ConfigError(f"model.gradient_checkpointing: expected true, false or auto, "
                           f"got {_brief(cfg.model.gradient_checkpointing)}")

@@ -1,40 +1,41 @@
 """What to tell the user when the GPU runs out of memory in a step: the setting to lower
 first, and what the planner (engine/planning/planner.py) predicts with it lowered.
 
-The levers, per method, in the order worth trying (each changes memory, not the maths of
-the update, except a shorter max_seq_len / max_new_tokens, which is why they come last);
-the one named first is the one the planner says saves most.
+The levers are the method's record's `oom_levers` (engine/core/methods.py), in the order
+worth trying (each changes memory, not the maths of the update, except a shorter
+max_seq_len / max_new_tokens, which is why they come last); the one named first is the one
+the planner says saves most.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import Config
 from edgetune.engine.core.units import size
 
-# How far each lever goes in one piece of advice: a switch, or half of a number above its floor.
-SWITCHES = {"model.gradient_checkpointing": (lambda v: v is not True, True),
-            "essa.evaluation": (lambda v: v == "batched", "sequential")}
-FLOORS = {"sft.batch_size": 1, "data.max_seq_len": 256, "fgrpo.max_new_tokens": 64, "essa.max_new_tokens": 64}
+
+def _get(cfg: Config, key: str):
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
 
 
 def _levers(cfg: Config) -> list[tuple[str, object]]:
+    """The method's levers (its record's `oom_levers`) that can still go down, each with the
+    value one piece of advice sets: a switch's value, or half of a number above its floor."""
     out: list[tuple[str, object]] = []
-    for key in RECORDS[cfg.method].oom_levers:
-        group, name = key.split(".")
-        value = getattr(getattr(cfg, group), name)
-        if key in SWITCHES:
-            applies, to = SWITCHES[key]
-            if applies(value):
-                out.append((key, to))
-        elif key == "fgrpo.micro_batch_size":  # 0 = the whole step in one micro-batch
-            if value == 0 or value > 1:
-                full = cfg.fgrpo.prompts_per_step * cfg.fgrpo.num_generations
-                out.append((key, max(1, (value or full) // 2)))
-        elif value > FLOORS[key]:
-            out.append((key, max(1, value // 2)))
+    for lever in RECORDS[cfg.method].oom_levers:
+        value = _get(cfg, lever.setting)
+        if lever.to is not None:
+            if value != lever.to:
+                out.append((lever.setting, lever.to))
+            continue
+        if value == 0 and lever.zero_means:  # 0 = all at once: the product of those settings
+            value = math.prod(_get(cfg, k) for k in lever.zero_means)
+        if value > lever.floor:
+            out.append((lever.setting, max(lever.floor, value // 2)))
     return out
 
 

@@ -1,5 +1,6 @@
-"""Memory planner: predict the peak GPU memory of an SFT / F-GRPO / ESSA configuration
-before anything is loaded, and say whether it fits.
+"""Memory planner: predict the peak GPU memory of a configuration before anything is
+loaded, and say whether it fits. A method's step is planned with the memory model its
+record names (engine/core/methods.py's `memory`: rows, pairs, rollouts, population).
 
 Imports no torch (the UI process calls it on every widget change): the model's shape
 comes from its `config.json` (engine/core/arch.py), and the GPU's memory from `nvidia-smi`
@@ -26,9 +27,9 @@ What is counted, in bytes, following what the engine actually does:
   chunks of 512 rows; the backward of one chunk holds about three [chunk, vocab] fp32
   buffers (logits, log-softmax, its gradient). The peak holds either this or the layer
   recompute, not both (the head's backward finishes before the last layer's recompute).
-- F-GRPO: the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
+- rollouts (F-GRPO): the rollout's KV cache (prompts_per_step x G rows of prompt + max_new_tokens)
   and prefill, or the policy update on micro_batch_size rows, whichever is larger.
-- ESSA: inference only (no gradients, no optimizer state), plus K stacked LoRA copies
+- population (ESSA): inference only (no gradients, no optimizer state), plus K stacked LoRA copies
   when candidates share a batch, plus the warm-start SFT when it runs first.
 - overhead: the CUDA context (outside PyTorch's allocator; nvidia-smi sees it) and the
   caching allocator's slack (fragmentation, rounding to blocks).
@@ -325,35 +326,43 @@ def _static(ctx: Ctx, train: bool) -> dict:
     }
 
 
-def _plan_sft(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
-    rows, seq = cfg.sft.batch_size, cfg.data.max_seq_len
-    if getattr(cfg.sft, "packing", False):
-        rows, seq = 1, cfg.sft.batch_size * cfg.data.max_seq_len  # one row, block-diagonal mask
+def _group(cfg: Config):
+    """The settings group of the config's method (its record's name)."""
+    return getattr(cfg, cfg.method)
+
+
+def _plan_rows(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+    """A micro-batch of the record's `batch` rows trained on (padded, or packed in one row)."""
+    rows, seq = _get(cfg, RECORDS[cfg.method].batch), cfg.data.max_seq_len
+    if RECORDS[cfg.method].packing and _group(cfg).packing:
+        seq = rows * cfg.data.max_seq_len  # one row, block-diagonal mask
+        rows = 1
         parts = train_activation_parts(ctx, 1, seq, seq, masked=True)
     else:
         parts = train_activation_parts(ctx, rows, seq, rows * seq)
     return {**_static(ctx, True), **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens"}
 
 
-def _plan_dpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+def _plan_pairs(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
     """A micro-batch's chosen and rejected rows in one padded forward and backward; the
     reference's forward (no_grad, adapter off) before it holds no activations past itself."""
-    rows, seq = 2 * cfg.dpo.batch_size, cfg.data.max_seq_len
+    rows, seq = 2 * _get(cfg, RECORDS[cfg.method].batch), cfg.data.max_seq_len
     parts = train_activation_parts(ctx, rows, seq, rows * seq)
     static = _static(ctx, True)
-    if cfg.lora.init_from and cfg.dpo.loss_type not in DPO_REFERENCE_FREE:
+    if cfg.lora.init_from and _group(cfg).loss_type not in DPO_REFERENCE_FREE:
         static["lora"] *= 3  # the starting adapter kept as the reference, and the trained one while it is swapped in
     return {**static, **parts, "kv_cache": 0, "shape": f"{rows} x {seq} tokens (chosen + rejected)"}
 
 
-def _plan_fgrpo(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
-    s = cfg.fgrpo
+def _plan_rollouts(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+    """The rollout's generation, or the policy update in micro-batches, whichever is larger."""
+    s, record = _group(cfg), RECORDS[cfg.method]
     prompt = cfg.data.max_seq_len
-    roll_rows = s.prompts_per_step * s.num_generations
+    roll_rows = _get(cfg, record.rollout_batch) * s.num_generations
     seq = prompt + s.max_new_tokens
     kv = kv_cache_bytes(ctx, roll_rows, seq)
     prefill = prefill_bytes(ctx, roll_rows, prompt)
-    mb = min(s.micro_batch_size, roll_rows)
+    mb = min(_get(cfg, record.batch) or roll_rows, roll_rows)  # 0 = the whole step at once
     train = train_activation_parts(ctx, mb, seq, mb * s.max_new_tokens)
     static = _static(ctx, True)
     if kv + prefill >= train["activations"] + train["transient"]:
@@ -383,8 +392,8 @@ def _essa_k(cfg: Config, ctx: Ctx, gpu_free: int | None) -> int:
     return essa_candidates_per_batch(cfg, ctx.device, ctx.arch, dtype, essa_free_after_load(ctx, gpu_free))
 
 
-def _plan_essa_step(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
-    s = cfg.essa
+def _plan_population_step(cfg: Config, ctx: Ctx, gpu_free: int | None) -> dict:
+    s = _group(cfg)
     k = _essa_k(cfg, ctx, gpu_free)
     rows = s.prompts_per_generation * k
     prompt = cfg.data.max_seq_len
@@ -427,15 +436,16 @@ def _plan(cfg: Config, device: str, gpu_free: int | None) -> tuple[dict, Ctx, li
     return _plan_ctx(cfg, ctx, device, gpu_free, notes)
 
 
-def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
-    """The search's evaluation, or the warm-start SFT before it where that is the peak."""
-    plan = _plan_essa_step(cfg, ctx, gpu_free)
-    if cfg.essa.evaluation == "batched" and not cfg.essa.candidates_per_batch and gpu_free is None \
+def _plan_population(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict:
+    """The search's evaluation, or the warm-start run before it where that is the peak."""
+    s = _group(cfg)
+    plan = _plan_population_step(cfg, ctx, gpu_free)
+    if s.evaluation == "batched" and not s.candidates_per_batch and gpu_free is None \
             and ctx.device.startswith("cuda"):
         notes.append("candidates per batch are picked at run time from half the free GPU memory; "
                      "planned here for one (set essa.candidates_per_batch to plan more)")
-    if not cfg.essa.warm_start:
-        # the warm start is a short SFT on the same model before the search
+    if RECORDS[cfg.method].warm_start and not s.warm_start:
+        # the warm start is a short run of another method on the same model before the search
         wplan, _, _ = _plan(warm_start_config(cfg), ctx.device, gpu_free)
         wplan = _finish(wplan, ctx)
         plan["warm_start_total"] = wplan["total"]
@@ -446,9 +456,9 @@ def _plan_essa(cfg: Config, ctx: Ctx, gpu_free: int | None, notes: list) -> dict
     return plan
 
 
-# Each method's memory model, one per record of engine/core/methods.py
-# (tests/test_method_records.py checks the two agree).
-PLANS = {"sft": _plan_sft, "fgrpo": _plan_fgrpo, "essa": _plan_essa, "dpo": _plan_dpo}
+# The memory models of a step, by the name a record's `memory` gives
+# (tests/test_method_conformance.py plans every record).
+PLANS = {"rows": _plan_rows, "pairs": _plan_pairs, "rollouts": _plan_rollouts, "population": _plan_population}
 
 
 def _get(cfg: Config, path: str):
@@ -468,7 +478,7 @@ def _plan_ctx(cfg: Config, ctx: Ctx, device: str, gpu_free: int | None, notes: l
         notes.append(f"rollouts may also take a bf16 copy of the 4-bit weights ({linear * 2 / GiB:.1f} GiB, "
                      "or of as many layers as fit; engine/generation/fast_decode.py) for speed, only from free memory "
                      "during generation: not counted")
-    plan = PLANS[cfg.method](cfg, ctx, gpu_free, notes)
+    plan = PLANS[RECORDS[cfg.method].memory](cfg, ctx, gpu_free, notes)
     return _finish(plan, ctx), ctx, notes
 
 
@@ -522,13 +532,13 @@ def _suggestions(cfg: Config) -> list[tuple[str, Config]]:
         c = copy.deepcopy(cfg)
         c.model.gradient_checkpointing = True
         out.append(("gradient checkpointing", c))
-    if RECORDS[cfg.method].population and cfg.essa.evaluation == "batched":
-        k = cfg.essa.candidates_per_batch or cfg.essa.population
+    if RECORDS[cfg.method].population and _group(cfg).evaluation == "batched":
+        k = _group(cfg).candidates_per_batch or _group(cfg).population
         while k > 1:
             k //= 2
             c = copy.deepcopy(cfg)
-            c.essa.candidates_per_batch = k
-            out.append((f"fewer candidates per batch (essa.candidates_per_batch={k})", c))
+            _group(c).candidates_per_batch = k
+            out.append((f"fewer candidates per batch ({cfg.method}.candidates_per_batch={k})", c))
     if RECORDS[cfg.method].offload and cfg.model.gradient_checkpointing and not cfg.model.offload_activations:
         c = copy.deepcopy(cfg)
         c.model.offload_activations = True
@@ -588,18 +598,17 @@ def _shard_plan(plan: dict, ctx: Ctx, gpus: int) -> None:
 
 def per_rank(cfg: Config, gpus: int) -> Config:
     """The shapes one rank of a data-parallel run on `gpus` GPUs works on
-    (engine/core/distributed.py): SFT's step rows split across the ranks, in micro-batches of
-    at most sft.batch_size; F-GRPO's prompts split (whole groups per rank); ESSA's
-    candidates split, each rank scoring as one process does."""
-    import copy
-    import math
-
-    if gpus <= 1:
+    (engine/core/distributed.py): the record's `per_rank` setting split across the ranks,
+    in micro-batches of at most its value (a step's rows are `per_rank` x `accumulate`:
+    SFT's and DPO's rows, F-GRPO's prompts, whole groups per rank); a method without one
+    (ESSA splits its candidates, each rank scoring as one process does) is unchanged."""
+    record = RECORDS[cfg.method]
+    if gpus <= 1 or not record.per_rank:
         return cfg
     out = copy.deepcopy(cfg)
-    s = out.sft
-    s.batch_size = max(1, min(s.batch_size, math.ceil(s.batch_size * s.grad_accum / gpus)))
-    out.fgrpo.prompts_per_step = max(1, math.ceil(out.fgrpo.prompts_per_step / gpus))
+    value = _get(out, record.per_rank)
+    steps = _get(out, record.accumulate) if record.accumulate else 1
+    _set(out, record.per_rank, max(1, min(value, math.ceil(value * steps / gpus))))
     return out
 
 
@@ -670,19 +679,12 @@ def estimate(cfg: Config, gpu_total: int | None = None, gpu_free: int | None = N
 # the run itself (engine/planning/oom.py), as the verdict of `edgetune estimate` is.
 FAR_BEYOND = 4
 
-# The settings behind each part of a plan, for the refusal's one line.
+# The settings behind each part of a plan, for the refusal's one line (the rest: the record's `shape`).
 _DRIVERS = {
     "weights": ("model.name", "model.quant"),
     "lora": ("lora.r", "lora.target_modules"),
     "lora_grads": ("lora.r", "lora.target_modules"),
     "optimizer": ("lora.r", "lora.target_modules"),
-}
-_SHAPE = {
-    "sft": ("sft.batch_size", "data.max_seq_len"),
-    "fgrpo": ("fgrpo.prompts_per_step", "fgrpo.num_generations", "fgrpo.micro_batch_size",
-              "fgrpo.max_new_tokens", "data.max_seq_len"),
-    "essa": ("essa.prompts_per_generation", "essa.candidates_per_batch", "essa.max_new_tokens",
-             "data.max_seq_len"),
 }
 
 
@@ -716,7 +718,7 @@ def refuse_far_beyond(cfg: Config, device: str, gpus: int = 1, memory: int | Non
     total = plan["total"]
     if total <= FAR_BEYOND * memory:
         return
-    shape = _SHAPE[cfg.method]
+    shape = RECORDS[cfg.method].shape
     overhead = ("allocator_overhead", "cuda_context", "host_pinned")
     sizes = {k: int(plan[k]) for k in plan["parts"] if k not in overhead}
     # the parts that alone exceed the memory, else the largest one

@@ -5,14 +5,15 @@ test (engine/training/stats.py) and a sentence saying the answer.
 Tasks (`edgetune eval --task`, repeatable; `held-out` when none is given):
 
 - `held-out`: the config's own held-out split. A method with a reward generates and grades
-  its held-out prompts (engine/methods/fgrpo/evaluate.py's `grade_rows`); SFT scores each held-out
+  its held-out prompts (engine/training/grading.py's `grade_rows`); SFT scores each held-out
   demonstration by its mean token loss (negative log-likelihood of its labelled tokens, the
   loss SFT trains on), a mean over the demonstrations with its bootstrap interval, and
   pairs compared by the paired bootstrap (lower is better: "better" means a lower loss).
 - a file (JSONL / CSV / Parquet / a saved dataset): prompt + answer rows, or chat rows whose
   last turn is the answer (engine/data/rl.py's `task_rows`), generated and graded exactly
-  as held-out prompts are: the reward of the config's method (fgrpo.reward for a method
-  without one), its chat template and data.system_prompt, its seed.
+  as held-out prompts are: with the config's method's grading (its settings' `grading()`:
+  its own reward, or GradingSettings' defaults for a method without one), its chat
+  template and data.system_prompt, its seed.
 - `lm:TASK`: EleutherAI's lm-evaluation-harness on the loaded model (engine/run/harness.py):
   a shipped task or a task YAML of one's own; each harness task is a task of the result.
 
@@ -40,10 +41,8 @@ from itertools import combinations
 from edgetune.engine.core.errors import ConfigError, DataError, EdgetuneError
 from edgetune.engine.core.methods import METHODS as RECORDS
 
-from edgetune.engine.training import stats
-
-from edgetune.engine.methods.fgrpo import evaluate as fgrpo
-from edgetune.engine.methods.fgrpo.evaluate import BASE, compare_held_out, held_out_scores
+from edgetune.engine.training import grading, stats
+from edgetune.engine.training.grading import BASE, compare_held_out, held_out_scores
 
 from edgetune.engine.run import harness
 from edgetune.engine.run.eval_tasks import HELD_OUT
@@ -66,12 +65,6 @@ def task_kind(task: str) -> str:
     return HELD_OUT if task == HELD_OUT else HARNESS if harness.is_harness(task) else "file"
 
 
-def file_grading(cfg):
-    """The grading settings of a task file: the method's own (engine/methods/fgrpo/evaluate.py's
-    grading_settings), or fgrpo's for a method that has no reward."""
-    return fgrpo.grading_settings(cfg) if RECORDS[cfg.method].rewards else cfg.fgrpo
-
-
 def held_out_kind(cfg) -> str:
     """How the config's held-out split is graded: GENERATIVE for a method with a reward,
     LOSS for demonstrations; a one-line error for a method with neither."""
@@ -92,7 +85,7 @@ def check_tasks(cfg, tasks: list[str]) -> dict[str, list[dict]]:
     for task in tasks:
         if task_kind(task) == HELD_OUT:
             if held_out_kind(cfg) == GENERATIVE:
-                fgrpo.grading_settings(cfg)
+                grading.held_out_grading(cfg)
         elif task_kind(task) == HARNESS:
             harness.load_tasks(task)  # unknown, or its data missing offline: its one line
         else:
@@ -135,7 +128,7 @@ def system_names(adapters: list[str], base: bool) -> list[tuple[str, str]]:
 
 
 def _grade_generative(cfg, s, model, tok, rows, tick) -> dict:
-    out = fgrpo.grade_rows(cfg, s, model, tok, rows, tick, samples=len(rows))
+    out = grading.grade_rows(cfg, s, model, tok, rows, tick, samples=len(rows))
     if out is None:
         raise Stopped("the evaluation was stopped")
     prompts, answers, references = out.pop("samples")
@@ -145,26 +138,27 @@ def _grade_generative(cfg, s, model, tok, rows, tick) -> dict:
 
 
 def _held_out_loss(cfg, model, tok, tick) -> dict:
-    """Each held-out demonstration's mean token loss, as SFT evaluates it (its micro-batch
-    size, its sft.eval_batches cap)."""
+    """Each held-out demonstration's mean token loss, as the method's loop evaluates it (the
+    micro-batch of its record's `batch`, its eval_batches cap)."""
     import torch
 
     from edgetune.engine.models import model as model_lib
 
     from edgetune.engine.training.lm_loss import labelled_logprobs
 
-    s = cfg.sft
+    group, name = RECORDS[cfg.method].batch.split(".")
+    batch_size, eval_batches = getattr(getattr(cfg, group), name), getattr(cfg, cfg.method).eval_batches
     examples = data_lib.load_sft(cfg.data, tok, cfg.run.seed).eval
-    if s.eval_batches:
-        examples = examples[: s.eval_batches * s.batch_size]
+    if eval_batches:
+        examples = examples[: eval_batches * batch_size]
     if not examples:
         raise DataError("no held-out demonstrations to score (set data.eval_fraction or data.eval_path)",
                         file=cfg.data.path)
     device = next(model.parameters()).device
     losses: list[float] = []
     with torch.no_grad():
-        for start in range(0, len(examples), s.batch_size):
-            batch = data_lib.collate(examples[start : start + s.batch_size], tok.pad_token_id)
+        for start in range(0, len(examples), batch_size):
+            batch = data_lib.collate(examples[start : start + batch_size], tok.pad_token_id)
             with model_lib.autocast(model):
                 sums, counts = labelled_logprobs(model, {k: v.to(device) for k, v in batch.items()})
             losses += (-sums / counts.clamp(min=1)).tolist()
@@ -228,10 +222,10 @@ def _grade(cfg, task: str, file_rows: dict, model, tok, tick) -> list[tuple[str,
     if task_kind(task) == HELD_OUT and held_out_kind(cfg) == LOSS:
         return [(task, LOSS, _held_out_loss(cfg, model, tok, tick))]
     if task_kind(task) == HELD_OUT:
-        s = fgrpo.grading_settings(cfg)
-        rows = fgrpo.held_out_rows(cfg, tok, s)
+        s = grading.held_out_grading(cfg)
+        rows = grading.held_out_rows(cfg, tok, s)
     else:
-        s, rows = file_grading(cfg), file_rows[task]
+        s, rows = grading.grading_settings(cfg), file_rows[task]
     return [(task, GENERATIVE, _grade_generative(cfg, s, model, tok, rows, tick))]
 
 
@@ -256,7 +250,7 @@ def compare(cfg, systems: list[tuple[str, str]], tasks: list[str] | None = None,
     file_rows = check_tasks(cfg, tasks)
     graded: dict[tuple[str, str], list[tuple[str, dict]]] = {}  # (task, kind) -> each system's result, in order
     for i, (name, path) in enumerate(systems):
-        model, tok, adapter = fgrpo.eval_model(cfg, path)
+        model, tok, adapter = grading.eval_model(cfg, path)
         for task in tasks:
             tick = ((lambda done, total, name=name, i=i, task=task: progress(name, i, task, done, total))
                     if progress else None)

@@ -30,6 +30,7 @@ import traceback
 
 from edgetune.engine.core.errors import ConfigError, EdgetuneError
 from edgetune.engine.core.events import TERMINAL, EventWriter, read_events, schedule_steps, started_config
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import (
     INPUTS_FILE,
     RunDir,
@@ -68,18 +69,12 @@ def start_heartbeat(run: RunDir) -> threading.Event:
     return done
 
 
-# Each method's module, whose `train(ctx)` trains it (engine/methods/<name>/<name>.py): one
-# entry per record of engine/core/methods.py (tests/test_method_records.py checks the two agree).
-MODULES = {"sft": "edgetune.engine.methods.sft.sft", "fgrpo": "edgetune.engine.methods.fgrpo.fgrpo",
-           "essa": "edgetune.engine.methods.essa.essa", "dpo": "edgetune.engine.methods.dpo.dpo"}
-
-
 def method_module(method: str):
-    """The module whose `train(ctx)` trains `method` (settings.resolve refuses an unknown
-    method before this)."""
+    """The module whose `train(ctx)` trains `method`: its record's `module`
+    (settings.resolve refuses an unknown method before this)."""
     import importlib
 
-    return importlib.import_module(MODULES[method])
+    return importlib.import_module(RECORDS[method].module)
 
 
 class _NoEvents:

@@ -1,16 +1,18 @@
-"""ESSA's warm start: the adapter its search starts from, `essa.warm_start` or a short SFT
-run (engine/methods/sft/) in the ESSA run's own `warm_start/` folder, kept when the run
-resumes."""
+"""ESSA's warm start: the adapter its search starts from, `essa.warm_start` or a short run of
+the method its record's `warm_start` names (SFT: its record's loop module) in the ESSA run's
+own `warm_start/` folder, kept when the run resumes."""
 
 from __future__ import annotations
 
 import gc
+import importlib
 from pathlib import Path
 
 import torch
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.runfolder import RunDir, atomic_write_text
 from edgetune.engine.core.settings import warm_start_config
 
@@ -55,17 +57,16 @@ def warm_start(ctx: RunContext) -> Path | None:
         last_type[:] = [type]
         return ctx.emit("warm_start", event=type, **fields)
 
-    from edgetune.engine.methods.sft import sft
-
+    loop = importlib.import_module(METHODS[cfg.method].module)  # the warm start's own method (SFT)
     last = dist.broadcast_object(pick_checkpoint(sub, lambda m: ctx.emit("warning", message=m))
                                  if dist.is_main() else None)
-    sft.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=dist.share_folder(last[1]) if last else None,
-                         stop_flag=ctx.stop_flag, final_checkpoint=False))
+    loop.train(RunContext(cfg=cfg, run=sub, emit=forward, resume=dist.share_folder(last[1]) if last else None,
+                          stop_flag=ctx.stop_flag, final_checkpoint=False))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if last_type != ["finished"]:
         return None
     if dist.is_main():
-        atomic_write_text(done, "sft finished\n")
+        atomic_write_text(done, f"{cfg.method} finished\n")
     return dist.share_folder(sub.adapter)

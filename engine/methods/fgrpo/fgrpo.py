@@ -30,8 +30,8 @@ Memory/speed trade-offs:
 - Old log-probs are the sampling-time ones (temperature applied, as here); with top_p < 1
   those are of the truncated nucleus distribution, so ratios start a little below 1.
 
-The held-out evaluation (greedy success, pass@k, the base against the adapter) is
-evaluate.py; the losses are loss.py.
+The held-out evaluation (greedy success, pass@k, the base against the adapter) is the
+shared grading (engine/training/grading.py) with fgrpo's `grading()`; the losses are loss.py.
 
 Determinism: prompts and sampling seeds are functions of (seed, step) and checkpoints hold
 optimizer, scheduler and RNG state, so a resumed run continues as an uninterrupted one.
@@ -60,6 +60,7 @@ from edgetune.engine.models import model as model_lib
 
 from edgetune.engine.generation.rollouts import RolloutBatch, generate
 
+from edgetune.engine.training.grading import ADAPTER, BASE, compare_held_out, eval_passes, evaluate, prompt_text
 from edgetune.engine.training.lm_loss import completion_logprobs
 from edgetune.engine.training.loop import (
     RunContext,
@@ -78,13 +79,12 @@ from edgetune.engine.training.loop import (
 )
 from edgetune.engine.training.rewards import Reward, build_reward
 
-from edgetune.engine.methods.fgrpo.evaluate import ADAPTER, BASE, compare_held_out, eval_passes, evaluate, prompt_text
 from edgetune.engine.methods.fgrpo.loss import focal_weights, group_advantages, policy_loss, success_share
 
 from edgetune.engine import data as data_lib
 
 # Distinct seed streams for the training rollouts (held-out evaluation has its own:
-# evaluate.EVAL_STREAM) and for the rollouts of each rank (rank 0's seed is that of a
+# grading.EVAL_STREAM) and for the rollouts of each rank (rank 0's seed is that of a
 # one-process run).
 _TRAIN_STREAM, _RANK_STREAM = 1_000_003, 1_000_000_007
 
@@ -128,13 +128,15 @@ def train(ctx: RunContext) -> dict:
 
     per_prompt: dict = {}  # each evaluation's outcomes per prompt, by its key: the paired comparison
 
+    grading = s.grading()
+
     def held_out_eval(sebp, step: int, key: str, phase: str | None = None, samples: int = s.samples) -> None:
         tick = None
         if phase is not None:
-            unit = "prompts" if eval_passes(s) == 1 else "prompts (greedy, then pass@k samples)"
-            tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(s), unit, ctx.should_stop)
+            unit = "prompts" if eval_passes(grading) == 1 else "prompts (greedy, then pass@k samples)"
+            tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(grading), unit, ctx.should_stop)
         with sebp.lifted():  # generation: the model's own forwards (fast_decode)
-            m = evaluate(model, tok, held_out, reward, s, sys_prompt, cfg.run.seed, tick=tick,
+            m = evaluate(model, tok, held_out, reward, grading, sys_prompt, cfg.run.seed, tick=tick,
                          memory_budget=copy_budget(cfg), samples=samples)
         if m is None:  # stopped during the evaluation
             return

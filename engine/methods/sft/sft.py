@@ -75,7 +75,7 @@ from edgetune.engine import data as data_lib
 
 
 def train(ctx: RunContext) -> dict:
-    cfg, s = ctx.cfg, ctx.cfg.sft
+    cfg, s = ctx.cfg, getattr(ctx.cfg, ctx.cfg.method)  # its settings group (named like its record)
     seed_everything(cfg.run.seed)
     t0 = time.time()
 

@@ -1,9 +1,10 @@
-"""F-GRPO's held-out evaluation: greedy success and mean reward, pass@1 / pass@k from
-sampled completions (engine/methods/fgrpo/passk.py), each per prompt so that two systems
+"""Grading completions, for every method: greedy success and mean reward, pass@1 / pass@k
+from sampled completions (engine/training/passk.py), each per prompt so that two systems
 (the base and an adapter, or two adapters) compare on the same prompts with a paired test
-(engine/training/stats.py). The training loop runs it at fgrpo.eval_every and at the end;
-`edgetune eval` runs it on an adapter folder (`evaluate_adapter`), for any method with a
-reward (an ESSA config grades with its own essa.reward).
+(engine/training/stats.py). What grades a run is its method's settings' `grading()`
+(engine/core/settings.py's GradingSettings): F-GRPO's loop grades its held-out prompts with
+its own at fgrpo.eval_every and at the end; `edgetune eval` (engine/run/evaluation.py) grades
+held-out prompts and task files with the config's, on an adapter folder or the base.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.core.methods import METHODS as RECORDS
-from edgetune.engine.core.settings import Config, FGRPOSettings
+from edgetune.engine.core.settings import Config, GradingSettings
 
 from edgetune.engine.planning.effective import copy_budget
 
@@ -26,14 +27,13 @@ from edgetune.engine.generation.rollouts import generate
 
 from edgetune.engine.training import stats
 from edgetune.engine.training.loop import check_seed
+from edgetune.engine.training.passk import mean_pass_at_k, pass_at_k
 from edgetune.engine.training.rewards import Reward, build_reward
-
-from edgetune.engine.methods.fgrpo.passk import mean_pass_at_k, pass_at_k
 
 from edgetune.engine import data as data_lib
 
-# The seed stream of the held-out evaluation's samples, apart from training's rollouts
-# (engine/methods/fgrpo/fgrpo.py): evaluating changes no training random number.
+# The seed stream of the graded samples, apart from training's rollouts
+# (engine/methods/fgrpo/fgrpo.py): grading changes no training random number.
 EVAL_STREAM = 7_919
 
 
@@ -41,12 +41,12 @@ class _Stopped(Exception):
     pass
 
 
-def eval_passes(s: FGRPOSettings, greedy: bool = True) -> int:
+def eval_passes(s: GradingSettings, greedy: bool = True) -> int:
     return int(greedy) + int(s.eval_k > 0)
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str = "",
+def evaluate(model, tok, rows: list[dict], reward: Reward, s: GradingSettings, system_prompt: str = "",
              seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None,
              samples: int = 0) -> dict | None:
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
@@ -55,14 +55,14 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, sys
     out["per_prompt"] holds each metric's value on each prompt, in the rows' order: the
     paired comparison of two systems on the same prompts (engine/training/stats.py).
 
-    Rows are decoded in chunks of one training rollout batch (a size the run already
-    fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
+    Rows are decoded in chunks of s.batch_rows (one training rollout batch: a size the
+    run already fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
     when it returns True: a stop asked for during a long evaluation ends it there.
     memory_budget: rollouts.generate's (effective.copy_budget). samples: out["samples"] holds
     the first that many prompts with their greedy completion and answer (emit_samples)."""
     out: dict = {"prompts": len(rows)}
     prompts = [r["prompt"] for r in rows]
-    chunk_rows = max(1, s.prompts_per_step * s.num_generations)
+    chunk_rows = max(1, s.batch_rows)
 
     def chunks(per_prompt: int, offset: int) -> dict:
         # The same chunks with or without progress: sampled metrics depend on them.
@@ -115,20 +115,19 @@ def _evaluate(model, tok, rows, prompts, reward, s, system_prompt, seed, greedy,
     return out
 
 
-# What grades a held-out prompt, read from the group of the config's method when it has them
-# (an ESSA config grades with essa.reward at essa.max_new_tokens); the rest from fgrpo.
-GRADING = ("reward", "reward_file", "max_new_tokens", "temperature", "eval_prompts")
+def grading_settings(cfg: Config) -> GradingSettings:
+    """How the config's runs are graded: its method's settings' `grading()`."""
+    return getattr(cfg, cfg.method).grading()
 
 
-def grading_settings(cfg: Config) -> FGRPOSettings:
-    """The held-out evaluation's settings for a config of any method with a reward; a
-    one-line ConfigError for a method without one (its data has no answers to grade)."""
+def held_out_grading(cfg: Config) -> GradingSettings:
+    """The grading of the config's held-out prompts, for a method with a reward; a one-line
+    ConfigError for a method without one (its data has no answers to grade)."""
     record = RECORDS[cfg.method]
     if not record.rewards:
         raise ConfigError(f"{record.label} runs have no held-out prompts to grade: `edgetune eval` grades methods "
                           f"with a reward ({', '.join(m.label for m in RECORDS.values() if m.rewards)})")
-    group = getattr(cfg, cfg.method)
-    return replace(cfg.fgrpo, **{k: getattr(group, k) for k in GRADING if hasattr(group, k)})
+    return grading_settings(cfg)
 
 
 def eval_model(cfg: Config, adapter_path: str | None):
@@ -148,7 +147,7 @@ def eval_model(cfg: Config, adapter_path: str | None):
     return model, tok, adapter_path or None
 
 
-def held_out_rows(cfg: Config, tok, s: FGRPOSettings) -> list[dict]:
+def held_out_rows(cfg: Config, tok, s: GradingSettings) -> list[dict]:
     """The config's held-out prompts, the first s.eval_prompts of them (0 = all)."""
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     rows = data.eval[: s.eval_prompts] if s.eval_prompts else data.eval
@@ -158,7 +157,7 @@ def held_out_rows(cfg: Config, tok, s: FGRPOSettings) -> list[dict]:
     return rows
 
 
-def grade_rows(cfg: Config, s: FGRPOSettings, model, tok, rows: list[dict], progress=None,
+def grade_rows(cfg: Config, s: GradingSettings, model, tok, rows: list[dict], progress=None,
                samples: int = 0) -> dict | None:
     """`evaluate` of a loaded model on `rows` with s's reward, the config's system prompt
     and seed; `progress(prompts_done, total)` as it advances (True back: stop, and None
@@ -173,10 +172,10 @@ def grade_rows(cfg: Config, s: FGRPOSettings, model, tok, rows: list[dict], prog
 
 
 def evaluate_adapter(cfg: Config, adapter_path: str | None, progress=None) -> dict:
-    """`edgetune eval`: held-out F-GRPO metrics of an adapter folder or a run folder
-    ("" = the base alone), with each metric per prompt (`per_prompt`).
-    `progress(prompts_done, total)` as the evaluation advances."""
-    s = grading_settings(cfg)
+    """The held-out metrics of an adapter folder or a run folder ("" = the base alone), with
+    each metric per prompt (`per_prompt`). `progress(prompts_done, total)` as the
+    evaluation advances."""
+    s = held_out_grading(cfg)
     check_seed(cfg.run.seed)
     model, tok, adapter_path = eval_model(cfg, adapter_path)
     out = grade_rows(cfg, s, model, tok, held_out_rows(cfg, tok, s), progress)
