@@ -1,4 +1,4 @@
-"""The settings form: one widget spec per dataclass field of engine/core/settings.py, read from
+"""The settings form: one widget spec per dataclass field of engine/core/settings/, read from
 the dataclasses themselves (type, default, and the help text, section and choices each
 field declares in its metadata), so a new setting appears in the app without touching it.
 

@@ -1,7 +1,7 @@
 """`edgetune ui`: serve the app (binds 127.0.0.1 unless told otherwise; another --host
 needs --auth user:password or an explicit --insecure-no-auth). Every request passes
 app/guard.py first: foreign Host or Origin, uploads that are no data file and repeated
-failed logins are refused. Its command-line flags are the CLI's (engine/cli.py).
+failed logins are refused. Its command-line flags are the CLI's (engine/cli/).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import inspect
 import math
+import sys
 
 import pytest
 from inline_run import run_inline
@@ -63,7 +64,10 @@ def register(monkeypatch, source: str, name: str, **changes):
     group = type(getattr(S.Config(), source))
     config = dataclasses.make_dataclass(
         "Config", [(name, group, dataclasses.field(default_factory=group))], bases=(S.Config,))
-    monkeypatch.setattr(S, "Config", config)
+    plain = S.Config
+    for module in [m for n, m in sys.modules.items() if n == S.__name__ or n.startswith(S.__name__ + ".")]:
+        if getattr(module, "Config", None) is plain:  # the settings modules that build a Config
+            monkeypatch.setattr(module, "Config", config)
     monkeypatch.setitem(METHODS, name, record)
     return record
 

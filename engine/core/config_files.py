@@ -1,5 +1,5 @@
 """Settings files: the presets shipped in presets/ and the user's YAML files, read into
-plain mappings that engine/core/settings.py's `resolve()` applies and validates.
+plain mappings that engine/core/settings/'s `resolve()` applies and validates.
 
 A bad file is one line naming the file and what is wrong with it (engine/core/errors.py).
 """

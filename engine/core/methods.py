@@ -7,7 +7,7 @@ own keyed by the method's name: the worker imports `module` and calls its `train
 planner (engine/planning/planner.py) sizes its step with the memory model `memory` names and
 splits `per_rank` across GPUs; a far-beyond refusal names `shape`; engine/planning/oom.py
 lowers `oom_levers`; the data loader reads `data`; the app shows `basic` first and draws
-`plots`. Adding a method is a record here, its settings dataclass in engine/core/settings.py
+`plots`. Adding a method is a record here, its settings dataclass in engine/core/settings/<name>.py
 (a group of Config named like the record, whose `grading()` says how its completions are
 graded), its folder in engine/methods/ and its presets. tests/test_method_conformance.py runs
 every part for every record; no code outside this file and the method's own folder compares a

@@ -1,7 +1,7 @@
 """A run's folder on disk, and writing into it so that a crash never leaves half a file.
 
     runs/<name>/
-      config.yaml          fully resolved settings (engine/core/settings.py)
+      config.yaml          fully resolved settings (engine/core/settings/)
       events.jsonl         everything the run reported (engine/core/events.py)
       worker.pid           the worker process while it lives
       worker.log           the worker's stdout/stderr (tracebacks of bugs go here)

@@ -2,7 +2,7 @@
 from sampled completions (engine/training/passk.py), each per prompt so that two systems
 (the base and an adapter, or two adapters) compare on the same prompts with a paired test
 (engine/training/stats.py). What grades a run is its method's settings' `grading()`
-(engine/core/settings.py's GradingSettings): F-GRPO's loop grades its held-out prompts with
+(engine/core/settings/grading.py's GradingSettings): F-GRPO's loop grades its held-out prompts with
 its own at fgrpo.eval_every and at the end; `edgetune eval` (engine/run/evaluation.py) grades
 held-out prompts and task files with the config's, on an adapter folder or the base.
 """

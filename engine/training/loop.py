@@ -48,7 +48,7 @@ class RunContext:
         return dist.any_rank(self.stop_flag[0] or self.run.stop_requested())
 
 
-# The largest run.seed, as its declaration in engine/core/settings.py allows (every consumer
+# The largest run.seed, as its declaration in engine/core/settings/ allows (every consumer
 # takes it); checked here too for callers that pass a seed without resolving settings.
 MAX_SEED = int(SEED.high)
 

@@ -1,0 +1,121 @@
+"""The command line: every UI action, scriptable.
+
+    edgetune train --preset sft-quickstart            # embedded default model + data, offline
+    edgetune train --config my.yaml --set lora.r=32   # any setting overridable
+    edgetune resume runs/<run>                        # continue from the last checkpoint
+    edgetune resume runs/<run> --more-steps 50        # train a finished run further
+    edgetune export runs/<run> --out my-adapter/      # PEFT adapter (--zip, --merged)
+    edgetune train --preset X --queue                 # queue it; runs one after another
+    edgetune queue [list | run | cancel ID | up ID | down ID | move ID --to N]
+    edgetune runs | presets | data FILE | estimate --preset X
+    edgetune ui                                       # the Gradio app
+
+Errors in the user's input print one line `error: ...` and exit with status 2; a run
+that fails exits with 1 and its run folder says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from edgetune.engine.core import settings as S
+from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine.cli import data, estimate, evaluate, export, presets, queue, runs, train, ui
+from edgetune.engine.cli.common import config_from as _config  # a command's settings, as the app's tests read them
+from edgetune.engine.cli.watch import more_steps_text, samples_text, watch
+
+__all__ = ["build_parser", "flag_ranges", "main", "more_steps_text", "samples_text", "watch", "_config"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`edgetune`'s commands, each one's flags from its own module, in the order `--help` lists them."""
+    p = argparse.ArgumentParser(prog="edgetune", description="Fine-tune LoRA adapters on a 4-bit model.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    train.add_train_parser(sub)
+    queue.add_parser(sub)
+    train.add_resume_parser(sub)
+    export.add_parser(sub)
+    runs.add_runs_parser(sub)
+    runs.add_rename_parser(sub)
+    runs.add_delete_parser(sub)
+    runs.add_restore_parser(sub)
+    presets.add_parser(sub)
+    data.add_parser(sub)
+    estimate.add_parser(sub)
+    evaluate.add_parser(sub)
+    ui.add_parser(sub)
+    return p
+
+
+def flag_ranges() -> dict:
+    """The numeric flags that are not settings: their dest -> (the flag, its Range). A
+    setting's own flag (--max-seq-len) takes the setting's range."""
+    return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
+            "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
+            "job": ("job", S.QUEUE_NUMBER), "to": ("--to", S.QUEUE_NUMBER),
+            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"])}
+
+
+def _read_numbers(a) -> None:
+    """Each numeric flag given, as an int within its range, or the one-line refusal."""
+    for dest, (flag, rng) in flag_ranges().items():
+        if getattr(a, dest, None) is not None:
+            setattr(a, dest, S.typed_number(flag, getattr(a, dest), rng))
+
+
+def _interrupted(a) -> str:
+    """What a Ctrl-C left, in words, for the commands that end at the first one."""
+    if a.cmd == "export":
+        return (f"nothing was exported to {a.out} (what the export had written so far is removed)"
+                if a.out else "nothing was exported")
+    return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
+            "estimate": "no estimate; nothing was written",
+            "eval": "the evaluation stopped; nothing was written",
+            "queue": "the queue stopped; a job that had started goes on (edgetune queue run continues the queue)",
+            "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
+
+
+# Commands that end at the first Ctrl-C (train and resume: the first one stops the run
+# gracefully, the second kills its worker; see `watch`).
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue")
+
+
+def _ctrl_c(signum, frame):
+    """The first Ctrl-C: the command stops where it is and removes what it had half written
+    (its `finally` blocks run); a second one, while it does, ends the process at once."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    # only where Ctrl-C is Python's own (a background job ignores it; a caller may have its own)
+    ours = a.cmd in ENDS_AT_CTRL_C and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _ctrl_c)
+    try:
+        _read_numbers(a)
+        return a.fn(a)
+    except KeyboardInterrupt:
+        if a.cmd not in ENDS_AT_CTRL_C:
+            raise
+        if ours:  # the command has ended: a Ctrl-C from here to the exit changes nothing
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            ours = False
+        print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
+        return 130
+    except EdgetuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader left (`edgetune estimate --json | head -1`): stop quietly, as cat does;
+        # stdout goes to /dev/null so that flushing it at exit raises nothing either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
