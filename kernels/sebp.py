@@ -61,6 +61,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +111,41 @@ class ActiveRows:
         ids = torch.arange(self.n_active, dtype=torch.int32, device=self.index.device)
         return pos.index_copy_(0, self.long_index, ids)
 
+    @functools.cached_property
+    def runs(self) -> tuple:
+        """(start, end) of each maximal run of consecutive active rows (a right- or
+        left-padded batch: one run a sequence), as Python ints. One copy of `index` to the
+        host, once per step (`set_active_rows` builds it when a handle's kernel is `runs`)."""
+        ids = self.index.cpu().numpy()
+        if ids.size == 0:
+            return ()
+        breaks = np.flatnonzero(np.diff(ids) != 1)
+        starts = ids[np.concatenate(([0], breaks + 1))]
+        ends = ids[np.concatenate((breaks, [ids.size - 1]))] + 1
+        return tuple(zip(starts.tolist(), ends.tolist()))
+
+    @functools.cached_property
+    def gaps(self) -> tuple:
+        """(start, end) of each run of inactive rows: what lies between `runs`."""
+        out, at = [], 0
+        for s, e in self.runs:
+            if s > at:
+                out.append((at, s))
+            at = e
+        if at < self.n_total:
+            out.append((at, self.n_total))
+        return tuple(out)
+
+    def keep(self, dtype, device) -> torch.Tensor:
+        """[n_total, 1] of 1 on the active rows, 0 elsewhere, in `dtype` (made once per
+        step and dtype): multiplying a rank-r product by it keeps rows R only."""
+        cache = self.__dict__.setdefault("_keep", {})
+        key = (dtype, torch.device(device))
+        if key not in cache:
+            k = torch.zeros((self.n_total, 1), dtype=dtype, device=device)
+            cache[key] = k.index_fill_(0, self.index.to(device).long(), 1)
+        return cache[key]
+
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "ActiveRows":
         if mask.dim() != 2:
@@ -124,6 +160,14 @@ def _as_rows(mask) -> "ActiveRows | None":
     return ActiveRows.from_mask(mask)
 
 
+# The `sebp_kernel` setting's values -> the backward each names (Handle.backend):
+#   auto     per kind of layer, the faster of indexed and gather, measured on its first backward
+#   indexed  Triton GEMMs that read the active rows by index inside their loads (sebp_triton)
+#   gather   index_select copies of the active rows, cuBLAS on them, one pass writing dX
+#   runs     cuBLAS on each run of consecutive active rows in place (_sparse_backward_runs)
+KERNELS = {"auto": "auto", "indexed": "triton", "gather": "torch", "runs": "runs"}
+
+
 class Handle:
     """What patch() returns: the patched modules and the current step's active rows."""
 
@@ -131,7 +175,7 @@ class Handle:
         self.model = model
         self.saved = []  # (module, had_instance_forward, instance_forward)
         self.rows: ActiveRows | None = None
-        self.backend = "auto"  # auto | triton | torch (tests force one)
+        self.backend = "auto"  # auto | triton | torch | runs (KERNELS: the setting's names for them)
 
     def __len__(self):
         return len(self.saved)
@@ -160,6 +204,8 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     are cleared by one memset (torch.zeros) rather than an indexed kernel.
     """
     args = (g2, x2, rows, weight, lora, need)
+    if backend == "runs":
+        return _sparse_backward_runs(*args)
     if backend == "auto" and x2.is_cuda:
         key = ((x2.shape[0] - 1).bit_length(), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
                lora is not None, tuple(need), (rows.n_active - 1).bit_length())
@@ -346,6 +392,72 @@ def _sparse_backward_torch(g2, x2, rows, weight, lora, need):
         dw = (gr.t() @ xr.to(g2.dtype)).to(weight.dtype)
     if want_db:
         db = gr.float().sum(0)
+    return dx, dw, db, da, dbb
+
+
+def _sparse_backward_runs(g2, x2, rows, weight, lora, need):
+    """The same math with cuBLAS reading the active rows where they lie: each run of
+    consecutive active rows (`rows.runs`, one a sequence in a padded batch) is a contiguous
+    view of dY and of dX, so dX[run] = dY[run] W is one GEMM writing straight into dX, with
+    no gathered copy of dY or X, no scatter, no Triton compile or autotuning (nothing that
+    depends on the row count but the launch sizes). Rows outside R: zeroed by a memset of
+    the gaps, or written as zeros by LoRA's product below.
+
+    LoRA's rank-r products run over every row, multiplied by the 0/1 row mask
+    (`rows.keep`): dh = s·(dY B)·keep, h = s·(X Aᵀ)·keep. dA = dhᵀ X and dB = dYᵀ h then
+    sum over R only (0 · a finite value is exactly 0), and dX starts as dh A, zero outside
+    R, to which each run's base GEMM adds (addmm_, the add inside the GEMM's epilogue).
+    These products are skinny (r columns), so reading the padding rows costs bandwidth
+    only; they run in dY's dtype (bf16 under autocast, as autograd of the autocast forward
+    computes them), accumulating in fp32 inside the GEMM, with dA, dB returned in the
+    factors' dtype. Autocast is off inside: the products run in the dtypes chosen here."""
+    with torch.autocast(g2.device.type, enabled=False):
+        return _runs_backward(g2, x2, rows, weight, lora, need)
+
+
+def _runs_backward(g2, x2, rows, weight, lora, need):
+    M, K = x2.shape
+    want_dx, want_dw, want_db, want_da, want_dbb = need
+    dx = dw = db = da = dbb = None
+    ct = g2.dtype
+    runs = rows.runs
+    xc = x2 if x2.dtype == ct else None
+    dh = None
+    if lora is not None and (want_dx or want_da or want_dbb):
+        A, B, s = lora
+        keep = rows.keep(ct, g2.device)
+        a = A.to(ct)
+        dh = (g2 @ B.to(ct)).mul_(keep).mul_(s)
+        if want_da or want_dbb:
+            xc = x2.to(ct)
+        if want_dbb:
+            h = (xc @ a.t()).mul_(keep)
+            dbb = (g2.t() @ h).mul_(s).to(B.dtype)
+            del h
+        if want_da:
+            da = (dh.t() @ xc).to(A.dtype)
+    if want_dx:
+        w = weight.to(ct)
+        if dh is not None:
+            out = dh @ a  # LoRA's share on every row: zero outside R, as dh is
+            for s_, e_ in runs:
+                out[s_:e_].addmm_(g2[s_:e_], w)
+        else:
+            out = torch.empty((M, K), device=g2.device, dtype=ct)
+            for s_, e_ in rows.gaps:
+                out[s_:e_].zero_()
+            for s_, e_ in runs:
+                torch.mm(g2[s_:e_], w, out=out[s_:e_])
+        dx = out if out.dtype == x2.dtype else out.to(x2.dtype)
+    if want_dw:  # a trainable base (rare): per run, summed in fp32
+        if xc is None:
+            xc = x2.to(ct)
+        acc = torch.zeros(weight.shape, device=g2.device, dtype=torch.float32)
+        for s_, e_ in runs:
+            acc += g2[s_:e_].t() @ xc[s_:e_]
+        dw = acc.to(weight.dtype)
+    if want_db:
+        db = (rows.keep(ct, g2.device).t() @ g2).squeeze(0).float()
     return dx, dw, db, da, dbb
 
 
@@ -538,7 +650,14 @@ def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
     handle = model_or_handle if isinstance(model_or_handle, Handle) else getattr(model_or_handle, _ATTR, None)
     if not isinstance(handle, Handle):
         raise ValueError("set_active_rows: the model is not patched (call sebp.patch(model) first)")
-    handle.rows = _as_rows(mask)
+    handle.rows = _as_rows_for(mask, handle.backend)
+
+
+def _as_rows_for(mask, backend):
+    rows = _as_rows(mask)
+    if rows is not None and backend == "runs":
+        rows.runs  # noqa: B018 - built here, once per step, not in the first layer's backward
+    return rows
 
 
 class Enabled:
@@ -548,7 +667,7 @@ class Enabled:
     def __init__(self, model, on: bool, backend: str = "auto"):
         self.model = model
         self.on = bool(on)
-        self.backend = backend
+        self.backend = KERNELS.get(backend, backend)
         self._patch: Handle | None = None
         if self.on:
             self._apply()
@@ -572,7 +691,7 @@ class Enabled:
         """This micro-batch's [batch, seq] rows with a gradient (see `set_active_rows`);
         nothing when SEBP is off or lifted."""
         if self._patch is not None:
-            self._patch.rows = _as_rows(mask)
+            self._patch.rows = _as_rows_for(mask, self._patch.backend)
 
     @contextlib.contextmanager
     def lifted(self):

@@ -21,7 +21,7 @@ from edgetune.kernels import sebp  # noqa: E402
 from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
 
 torch.set_num_threads(1)
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "runs"]
 
 
 def rel(a, b):
@@ -454,7 +454,7 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
 
 
 # Triton: a whole model in the interpreter
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch", "runs"])
 def test_whole_model_under_bf16_autocast(tiny_dir, backend):
     """The engine's CUDA training forward runs under bf16 autocast (engine/models/model.autocast);
     SEBP must take its sparse backward there too and agree with autograd of the same
@@ -502,6 +502,88 @@ def test_frozen_nf4_layers_and_left_padding(tiny_dir):
         for name in g_ref:
             assert g_ref[name].abs().sum() > 0
             assert rel(g[name], g_ref[name]) <= 1e-5, (backend, name, rel(g[name], g_ref[name]))
+
+
+# --------------------------------------------------------------------------- odd shapes
+
+
+def pad_mask(kind, batch, seq):
+    """none | one | all | right (first rows of each sequence) | left (last rows)."""
+    m = torch.zeros(batch, seq, dtype=torch.bool)
+    lengths = [max(1, (seq * (b + 2)) // (batch + 3)) for b in range(batch)]
+    if kind == "one":
+        m[-1, seq // 2] = True
+    elif kind == "all":
+        m[:] = True
+    elif kind in ("right", "left"):
+        for b, n in enumerate(lengths):
+            m[b, :n] = True
+        if kind == "left":
+            m = m.flip(1)
+    return m
+
+
+def lora_holder(k, n, dtype, gen):
+    """A real PEFT LoRA Linear (r=4) over an nn.Linear with a bias, base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    base = Holder(nn.Linear(k, n, bias=True))
+    with torch.no_grad():
+        base.layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["layer"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.to(dtype)
+    return model
+
+
+# (batch, seq, K): 4,097 rows and K = 2,880; the interpreter's Triton path on scaled-down
+# counterparts (257 rows; K = 360, not a multiple of the tiles) to stay a few seconds a case.
+ODD_SHAPES = {"runs": [(1, 4097, 2880), (3, 13, 2880)], "triton": [(1, 257, 24), (2, 5, 360)]}
+
+
+@pytest.mark.parametrize("backend", ["runs", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["none", "one", "all", "right", "left"])
+def test_lora_layer_odd_shapes_match_dense(backend, dtype, kind):
+    """dX, dA, dB of a PEFT LoRA layer over a frozen base from the active rows only
+    equal autograd's with dY zeroed outside them; dX is zero on every other row."""
+    gen = torch.Generator().manual_seed(23)
+    n = 24
+    for batch, seq, k in ODD_SHAPES[backend]:
+        model = lora_holder(k, n, dtype, gen)
+        layer = model.base_model.model.layer
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        x = torch.randn(batch, seq, k, generator=gen).to(dtype)
+        dy = torch.randn(batch, seq, n, generator=gen).to(dtype)
+        mask = pad_mask(kind, batch, seq)
+        _, dx_ref, (da_ref, db_ref) = grads_of(model, x, dy * mask[..., None].to(dtype), [a, b])
+        handle = sebp.patch(model)
+        handle.backend = backend
+        sebp.set_active_rows(handle, mask)
+        _, dx, (da, db) = grads_of(model, x, dy, [a, b])
+        sebp.unpatch(model)
+        assert (dx[~mask] == 0).all()
+        for got, ref in [(dx, dx_ref), (da, da_ref), (db, db_ref)]:
+            assert got.dtype == ref.dtype and not torch.isnan(got).any()
+            if kind == "none":
+                assert (got == 0).all() and (ref == 0).all()
+            else:
+                assert rel(got, ref) <= tol(dtype), (batch, seq, k, rel(got, ref))
+
+
+def test_runs_of_active_rows():
+    rows = sebp.ActiveRows.from_mask(pad_mask("right", 3, 10))
+    assert rows.runs == ((0, 3), (10, 15), (20, 26)) and rows.gaps == ((3, 10), (15, 20), (26, 30))
+    rows = sebp.ActiveRows.from_mask(pad_mask("left", 2, 5))
+    assert rows.runs == ((3, 5), (7, 10)) and rows.gaps == ((0, 3), (5, 7))
+    assert sebp.ActiveRows.from_mask(pad_mask("all", 2, 5)).runs == ((0, 10),)
+    none = sebp.ActiveRows.from_mask(pad_mask("none", 2, 5))
+    assert none.runs == () and none.gaps == ((0, 10),)
+    assert torch.equal(sebp.ActiveRows.from_mask(pad_mask("one", 2, 5)).keep(torch.float32, "cpu").squeeze(1),
+                       pad_mask("one", 2, 5).reshape(-1).float())
 
 
 # --------------------------------------------------------------------------- lm_head
