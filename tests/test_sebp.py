@@ -699,3 +699,22 @@ def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
         monkeypatch.setattr(sebp, "_sparse_backward_torch", lambda *a: None)
         sebp._sparse_backward(g2, x2, rows, None, None, (True, False, False, False, False), "auto")
     assert len(set(seen)) == 1
+
+
+@pytest.mark.parametrize("kernel, backend", [("auto", "auto"), ("indexed", "triton"), ("gather", "torch"),
+                                             ("runs", "runs")])
+def test_sebp_kernel_setting_names_the_backward(kernel, backend):
+    from edgetune.engine.core.settings import SEBP_KERNELS
+
+    assert set(SEBP_KERNELS) == set(sebp.KERNELS)
+    gen = torch.Generator().manual_seed(31)
+    model = Holder(nn.Linear(16, 8, bias=False))
+    mask = pad_mask("right", 2, 6)
+    x, dy = torch.randn(2, 6, 16, generator=gen), torch.randn(2, 6, 8, generator=gen)
+    _, dx_ref, _ = grads_of(model, x, dy * mask[..., None], [])
+    with sebp.enabled(model, True, kernel) as h:
+        assert model._sebp_handle.backend == backend
+        h.set_active_rows(mask)
+        assert ("runs" in h._patch.rows.__dict__) == (backend == "runs")  # built before the layers run
+        _, dx, _ = grads_of(model, x, dy, [])
+    assert rel(dx, dx_ref) <= 1e-5 and (dx[~mask] == 0).all()

@@ -175,6 +175,19 @@ def _sebp(where: str) -> Any:
         section="speed", choices=AUTO_ON_OFF)
 
 
+SEBP_KERNELS = ("auto", "indexed", "gather", "runs")
+
+
+def _sebp_kernel() -> Any:
+    return setting(
+        "auto",
+        "How SEBP's backward reads the active rows (kernels/sebp.py). auto = per kind of layer, the faster of "
+        "indexed and gather, measured on its first backward; indexed = Triton GEMMs reading the rows by index in "
+        "their loads; gather = copies of the rows, then cuBLAS; runs = cuBLAS on each run of consecutive rows "
+        "in place (no copies, nothing compiled or tuned per row count). Speeds: bench/README.md.",
+        section="speed", choices=SEBP_KERNELS)
+
+
 def _samples(where: str) -> Any:
     return setting(3, f"Held-out prompts shown with the model's greedy completion and the reference at each "
                       f"evaluation{where} (0 = none).", section="evaluation", range=Range(0, 20))
@@ -349,6 +362,7 @@ class SFTSettings:
     eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=COUNT)
     samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
+    sebp_kernel: str = _sebp_kernel()
     packing: bool = setting(
         False,
         "Padding-free batches (engine/data/packing.py): a micro-batch's rows laid end to end in one row, "
@@ -445,6 +459,7 @@ class FGRPOSettings:
                                 range=EVERY)
     samples: int = _samples(" (from its greedy pass: no extra generation)")
     sebp: str = _sebp(" in the policy update")
+    sebp_kernel: str = _sebp_kernel()
 
 
 FITNESS = "fitness: mean reward on a mini-batch of prompts shared by all candidates of a generation"
@@ -588,6 +603,7 @@ class DPOSettings:
         section="evaluation", range=EVERY)
     samples: int = _samples(" (greedy completions of held-out prompts)")
     sebp: str = _sebp("")
+    sebp_kernel: str = _sebp_kernel()
 
 
 @dataclass

@@ -128,7 +128,7 @@ def train(ctx: RunContext) -> dict:
             with sebp.lifted():  # generation: the model's own forwards
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
-    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+    with sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:  # the patch comes off however the loop ends
         if start_step == 0 and data.eval and s.eval_every:
             loss0 = held_out("initial_eval")
             if loss0 is not None:  # None: stopped during the evaluation
