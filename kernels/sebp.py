@@ -19,7 +19,7 @@ Trade-offs:
 - The active row ids are computed once per step in `set_active_rows` (one host sync
   there, none per layer). When every row is active the layer takes its normal path:
   dense cuBLAS is already the fastest way to do dense work.
-- On CUDA each kind of layer (shape, grads wanted, rows and active rows to a power of two)
+- On CUDA each kind of layer (shape, grads wanted, classes of rows and of active rows)
   runs whichever of two exact paths measured faster on its first backward (`choose_backend`;
   kept between runs by `remember_choices`):
   `sebp_triton`, which gathers rows inside the GEMM loads (no copies), or index_select +
@@ -207,8 +207,10 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     if backend == "runs":
         return _sparse_backward_runs(*args)
     if backend == "auto" and x2.is_cuda:
-        key = ((x2.shape[0] - 1).bit_length(), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
-               lora is not None, tuple(need), (rows.n_active - 1).bit_length())
+        from .sebp_triton import row_class
+
+        key = (row_class(x2.shape[0]), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
+               lora is not None, tuple(need), row_class(rows.n_active))
         backend = choose_backend(key, {"triton": lambda: _sparse_backward_triton(*args),
                                        "torch": lambda: _sparse_backward_torch(*args)}, device=x2.device)
     if _use_triton(x2, backend):
@@ -216,11 +218,12 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     return _sparse_backward_torch(*args)
 
 
-# (rows in the batch and active rows, each rounded up to a power of two; input and output
-# widths; dtypes; LoRA or not; grads wanted) -> the faster backend on this GPU. The key is
-# what changes the ranking: the layer's shape and how many rows there are and are active.
-# Rounding the row counts keeps a padded run, whose every batch has its own length, to a
-# few measurements in all instead of one per new length.
+# (class of the rows in the batch and of the active rows (sebp_triton.row_class: three
+# classes); input and output widths; dtypes; LoRA or not; grads wanted) -> the faster
+# backend on this GPU. The key is what changes the ranking: the layer's shape and how many
+# rows there are and are active. Classes instead of counts keep a padded run, whose every
+# batch has its own length, to at most three measurements per layer shape instead of one
+# per new length (each a stall of the step that meets it).
 _CHOICE: dict = {}
 _CHOICES_IN: list = [None, None]  # [folder remember_choices was given, the file read from it]
 
@@ -510,7 +513,7 @@ class _Spec:
 # --------------------------------------------------------------------------- module kinds
 
 
-def _is_lora_layer(m) -> bool:
+def is_lora_layer(m) -> bool:
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:
@@ -533,7 +536,7 @@ def _dequant(base):
     return bnbf.dequantize_4bit(w.data, w.quant_state)
 
 
-def _base_parts(base):
+def base_parts(base):
     """(weight tensor or None, bias, dense_weight fn) for a supported base, else None."""
     if _is_4bit(base):
         return None, base.bias, lambda: _dequant(base)
@@ -542,7 +545,7 @@ def _base_parts(base):
     return None
 
 
-def _lora_parts(m):
+def lora_parts(m):
     """(A, B, scaling) when the layer runs plain single-adapter LoRA, else None."""
     if m.disable_adapters or m.merged:
         return None
@@ -571,22 +574,22 @@ def _rows_for(handle, x):
 
 
 def _make_forward(handle, module, original):
-    lora_layer = _is_lora_layer(module)
+    lora_layer = is_lora_layer(module)
 
     def forward(x, *args, **kwargs):
         rows = _rows_for(handle, x) if not args and not kwargs else None
         if rows is None:
             return original(x, *args, **kwargs)
         if lora_layer:
-            parts = _lora_parts(module)
-            base = _base_parts(module.get_base_layer())
+            parts = lora_parts(module)
+            base = base_parts(module.get_base_layer())
             if parts is None or base is None:
                 return original(x)
             a, b, s = parts
             weight, bias, dense = base
             spec = _Spec(original, rows, dense, s, handle.backend)
             return SparseLinearFn.apply(x, weight, bias, a, b, spec)
-        weight, bias, dense = _base_parts(module)
+        weight, bias, dense = base_parts(module)
         spec = _Spec(original, rows, dense, 1.0, handle.backend)
         return SparseLinearFn.apply(x, weight, bias, None, None, spec)
 
@@ -600,16 +603,16 @@ def _targets(model):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inside_lora = set()
     for m in model.modules():
-        if _is_lora_layer(m):
+        if is_lora_layer(m):
             inside_lora.update(id(c) for c in m.modules() if c is not m)
     out = []
     for name, m in model.named_modules():
         if m is head or name.split(".")[-1] == "lm_head" or id(m) in inside_lora:
             continue
-        if _is_lora_layer(m):
-            if hasattr(m, "lora_A") and _base_parts(m.get_base_layer()) is not None:
+        if is_lora_layer(m):
+            if hasattr(m, "lora_A") and base_parts(m.get_base_layer()) is not None:
                 out.append(m)
-        elif _base_parts(m) is not None:
+        elif base_parts(m) is not None:
             out.append(m)
     return out
 

@@ -686,8 +686,8 @@ def test_backend_choices_are_kept_between_runs(monkeypatch, tmp_path):
 
 
 def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
-    """A padded run's batches each have their own length; the choice is made per power of
-    two of the rows and active rows, so lengths 900..1000 of 8 rows cost one measurement."""
+    """A padded run's batches each have their own length; the choice is made per class of
+    the rows and active rows, so lengths 900..1000 of 8 rows cost one measurement."""
     monkeypatch.setattr(sebp, "_CHOICE", {})
     seen = []
     monkeypatch.setattr(sebp, "choose_backend", lambda key, cands, **kw: seen.append(key) or "torch")
@@ -699,6 +699,41 @@ def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
         monkeypatch.setattr(sebp, "_sparse_backward_torch", lambda *a: None)
         sebp._sparse_backward(g2, x2, rows, None, None, (True, False, False, False, False), "auto")
     assert len(set(seen)) == 1
+
+
+def test_row_counts_of_a_run_reach_few_tunings_and_choices(monkeypatch):
+    """Whatever is tuned or measured per row count (the Triton kernels' autotune key, the
+    backend choice) sees a bounded set over a run's varying counts: 300 batches of random
+    lengths (1..1,024 tokens a row, 8 rows, 1..all rows active) reach at most 3 row classes
+    in the kernels and 6 backend choices per layer shape, the choice's row classes being
+    at most 3 x 3 with the active rows never more than the rows."""
+    from edgetune.kernels import sebp_triton
+
+    tuned = []
+    monkeypatch.setattr(sebp_triton, "_launch", lambda kernel, grid, *args, **kw: tuned.append((kernel, args[-1])))
+    monkeypatch.setattr(sebp, "_CHOICE", {})
+    chosen = []
+    monkeypatch.setattr(sebp, "choose_backend", lambda key, cands, **kw: chosen.append(key) or "triton")
+    monkeypatch.setattr(sebp, "_sparse_backward_triton", lambda *a: None)
+    gen = torch.Generator().manual_seed(37)
+    q, qt = torch.zeros(64, 48), torch.zeros(64, 8)
+    for _ in range(300):
+        seq = int(torch.randint(1, 1025, (1,), generator=gen))
+        m = 8 * seq
+        n = int(torch.randint(1, m + 1, (1,), generator=gen))
+        idx = torch.zeros(n, dtype=torch.int32)
+        p = torch.zeros(m, 64)
+        sebp_triton.gathered_mm(p, idx, q, torch.zeros(m, 48), scatter=True)
+        sebp_triton.gathered_mm(p, idx, qt, torch.zeros(n, 8), scatter=False)
+        sebp_triton.gathered_tn(p, idx, p, torch.zeros(64, 64), gather_q=True)
+        x2 = types.SimpleNamespace(is_cuda=True, shape=(m, 64), dtype=torch.bfloat16, device="cuda")
+        g2 = types.SimpleNamespace(shape=(m, 48), dtype=torch.bfloat16)
+        sebp._sparse_backward(g2, x2, types.SimpleNamespace(n_active=n), None, None, (True,) + (False,) * 4, "auto")
+    kernels = {k for k, _ in tuned}
+    assert len(kernels) == 3  # wide and skinny row-gathering GEMMs, the wide row reduction
+    for k in kernels:
+        assert len({b for kk, b in tuned if kk is k}) <= 3
+    assert 2 <= len(set(chosen)) <= 6
 
 
 @pytest.mark.parametrize("kernel, backend", [("auto", "auto"), ("indexed", "triton"), ("gather", "torch"),

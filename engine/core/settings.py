@@ -363,6 +363,12 @@ class SFTSettings:
     samples: int = _samples(" (at most a few tokens past the reference's length)")
     sebp: str = _sebp("")
     sebp_kernel: str = _sebp_kernel()
+    fused_lora: bool = setting(
+        False,
+        "LoRA's branch inside the GEMMs (kernels/lora_fused.py): the scaled rank-r product accumulates into the "
+        "base layer's output (and the backward's dX) in the GEMM itself, instead of separate multiply and add "
+        "passes over the whole output. Same result to rounding. Speeds: bench/README.md.",
+        section="speed")
     packing: bool = setting(
         False,
         "Padding-free batches (engine/data/packing.py): a micro-batch's rows laid end to end in one row, "
