@@ -371,7 +371,8 @@ def table() -> str:
     for name, r in R["rows"].items():
         fl = r["floors_ms"]
         out += ["", f"### {name}: {r['plain_step_s'] * 1000:.0f} ms a step unprofiled, {r['wall_ms']} ms profiled; "
-                    f"{r['tokens']} tokens, checkpointing {r['checkpointing']}, SEBP {r['sebp']}, peak {r['peak_GiB']} GiB",
+                    f"{r['tokens']} tokens, checkpointing {r['checkpointing']}, SEBP {r['sebp']} (kernel "
+                    f"{r.get('sebp_kernel', 'auto')}), fused LoRA {r.get('fused_lora', False)}, peak {r['peak_GiB']} GiB",
                 "", "| part | ms a step | share of kernel time | achieved | floor ms | over floor |", "|---|---|---|---|---|---|"]
         busy = r["kernel_busy_ms"] or 1
         for p in PARTS:
