@@ -11,8 +11,9 @@ limit loses nothing done):
                (first-ever start: quantisation, compilation), predicted vs measured peak
   sft_second   the same command again (base from the cache): seconds from the command to
                its first step, and where they went (phases from the run's events)
-  padded_sebp_on, padded_sebp_off
-               `sft.packing=false`, SEBP on / off: every step's time (stalls after the first)
+  padded_sebp_on, padded_sebp_runs, padded_sebp_off
+               `sft.packing=false`, SEBP on / on with `sft.sebp_kernel=runs` / off: every
+               step's time (stalls after the first)
   export       `edgetune export` of the first run: PEFT folder, then `--gguf`
   fgrpo        `fgrpo-7b` for a few steps, with a reward file that varies between a group's
                completions (a random model solves nothing), so the policy update runs
@@ -299,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     padded = [*sft, "--set", "sft.packing=false", "--set", f"sft.steps={6 if a.tiny else 14}"]
-    for on in ("on", "off"):
-        @part(f"padded_sebp_{on}", 60)
-        def _(on=on):
-            return train(f"padded-sebp-{on}", [*padded, "--set", f"sft.sebp={on}"], min(200, left() - 10))
+    for name, sets in (("on", ["sft.sebp=on"]), ("runs", ["sft.sebp=on", "sft.sebp_kernel=runs"]),
+                       ("off", ["sft.sebp=off"])):
+        @part(f"padded_sebp_{name}", 60)
+        def _(name=name, sets=sets):
+            extra = [x for kv in sets for x in ("--set", kv)]
+            return train(f"padded-sebp-{name}", [*padded, *extra], min(200, left() - 10))
 
     @part("export", 30)
     def _():

@@ -10,6 +10,9 @@ rows). Rows:
   padded_sebp        the same with SEBP (kernels/sebp.py): padding rows skipped in the backward
   packed             packed rows, Liger, flex_attention, all layers checkpointed (sft-qlora-7b)
   packed_no_ckpt     the same without gradient checkpointing (sft-fast-7b)
+  padded_sebp_runs   padded_sebp with sft.sebp_kernel=runs (cuBLAS on each run of active rows in place)
+  padded_sebp_runs_fused  the same with sft.fused_lora (kernels/lora_fused.py: LoRA's branch added in the GEMMs)
+  packed_fused       packed with sft.fused_lora
 
 Each row: two warm-up steps, then two steps under torch.profiler. Every kernel is put in a
 part by its name and the operator that launched it (a GEMM with a rank-16 side is a LoRA
@@ -31,6 +34,7 @@ with SEBP the input-gradient product covers the real rows only. NF4 dequantisati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,7 +48,8 @@ import torch
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"))
-ap.add_argument("--rows", default="padded,padded_sebp,packed,packed_no_ckpt")
+ap.add_argument("--rows", default="padded,padded_sebp,padded_sebp_runs,padded_sebp_runs_fused,packed,packed_fused,"
+                                  "packed_no_ckpt")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
 args = ap.parse_known_args()[0]
 
@@ -239,6 +244,25 @@ def step(model, opt, batch, handle):
     return float(loss.detach())
 
 
+@contextlib.contextmanager
+def row_levers(model, name):
+    """The row's SEBP kernel (`_sebp_runs` in its name: runs, else auto) and fused LoRA
+    (`_fused`: kernels/lora_fused under SEBP's patch, as the engine nests them); yields the
+    model's SEBP handle, and leaves the model as it found it."""
+    from edgetune.kernels import lora_fused, sebp
+
+    with contextlib.ExitStack() as stack:
+        if "_fused" in name:
+            sebp.unpatch(model)
+            stack.callback(sebp.patch, model)
+            stack.enter_context(lora_fused.enabled(model, True))
+            stack.callback(sebp.unpatch, model)
+        handle = sebp.patch(model)
+        handle.backend = sebp.KERNELS["runs" if "_sebp_runs" in name else "auto"]
+        stack.callback(setattr, handle, "backend", "auto")
+        yield handle
+
+
 def main():
     from torch.profiler import ProfilerActivity, profile
 
@@ -276,7 +300,9 @@ def main():
     liger_on = False
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
     for name in args.rows.split(","):
+        stack = contextlib.ExitStack()
         try:
+            handle = stack.enter_context(row_levers(model, name))
             packed = name.startswith("packed")
             if packed and not liger_on and DEV == "cuda":
                 from edgetune.engine.models import liger
@@ -286,7 +312,7 @@ def main():
                 liger_on = True
             ckpt = 0 if name.endswith("no_ckpt") else None
             model_lib.checkpoint_first_layers(model.get_base_model(), ckpt)
-            use_sebp = name == "padded_sebp" or packed
+            use_sebp = name.startswith("padded_sebp") or packed
             if not use_sebp:
                 sebp.set_active_rows(handle, None)
             h = handle if use_sebp else None
@@ -318,6 +344,7 @@ def main():
             res.update(warmup_s=[round(x, 3) for x in times], profiled_step_s=round(prof_wall, 4),
                        plain_step_s=round(statistics.median(plain), 4), peak_GiB=C.gib(C.peak()),
                        tokens=tok_fwd, checkpointing=ckpt is None, sebp=use_sebp,
+                       sebp_kernel="runs" if "_sebp_runs" in name else "auto", fused_lora="_fused" in name,
                        floors_ms=floors(tok_fwd, tok_bwd, real, lens if packed else [B.SEQ] * B.BATCH, ckpt is None,
                                         ceil))
             R["rows"][name] = res
@@ -329,6 +356,8 @@ def main():
 
             traceback.print_exc()
             R["errors"][name] = f"{type(e).__name__}: {e}"[:1000]
+        finally:
+            stack.close()
         C.write_json(OUT / "sft_profile.json", R)
     md = table()
     (OUT / "sft_profile.md").write_text(md)
@@ -342,7 +371,8 @@ def table() -> str:
     for name, r in R["rows"].items():
         fl = r["floors_ms"]
         out += ["", f"### {name}: {r['plain_step_s'] * 1000:.0f} ms a step unprofiled, {r['wall_ms']} ms profiled; "
-                    f"{r['tokens']} tokens, checkpointing {r['checkpointing']}, SEBP {r['sebp']}, peak {r['peak_GiB']} GiB",
+                    f"{r['tokens']} tokens, checkpointing {r['checkpointing']}, SEBP {r['sebp']} (kernel "
+                    f"{r.get('sebp_kernel', 'auto')}), fused LoRA {r.get('fused_lora', False)}, peak {r['peak_GiB']} GiB",
                 "", "| part | ms a step | share of kernel time | achieved | floor ms | over floor |", "|---|---|---|---|---|---|"]
         busy = r["kernel_busy_ms"] or 1
         for p in PARTS:

@@ -20,12 +20,19 @@ Rows, each after warm-up, median of the timed steps, peak allocated since its ow
   ours/autocast               bf16 autocast, fused AdamW, 512-row loss chunks; no SEBP
   ours/+sebp                  + kernels/sebp.patch: padding rows skipped in every backward
                               (= the engine's default step on a padded batch)
+  ours/+sebp_runs             +sebp with sft.sebp_kernel=runs: cuBLAS on each run of active rows in
+                              place (no copies, nothing tuned per row count); against +sebp
+  ours/+sebp_indexed          +sebp with sft.sebp_kernel=indexed: every layer through the
+                              row-gathering Triton GEMMs; against +sebp
+  ours/+sebp_runs+fused_lora  + sft.fused_lora (kernels/lora_fused.py): LoRA's scaled branch added
+                              inside the GEMMs; against +sebp_runs
   ours/+packing               + engine/data/packing.collate_packed: one row, no padding at all
                               (SEBP then has nothing to skip)
   ours/+liger                 + Liger-Kernel's fused RMSNorm / SwiGLU / RoPE
                               (engine/models/liger.py; liger-kernel 0.8.5 carried in .gpu-site)
   ours/+flex                  + flex_attention (a BlockMask from the packed position ids
                               instead of sdpa with a dense [N, N] boolean mask)
+  ours/+flex+fused_lora       +flex with sft.fused_lora; against +flex
   ours/+ckpt_auto_12, _24     + model.gradient_checkpointing=auto with model.memory_budget_gib
                               12 / 24: the planner's split (engine/planning/planner.checkpoint_split), the
                               first k layers checkpointed, the others keep their activations
@@ -78,8 +85,9 @@ ap.add_argument("--ref", default=str(C.ROOT / "bench" / "reference"), help="fold
 ap.add_argument("--unsloth-site", default=str(C.ROOT / ".unsloth-site"))
 ap.add_argument("--gpu-site", default=str(C.ROOT / ".gpu-site"), help="slim bitsandbytes (and peft) for subprocesses")
 ap.add_argument("--skip-unsloth", action="store_true")
-ap.add_argument("--rows", default="", help="our rows to time, comma-separated (before, autocast, +sebp, +packing, "
-                "+liger, +flex, +ckpt_auto_12, +ckpt_auto_24, +no_ckpt, flex_shapes); all by default")
+ap.add_argument("--rows", default="", help="our rows to time, comma-separated (before, autocast, +sebp, +sebp_runs, "
+                "+sebp_indexed, +sebp_runs+fused_lora, +packing, +liger, +flex, +flex+fused_lora, +ckpt_auto_12, "
+                "+ckpt_auto_24, +no_ckpt, flex_shapes); all by default")
 ap.add_argument("--time-limit", type=float, default=560.0, help="seconds for the whole script")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
 args = ap.parse_known_args()[0]
@@ -316,11 +324,20 @@ def add_run(name: str, run: dict, real: int) -> dict:
     return m
 
 
+# A row measured against another than the one listed before it: the variants of one lever
+# (SEBP's backward kernels, fused LoRA) sit beside the row they vary, and the chain of the
+# others goes on past them.
+VS = {"+sebp_runs": "+sebp", "+sebp_indexed": "+sebp", "+sebp_runs+fused_lora": "+sebp_runs",
+      "+packing": "+sebp", "+flex+fused_lora": "+flex", "+ckpt_auto_12": "+flex"}
+
+
 def lever_verdicts() -> dict:
-    """Each lever row against the row before it: faster in every same-numbered run?"""
+    """Each lever row against the row before it (or its VS row): faster in every same-numbered run?"""
     names = list(R["ours"])
     out = {}
     for prev, cur in zip(names, names[1:]):
+        if VS.get(cur) in R["ours"]:
+            prev = VS[cur]
         a, b = R["ours"][prev]["run_medians"], R["ours"][cur]["run_medians"]
         n = min(len(a), len(b))
         out[cur] = {"vs": prev, "faster_in_every_run": n >= 2 and all(b[i] < a[i] for i in range(n)),
@@ -405,7 +422,9 @@ def auto_split(budget_gib: float, real: int) -> int:
 
 
 def ours_rows(base, padded, real):
-    from edgetune.kernels import sebp
+    import contextlib
+
+    from edgetune.kernels import lora_fused, sebp
 
     from edgetune.engine.core.settings import LoraSettings
 
@@ -433,25 +452,47 @@ def ours_rows(base, padded, real):
     # (name, batch, SEBP, Liger, flex_attention, checkpointed layers (None = all), step settings)
     levers = [("before", b_padded, True, False, False, None, C.STEP_BEFORE),
               ("autocast", b_padded, False, False, False, None, {}),
-              ("+sebp", b_padded, True, False, False, None, {}), ("+packing", b_packed, True, False, False, None, {}),
+              ("+sebp", b_padded, True, False, False, None, {}),
+              ("+sebp_runs", b_padded, True, False, False, None, {"sebp_kernel": "runs"}),
+              ("+sebp_indexed", b_padded, True, False, False, None, {"sebp_kernel": "indexed"}),
+              ("+sebp_runs+fused_lora", b_padded, True, False, False, None, {"sebp_kernel": "runs", "fused_lora": True}),
+              ("+packing", b_packed, True, False, False, None, {}),
               ("+liger", b_packed, True, True, False, None, {}), ("+flex", b_packed, True, True, True, None, {}),
+              ("+flex+fused_lora", b_packed, True, True, True, None, {"fused_lora": True}),
               ("+ckpt_auto_12", b_packed, True, True, True, splits[12], {}),
               ("+ckpt_auto_24", b_packed, True, True, True, splits[24], {}),
               ("+no_ckpt", b_packed, True, True, True, 0, {})]
     if WANTED:
         levers = [lv for lv in levers if lv[0] in WANTED]
+    if DEV == "cpu":  # the row-gathering Triton kernels need a GPU (or the interpreter, for tests)
+        levers = [lv for lv in levers if lv[6].get("sebp_kernel") != "indexed"]
+        R["notes"].append("+sebp_indexed skipped on the CPU (Triton kernels need a GPU)")
     folder = C.arch_folder(B.C7B)
     handle = sebp.patch(model)
     switch = LigerSwitch(model)
 
     def timed(name, batch, use_sebp, use_liger, flex, ckpt, how):
+        nonlocal handle
+        with contextlib.ExitStack() as stack:
+            if how.get("fused_lora"):  # the fused forwards under SEBP's patch, as the engine nests them
+                sebp.unpatch(model)
+                stack.callback(lambda: sebp.patch(model))
+                stack.enter_context(lora_fused.enabled(model, True))
+                stack.callback(sebp.unpatch, model)
+                handle = sebp.patch(model)
+            handle.backend = sebp.KERNELS[how.get("sebp_kernel", "auto")]
+            stack.callback(setattr, handle, "backend", "auto")
+            timed_row(name, batch, use_sebp, use_liger, flex, ckpt, how, handle)
+        handle = sebp.patch(model)  # the model's handle (patch is idempotent): a new one after a fused row
+
+    def timed_row(name, batch, use_sebp, use_liger, flex, ckpt, how, handle):
         model_lib.checkpoint_first_layers(model.get_base_model(), ckpt)
         set_attention(model, flex)
         switch.set(use_liger)
         if not use_sebp:
             sebp.set_active_rows(handle, None)  # dense backward everywhere for this row
         h = handle if use_sebp else None
-        kw = {k: v for k, v in how.items() if k != "optimizer"}
+        kw = {k: v for k, v in how.items() if k not in ("optimizer", "sebp_kernel", "fused_lora")}
         C.reinit_lora(model, seed=0)
         opt = make_optimizer(model.parameters(), how.get("optimizer", "auto"), 1e-4, 0.0, DEV)
         C.reset_peak()

@@ -19,7 +19,7 @@ Trade-offs:
 - The active row ids are computed once per step in `set_active_rows` (one host sync
   there, none per layer). When every row is active the layer takes its normal path:
   dense cuBLAS is already the fastest way to do dense work.
-- On CUDA each kind of layer (shape, grads wanted, rows and active rows to a power of two)
+- On CUDA each kind of layer (shape, grads wanted, classes of rows and of active rows)
   runs whichever of two exact paths measured faster on its first backward (`choose_backend`;
   kept between runs by `remember_choices`):
   `sebp_triton`, which gathers rows inside the GEMM loads (no copies), or index_select +
@@ -61,6 +61,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +111,41 @@ class ActiveRows:
         ids = torch.arange(self.n_active, dtype=torch.int32, device=self.index.device)
         return pos.index_copy_(0, self.long_index, ids)
 
+    @functools.cached_property
+    def runs(self) -> tuple:
+        """(start, end) of each maximal run of consecutive active rows (a right- or
+        left-padded batch: one run a sequence), as Python ints. One copy of `index` to the
+        host, once per step (`set_active_rows` builds it when a handle's kernel is `runs`)."""
+        ids = self.index.cpu().numpy()
+        if ids.size == 0:
+            return ()
+        breaks = np.flatnonzero(np.diff(ids) != 1)
+        starts = ids[np.concatenate(([0], breaks + 1))]
+        ends = ids[np.concatenate((breaks, [ids.size - 1]))] + 1
+        return tuple(zip(starts.tolist(), ends.tolist()))
+
+    @functools.cached_property
+    def gaps(self) -> tuple:
+        """(start, end) of each run of inactive rows: what lies between `runs`."""
+        out, at = [], 0
+        for s, e in self.runs:
+            if s > at:
+                out.append((at, s))
+            at = e
+        if at < self.n_total:
+            out.append((at, self.n_total))
+        return tuple(out)
+
+    def keep(self, dtype, device) -> torch.Tensor:
+        """[n_total, 1] of 1 on the active rows, 0 elsewhere, in `dtype` (made once per
+        step and dtype): multiplying a rank-r product by it keeps rows R only."""
+        cache = self.__dict__.setdefault("_keep", {})
+        key = (dtype, torch.device(device))
+        if key not in cache:
+            k = torch.zeros((self.n_total, 1), dtype=dtype, device=device)
+            cache[key] = k.index_fill_(0, self.index.to(device).long(), 1)
+        return cache[key]
+
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "ActiveRows":
         if mask.dim() != 2:
@@ -124,6 +160,14 @@ def _as_rows(mask) -> "ActiveRows | None":
     return ActiveRows.from_mask(mask)
 
 
+# The `sebp_kernel` setting's values -> the backward each names (Handle.backend):
+#   auto     per kind of layer, the faster of indexed and gather, measured on its first backward
+#   indexed  Triton GEMMs that read the active rows by index inside their loads (sebp_triton)
+#   gather   index_select copies of the active rows, cuBLAS on them, one pass writing dX
+#   runs     cuBLAS on each run of consecutive active rows in place (_sparse_backward_runs)
+KERNELS = {"auto": "auto", "indexed": "triton", "gather": "torch", "runs": "runs"}
+
+
 class Handle:
     """What patch() returns: the patched modules and the current step's active rows."""
 
@@ -131,7 +175,7 @@ class Handle:
         self.model = model
         self.saved = []  # (module, had_instance_forward, instance_forward)
         self.rows: ActiveRows | None = None
-        self.backend = "auto"  # auto | triton | torch (tests force one)
+        self.backend = "auto"  # auto | triton | torch | runs (KERNELS: the setting's names for them)
 
     def __len__(self):
         return len(self.saved)
@@ -160,9 +204,13 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     are cleared by one memset (torch.zeros) rather than an indexed kernel.
     """
     args = (g2, x2, rows, weight, lora, need)
+    if backend == "runs":
+        return _sparse_backward_runs(*args)
     if backend == "auto" and x2.is_cuda:
-        key = ((x2.shape[0] - 1).bit_length(), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
-               lora is not None, tuple(need), (rows.n_active - 1).bit_length())
+        from .sebp_triton import row_class
+
+        key = (row_class(x2.shape[0]), x2.shape[1], g2.shape[1], str(x2.dtype), str(g2.dtype),
+               lora is not None, tuple(need), row_class(rows.n_active))
         backend = choose_backend(key, {"triton": lambda: _sparse_backward_triton(*args),
                                        "torch": lambda: _sparse_backward_torch(*args)}, device=x2.device)
     if _use_triton(x2, backend):
@@ -170,11 +218,12 @@ def _sparse_backward(g2, x2, rows: ActiveRows, weight, lora, need, backend):
     return _sparse_backward_torch(*args)
 
 
-# (rows in the batch and active rows, each rounded up to a power of two; input and output
-# widths; dtypes; LoRA or not; grads wanted) -> the faster backend on this GPU. The key is
-# what changes the ranking: the layer's shape and how many rows there are and are active.
-# Rounding the row counts keeps a padded run, whose every batch has its own length, to a
-# few measurements in all instead of one per new length.
+# (class of the rows in the batch and of the active rows (sebp_triton.row_class: three
+# classes); input and output widths; dtypes; LoRA or not; grads wanted) -> the faster
+# backend on this GPU. The key is what changes the ranking: the layer's shape and how many
+# rows there are and are active. Classes instead of counts keep a padded run, whose every
+# batch has its own length, to at most three measurements per layer shape instead of one
+# per new length (each a stall of the step that meets it).
 _CHOICE: dict = {}
 _CHOICES_IN: list = [None, None]  # [folder remember_choices was given, the file read from it]
 
@@ -349,6 +398,72 @@ def _sparse_backward_torch(g2, x2, rows, weight, lora, need):
     return dx, dw, db, da, dbb
 
 
+def _sparse_backward_runs(g2, x2, rows, weight, lora, need):
+    """The same math with cuBLAS reading the active rows where they lie: each run of
+    consecutive active rows (`rows.runs`, one a sequence in a padded batch) is a contiguous
+    view of dY and of dX, so dX[run] = dY[run] W is one GEMM writing straight into dX, with
+    no gathered copy of dY or X, no scatter, no Triton compile or autotuning (nothing that
+    depends on the row count but the launch sizes). Rows outside R: zeroed by a memset of
+    the gaps, or written as zeros by LoRA's product below.
+
+    LoRA's rank-r products run over every row, multiplied by the 0/1 row mask
+    (`rows.keep`): dh = s·(dY B)·keep, h = s·(X Aᵀ)·keep. dA = dhᵀ X and dB = dYᵀ h then
+    sum over R only (0 · a finite value is exactly 0), and dX starts as dh A, zero outside
+    R, to which each run's base GEMM adds (addmm_, the add inside the GEMM's epilogue).
+    These products are skinny (r columns), so reading the padding rows costs bandwidth
+    only; they run in dY's dtype (bf16 under autocast, as autograd of the autocast forward
+    computes them), accumulating in fp32 inside the GEMM, with dA, dB returned in the
+    factors' dtype. Autocast is off inside: the products run in the dtypes chosen here."""
+    with torch.autocast(g2.device.type, enabled=False):
+        return _runs_backward(g2, x2, rows, weight, lora, need)
+
+
+def _runs_backward(g2, x2, rows, weight, lora, need):
+    M, K = x2.shape
+    want_dx, want_dw, want_db, want_da, want_dbb = need
+    dx = dw = db = da = dbb = None
+    ct = g2.dtype
+    runs = rows.runs
+    xc = x2 if x2.dtype == ct else None
+    dh = None
+    if lora is not None and (want_dx or want_da or want_dbb):
+        A, B, s = lora
+        keep = rows.keep(ct, g2.device)
+        a = A.to(ct)
+        dh = (g2 @ B.to(ct)).mul_(keep).mul_(s)
+        if want_da or want_dbb:
+            xc = x2.to(ct)
+        if want_dbb:
+            h = (xc @ a.t()).mul_(keep)
+            dbb = (g2.t() @ h).mul_(s).to(B.dtype)
+            del h
+        if want_da:
+            da = (dh.t() @ xc).to(A.dtype)
+    if want_dx:
+        w = weight.to(ct)
+        if dh is not None:
+            out = dh @ a  # LoRA's share on every row: zero outside R, as dh is
+            for s_, e_ in runs:
+                out[s_:e_].addmm_(g2[s_:e_], w)
+        else:
+            out = torch.empty((M, K), device=g2.device, dtype=ct)
+            for s_, e_ in rows.gaps:
+                out[s_:e_].zero_()
+            for s_, e_ in runs:
+                torch.mm(g2[s_:e_], w, out=out[s_:e_])
+        dx = out if out.dtype == x2.dtype else out.to(x2.dtype)
+    if want_dw:  # a trainable base (rare): per run, summed in fp32
+        if xc is None:
+            xc = x2.to(ct)
+        acc = torch.zeros(weight.shape, device=g2.device, dtype=torch.float32)
+        for s_, e_ in runs:
+            acc += g2[s_:e_].t() @ xc[s_:e_]
+        dw = acc.to(weight.dtype)
+    if want_db:
+        db = (rows.keep(ct, g2.device).t() @ g2).squeeze(0).float()
+    return dx, dw, db, da, dbb
+
+
 class SparseLinearFn(torch.autograd.Function):
     """y = forward(x) (the module's own dense forward); backward from active rows only.
 
@@ -398,7 +513,7 @@ class _Spec:
 # --------------------------------------------------------------------------- module kinds
 
 
-def _is_lora_layer(m) -> bool:
+def is_lora_layer(m) -> bool:
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:
@@ -421,7 +536,7 @@ def _dequant(base):
     return bnbf.dequantize_4bit(w.data, w.quant_state)
 
 
-def _base_parts(base):
+def base_parts(base):
     """(weight tensor or None, bias, dense_weight fn) for a supported base, else None."""
     if _is_4bit(base):
         return None, base.bias, lambda: _dequant(base)
@@ -430,7 +545,7 @@ def _base_parts(base):
     return None
 
 
-def _lora_parts(m):
+def lora_parts(m):
     """(A, B, scaling) when the layer runs plain single-adapter LoRA, else None."""
     if m.disable_adapters or m.merged:
         return None
@@ -459,22 +574,22 @@ def _rows_for(handle, x):
 
 
 def _make_forward(handle, module, original):
-    lora_layer = _is_lora_layer(module)
+    lora_layer = is_lora_layer(module)
 
     def forward(x, *args, **kwargs):
         rows = _rows_for(handle, x) if not args and not kwargs else None
         if rows is None:
             return original(x, *args, **kwargs)
         if lora_layer:
-            parts = _lora_parts(module)
-            base = _base_parts(module.get_base_layer())
+            parts = lora_parts(module)
+            base = base_parts(module.get_base_layer())
             if parts is None or base is None:
                 return original(x)
             a, b, s = parts
             weight, bias, dense = base
             spec = _Spec(original, rows, dense, s, handle.backend)
             return SparseLinearFn.apply(x, weight, bias, a, b, spec)
-        weight, bias, dense = _base_parts(module)
+        weight, bias, dense = base_parts(module)
         spec = _Spec(original, rows, dense, 1.0, handle.backend)
         return SparseLinearFn.apply(x, weight, bias, None, None, spec)
 
@@ -488,16 +603,16 @@ def _targets(model):
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inside_lora = set()
     for m in model.modules():
-        if _is_lora_layer(m):
+        if is_lora_layer(m):
             inside_lora.update(id(c) for c in m.modules() if c is not m)
     out = []
     for name, m in model.named_modules():
         if m is head or name.split(".")[-1] == "lm_head" or id(m) in inside_lora:
             continue
-        if _is_lora_layer(m):
-            if hasattr(m, "lora_A") and _base_parts(m.get_base_layer()) is not None:
+        if is_lora_layer(m):
+            if hasattr(m, "lora_A") and base_parts(m.get_base_layer()) is not None:
                 out.append(m)
-        elif _base_parts(m) is not None:
+        elif base_parts(m) is not None:
             out.append(m)
     return out
 
@@ -538,7 +653,14 @@ def set_active_rows(model_or_handle, mask: torch.Tensor | None) -> None:
     handle = model_or_handle if isinstance(model_or_handle, Handle) else getattr(model_or_handle, _ATTR, None)
     if not isinstance(handle, Handle):
         raise ValueError("set_active_rows: the model is not patched (call sebp.patch(model) first)")
-    handle.rows = _as_rows(mask)
+    handle.rows = _as_rows_for(mask, handle.backend)
+
+
+def _as_rows_for(mask, backend):
+    rows = _as_rows(mask)
+    if rows is not None and backend == "runs":
+        rows.runs  # noqa: B018 - built here, once per step, not in the first layer's backward
+    return rows
 
 
 class Enabled:
@@ -548,7 +670,7 @@ class Enabled:
     def __init__(self, model, on: bool, backend: str = "auto"):
         self.model = model
         self.on = bool(on)
-        self.backend = backend
+        self.backend = KERNELS.get(backend, backend)
         self._patch: Handle | None = None
         if self.on:
             self._apply()
@@ -572,7 +694,7 @@ class Enabled:
         """This micro-batch's [batch, seq] rows with a gradient (see `set_active_rows`);
         nothing when SEBP is off or lifted."""
         if self._patch is not None:
-            self._patch.rows = _as_rows(mask)
+            self._patch.rows = _as_rows_for(mask, self._patch.backend)
 
     @contextlib.contextmanager
     def lifted(self):

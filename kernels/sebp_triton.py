@@ -89,13 +89,13 @@ def _tn_configs(skinny: bool):
     ]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_split", "rows_bucket"])
 def _gathered_mm_kernel(
     P, Idx, Q, D, E, Out,
     n_rows, C, K, R, n_split, alpha,
     stride_pm, stride_pk, stride_qk, stride_qc,
     stride_dm, stride_dr, stride_er, stride_ec, stride_os, stride_om, stride_oc,
-    rows_bucket,  # only an autotune key: best tiles differ between few and many rows
+    rows_bucket,  # only an autotune key (row_class): best tiles differ between few and many rows
     HAS_EXTRA: tl.constexpr, SCATTER: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -157,7 +157,7 @@ def _gathered_mm_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_split", "rows_bucket"])
 def _gathered_tn_kernel(
     P, Idx, Q, Out,
     n_rows, A, B, n_split, alpha,
@@ -290,8 +290,18 @@ _tn_wide = _tuned(_tn_configs(False), _TN_KEY)
 _tn_skinny = _tuned(_tn_configs(True), _TN_KEY)
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 1).bit_length()
+# Row counts change every step (each batch has its own active rows). What is compiled or
+# tuned sees only one of three classes of them, so a run tunes each layer shape's kernels
+# at most three times however its batches' lengths vary (a new power of two of rows used to
+# cost a tuning of every shape: seconds of stall mid-run), and the kernels are not compiled
+# again for a row count (`do_not_specialize`: Triton would otherwise specialise on a
+# count's divisibility by 16).
+ROW_CLASSES = (128, 2048)
+
+
+def row_class(n: int) -> int:
+    """0: at most 128 rows, 1: at most 2,048, 2: more."""
+    return sum(n > b for b in ROW_CLASSES)
 
 
 def _dot_fp32(*tensors) -> bool:
@@ -346,7 +356,7 @@ def gathered_mm(p, idx, q, out, scatter: bool, extra=None, alpha: float = 1.0):
         n, C, K, r, n_split, float(alpha),
         p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         d.stride(0), d.stride(1), e.stride(0), e.stride(1), so, som, soc,
-        _bucket(n),
+        row_class(n),
         HAS_EXTRA=extra is not None, SCATTER=scatter, DOT_FP32=_dot_fp32(p, q), SPLIT_K=n_split > 1,
         BLOCK_R=block_r,
     )
@@ -395,7 +405,7 @@ def gathered_tn(p, idx, q, out, gather_q: bool, alpha: float = 1.0):
         p, idx, q, target,
         n, A, B, n_split, float(alpha),
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), so, sa, sb,
-        _bucket(n),
+        row_class(n),
         GATHER_Q=gather_q, DOT_FP32=_dot_fp32(p, q),
     )
     if n_split > 1:

@@ -21,7 +21,7 @@ from edgetune.kernels import sebp  # noqa: E402
 from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
 
 torch.set_num_threads(1)
-BACKENDS = ["triton", "torch"]
+BACKENDS = ["triton", "torch", "runs"]
 
 
 def rel(a, b):
@@ -454,7 +454,7 @@ def test_whole_model_under_triton_interpreter(tiny_dir):
 
 
 # Triton: a whole model in the interpreter
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch", "runs"])
 def test_whole_model_under_bf16_autocast(tiny_dir, backend):
     """The engine's CUDA training forward runs under bf16 autocast (engine/models/model.autocast);
     SEBP must take its sparse backward there too and agree with autograd of the same
@@ -502,6 +502,88 @@ def test_frozen_nf4_layers_and_left_padding(tiny_dir):
         for name in g_ref:
             assert g_ref[name].abs().sum() > 0
             assert rel(g[name], g_ref[name]) <= 1e-5, (backend, name, rel(g[name], g_ref[name]))
+
+
+# --------------------------------------------------------------------------- odd shapes
+
+
+def pad_mask(kind, batch, seq):
+    """none | one | all | right (first rows of each sequence) | left (last rows)."""
+    m = torch.zeros(batch, seq, dtype=torch.bool)
+    lengths = [max(1, (seq * (b + 2)) // (batch + 3)) for b in range(batch)]
+    if kind == "one":
+        m[-1, seq // 2] = True
+    elif kind == "all":
+        m[:] = True
+    elif kind in ("right", "left"):
+        for b, n in enumerate(lengths):
+            m[b, :n] = True
+        if kind == "left":
+            m = m.flip(1)
+    return m
+
+
+def lora_holder(k, n, dtype, gen):
+    """A real PEFT LoRA Linear (r=4) over an nn.Linear with a bias, base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    base = Holder(nn.Linear(k, n, bias=True))
+    with torch.no_grad():
+        base.layer.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["layer"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.to(dtype)
+    return model
+
+
+# (batch, seq, K): 4,097 rows and K = 2,880; the interpreter's Triton path on scaled-down
+# counterparts (257 rows; K = 360, not a multiple of the tiles) to stay a few seconds a case.
+ODD_SHAPES = {"runs": [(1, 4097, 2880), (3, 13, 2880)], "triton": [(1, 257, 24), (2, 5, 360)]}
+
+
+@pytest.mark.parametrize("backend", ["runs", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["none", "one", "all", "right", "left"])
+def test_lora_layer_odd_shapes_match_dense(backend, dtype, kind):
+    """dX, dA, dB of a PEFT LoRA layer over a frozen base from the active rows only
+    equal autograd's with dY zeroed outside them; dX is zero on every other row."""
+    gen = torch.Generator().manual_seed(23)
+    n = 24
+    for batch, seq, k in ODD_SHAPES[backend]:
+        model = lora_holder(k, n, dtype, gen)
+        layer = model.base_model.model.layer
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        x = torch.randn(batch, seq, k, generator=gen).to(dtype)
+        dy = torch.randn(batch, seq, n, generator=gen).to(dtype)
+        mask = pad_mask(kind, batch, seq)
+        _, dx_ref, (da_ref, db_ref) = grads_of(model, x, dy * mask[..., None].to(dtype), [a, b])
+        handle = sebp.patch(model)
+        handle.backend = backend
+        sebp.set_active_rows(handle, mask)
+        _, dx, (da, db) = grads_of(model, x, dy, [a, b])
+        sebp.unpatch(model)
+        assert (dx[~mask] == 0).all()
+        for got, ref in [(dx, dx_ref), (da, da_ref), (db, db_ref)]:
+            assert got.dtype == ref.dtype and not torch.isnan(got).any()
+            if kind == "none":
+                assert (got == 0).all() and (ref == 0).all()
+            else:
+                assert rel(got, ref) <= tol(dtype), (batch, seq, k, rel(got, ref))
+
+
+def test_runs_of_active_rows():
+    rows = sebp.ActiveRows.from_mask(pad_mask("right", 3, 10))
+    assert rows.runs == ((0, 3), (10, 15), (20, 26)) and rows.gaps == ((3, 10), (15, 20), (26, 30))
+    rows = sebp.ActiveRows.from_mask(pad_mask("left", 2, 5))
+    assert rows.runs == ((3, 5), (7, 10)) and rows.gaps == ((0, 3), (5, 7))
+    assert sebp.ActiveRows.from_mask(pad_mask("all", 2, 5)).runs == ((0, 10),)
+    none = sebp.ActiveRows.from_mask(pad_mask("none", 2, 5))
+    assert none.runs == () and none.gaps == ((0, 10),)
+    assert torch.equal(sebp.ActiveRows.from_mask(pad_mask("one", 2, 5)).keep(torch.float32, "cpu").squeeze(1),
+                       pad_mask("one", 2, 5).reshape(-1).float())
 
 
 # --------------------------------------------------------------------------- lm_head
@@ -604,8 +686,8 @@ def test_backend_choices_are_kept_between_runs(monkeypatch, tmp_path):
 
 
 def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
-    """A padded run's batches each have their own length; the choice is made per power of
-    two of the rows and active rows, so lengths 900..1000 of 8 rows cost one measurement."""
+    """A padded run's batches each have their own length; the choice is made per class of
+    the rows and active rows, so lengths 900..1000 of 8 rows cost one measurement."""
     monkeypatch.setattr(sebp, "_CHOICE", {})
     seen = []
     monkeypatch.setattr(sebp, "choose_backend", lambda key, cands, **kw: seen.append(key) or "torch")
@@ -617,3 +699,57 @@ def test_padded_batches_of_nearby_lengths_share_one_backend_choice(monkeypatch):
         monkeypatch.setattr(sebp, "_sparse_backward_torch", lambda *a: None)
         sebp._sparse_backward(g2, x2, rows, None, None, (True, False, False, False, False), "auto")
     assert len(set(seen)) == 1
+
+
+def test_row_counts_of_a_run_reach_few_tunings_and_choices(monkeypatch):
+    """Whatever is tuned or measured per row count (the Triton kernels' autotune key, the
+    backend choice) sees a bounded set over a run's varying counts: 300 batches of random
+    lengths (1..1,024 tokens a row, 8 rows, 1..all rows active) reach at most 3 row classes
+    in the kernels and 6 backend choices per layer shape, the choice's row classes being
+    at most 3 x 3 with the active rows never more than the rows."""
+    from edgetune.kernels import sebp_triton
+
+    tuned = []
+    monkeypatch.setattr(sebp_triton, "_launch", lambda kernel, grid, *args, **kw: tuned.append((kernel, args[-1])))
+    monkeypatch.setattr(sebp, "_CHOICE", {})
+    chosen = []
+    monkeypatch.setattr(sebp, "choose_backend", lambda key, cands, **kw: chosen.append(key) or "triton")
+    monkeypatch.setattr(sebp, "_sparse_backward_triton", lambda *a: None)
+    gen = torch.Generator().manual_seed(37)
+    q, qt = torch.zeros(64, 48), torch.zeros(64, 8)
+    for _ in range(300):
+        seq = int(torch.randint(1, 1025, (1,), generator=gen))
+        m = 8 * seq
+        n = int(torch.randint(1, m + 1, (1,), generator=gen))
+        idx = torch.zeros(n, dtype=torch.int32)
+        p = torch.zeros(m, 64)
+        sebp_triton.gathered_mm(p, idx, q, torch.zeros(m, 48), scatter=True)
+        sebp_triton.gathered_mm(p, idx, qt, torch.zeros(n, 8), scatter=False)
+        sebp_triton.gathered_tn(p, idx, p, torch.zeros(64, 64), gather_q=True)
+        x2 = types.SimpleNamespace(is_cuda=True, shape=(m, 64), dtype=torch.bfloat16, device="cuda")
+        g2 = types.SimpleNamespace(shape=(m, 48), dtype=torch.bfloat16)
+        sebp._sparse_backward(g2, x2, types.SimpleNamespace(n_active=n), None, None, (True,) + (False,) * 4, "auto")
+    kernels = {k for k, _ in tuned}
+    assert len(kernels) == 3  # wide and skinny row-gathering GEMMs, the wide row reduction
+    for k in kernels:
+        assert len({b for kk, b in tuned if kk is k}) <= 3
+    assert 2 <= len(set(chosen)) <= 6
+
+
+@pytest.mark.parametrize("kernel, backend", [("auto", "auto"), ("indexed", "triton"), ("gather", "torch"),
+                                             ("runs", "runs")])
+def test_sebp_kernel_setting_names_the_backward(kernel, backend):
+    from edgetune.engine.core.settings import SEBP_KERNELS
+
+    assert set(SEBP_KERNELS) == set(sebp.KERNELS)
+    gen = torch.Generator().manual_seed(31)
+    model = Holder(nn.Linear(16, 8, bias=False))
+    mask = pad_mask("right", 2, 6)
+    x, dy = torch.randn(2, 6, 16, generator=gen), torch.randn(2, 6, 8, generator=gen)
+    _, dx_ref, _ = grads_of(model, x, dy * mask[..., None], [])
+    with sebp.enabled(model, True, kernel) as h:
+        assert model._sebp_handle.backend == backend
+        h.set_active_rows(mask)
+        assert ("runs" in h._patch.rows.__dict__) == (backend == "runs")  # built before the layers run
+        _, dx, _ = grads_of(model, x, dy, [])
+    assert rel(dx, dx_ref) <= 1e-5 and (dx[~mask] == 0).all()

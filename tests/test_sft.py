@@ -205,3 +205,22 @@ def test_chunked_head_loss_equals_unchunked():
     assert torch.allclose(whole, chunked, rtol=1e-6)
     assert torch.allclose(gh, ch, rtol=1e-5, atol=1e-7) and torch.allclose(gw, cw, rtol=1e-5, atol=1e-7)
     assert gh[0, :3].abs().sum() == 0  # rows with no target get exactly zero gradient
+
+
+def test_fused_lora_and_sebp_runs_give_the_plain_losses(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.fused_lora and SEBP's runs backward (sft.sebp_kernel=runs) in a real run: every
+    step's loss is the plain run's, and both levers really ran."""
+    from edgetune.kernels import lora_fused, sebp
+
+    used = {"fused": 0, "runs": 0}
+    real_apply, real_runs = lora_fused.FusedLoraFn.apply, sebp._sparse_backward_runs
+    monkeypatch.setattr(lora_fused.FusedLoraFn, "apply", lambda *a: used.update(fused=used["fused"] + 1) or real_apply(*a))
+    monkeypatch.setattr(sebp, "_sparse_backward_runs", lambda *a: used.update(runs=used["runs"] + 1) or real_runs(*a))
+    plain = _losses(_run(sft_config(tiny_model_dir, tmp_path), tmp_path / "plain"))
+    assert used == {"fused": 0, "runs": 0}
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"fused_lora": True, "sebp": "on", "sebp_kernel": "runs"})
+    levers = _losses(_run(cfg, tmp_path / "levers"))
+    assert used["fused"] > 0 and used["runs"] > 0
+    assert sorted(levers) == sorted(plain) and len(set(plain.values())) > 1
+    for k in plain:
+        assert abs(levers[k] - plain[k]) <= 1e-4 * abs(plain[k]), (k, levers[k], plain[k])

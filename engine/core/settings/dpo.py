@@ -14,6 +14,7 @@ from edgetune.engine.core.settings.fields import (
     optimizer_field,
     samples_field,
     sebp_field,
+    sebp_kernel_field,
     setting,
     warmup_steps_field,
     weight_decay_field,
@@ -55,6 +56,7 @@ class DPOSettings:
         section="evaluation", range=EVERY)
     samples: int = samples_field(" (greedy completions of held-out prompts)")
     sebp: str = sebp_field("")
+    sebp_kernel: str = sebp_kernel_field()
 
     def grading(self) -> GradingSettings:
         """Task files of prompts and answers are graded with GradingSettings' defaults."""

@@ -22,6 +22,7 @@ from edgetune.engine.core.settings.fields import (
     optimizer_field,
     samples_field,
     sebp_field,
+    sebp_kernel_field,
     setting,
     warmup_steps_field,
 )
@@ -116,6 +117,7 @@ class FGRPOSettings:
                                 range=EVERY)
     samples: int = samples_field(" (from its greedy pass: no extra generation)")
     sebp: str = sebp_field(" in the policy update")
+    sebp_kernel: str = sebp_kernel_field()
 
     def grading(self) -> GradingSettings:
         """Its held-out prompts and task files are graded with its own reward and sampling."""

@@ -143,6 +143,19 @@ def sebp_field(where: str) -> Any:
         section="speed", choices=AUTO_ON_OFF)
 
 
+SEBP_KERNELS = ("auto", "indexed", "gather", "runs")
+
+
+def sebp_kernel_field() -> Any:
+    return setting(
+        "auto",
+        "How SEBP's backward reads the active rows (kernels/sebp.py). auto = per kind of layer, the faster of "
+        "indexed and gather, measured on its first backward; indexed = Triton GEMMs reading the rows by index in "
+        "their loads; gather = copies of the rows, then cuBLAS; runs = cuBLAS on each run of consecutive rows "
+        "in place (no copies, nothing compiled or tuned per row count). Speeds: bench/README.md.",
+        section="speed", choices=SEBP_KERNELS)
+
+
 def samples_field(where: str) -> Any:
     return setting(3, f"Held-out prompts shown with the model's greedy completion and the reference at each "
                       f"evaluation{where} (0 = none).", section="evaluation", range=Range(0, 20))

@@ -14,6 +14,7 @@ from edgetune.engine.core.settings.fields import (
     optimizer_field,
     samples_field,
     sebp_field,
+    sebp_kernel_field,
     setting,
     warmup_steps_field,
     weight_decay_field,
@@ -44,6 +45,13 @@ class SFTSettings:
     eval_batches: int = setting(0, "0 = the whole held-out split", section="evaluation", range=COUNT)
     samples: int = samples_field(" (at most a few tokens past the reference's length)")
     sebp: str = sebp_field("")
+    sebp_kernel: str = sebp_kernel_field()
+    fused_lora: bool = setting(
+        False,
+        "LoRA's branch inside the GEMMs (kernels/lora_fused.py): the scaled rank-r product accumulates into the "
+        "base layer's output (and the backward's dX) in the GEMM itself, instead of separate multiply and add "
+        "passes over the whole output. Same result to rounding. Speeds: bench/README.md.",
+        section="speed")
     packing: bool = setting(
         False,
         "Padding-free batches (engine/data/packing.py): a micro-batch's rows laid end to end in one row, "

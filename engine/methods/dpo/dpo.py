@@ -108,7 +108,7 @@ def train(ctx: RunContext) -> dict:
             if picks and dist.is_main():
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
-    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+    with sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:  # the patch comes off however the loop ends
         if start_step == 0 and data.eval and s.eval_every:
             held_out(0, "initial_eval", sebp)
         progress = start_training(ctx, s.steps, start_step)

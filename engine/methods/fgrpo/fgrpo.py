@@ -157,7 +157,7 @@ def train(ctx: RunContext) -> dict:
     had = any(e["type"] == "eval" and e.get("step") == 0 for e in read_events(ctx.run.events_path)) \
         if dist.is_main() else None
     base_due = held_out and not dist.broadcast_object(had)
-    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+    with sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:  # the patch comes off however the loop ends
         progress = start_training(ctx, s.steps, start_step)
         step, stopped, warned = start_step, False, 0
         cut_shares: list[float] = []  # per step, for cut_warning (once a run)

@@ -23,7 +23,10 @@ Memory/speed trade-offs, each a setting:
 - `sft.packing`: rows laid end to end, no padding (engine/data/packing.py); on CUDA attention
   then runs through flex_attention with a block-diagonal mask (`model.attn_implementation`).
 - `sft.sebp`: the exact sparsity-exploiting backward (kernels/sebp.py) skips the rows of
-  padding tokens in every linear layer's backward; on by default with CUDA.
+  padding tokens in every linear layer's backward (`auto` is off); `sft.sebp_kernel` picks how its
+  backward reads those rows.
+- `sft.fused_lora`: LoRA's scaled branch accumulated into the base GEMM's output inside the GEMM
+  (kernels/lora_fused.py), forward and backward; off by default.
 
 Determinism: the order of examples is a pure function of (seed, micro-batch index), and
 checkpoints hold optimizer, scheduler and RNG state, so a resumed run continues with the
@@ -37,6 +40,7 @@ import time
 
 import torch
 
+from edgetune.kernels import lora_fused
 from edgetune.kernels import sebp as sebp_lib
 
 from edgetune.engine.core import distributed as dist
@@ -130,10 +134,11 @@ def train(ctx: RunContext) -> dict:
 
     def show_samples(step: int, sebp) -> None:
         if picks and dist.is_main():  # one process writes the events
-            with sebp.lifted():  # generation: the model's own forwards
+            with sebp.lifted(), fused.lifted():  # generation: the model's own forwards (SEBP's patch on top first)
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
-    with sebp_lib.enabled(model, eff.sebp) as sebp:  # the patch comes off however the loop ends
+    # the patches come off however the loop ends; SEBP's wraps the fused forwards
+    with lora_fused.enabled(model, s.fused_lora) as fused, sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:
         if start_step == 0 and data.eval and s.eval_every:
             loss0 = held_out("initial_eval")
             if loss0 is not None:  # None: stopped during the evaluation
