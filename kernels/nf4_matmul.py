@@ -236,6 +236,12 @@ def _tiles(M: int, N: int, aligned: bool) -> tuple[int, int, int, int, int]:
     return bm, 64, 64, 4, 4
 
 
+def padded_rank(r: int) -> int:
+    """The LoRA rank the epilogue computes with: a power of 2 of at least 16 (the dot's
+    smallest); a pack's factors padded with zeros to it once skip the padding per call."""
+    return max(16, triton.next_power_of_2(r))
+
+
 def nf4_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, mid: torch.Tensor | None = None,
                bd: torch.Tensor | None = None, out: torch.Tensor | None = None, column: int = 0,
                split_k: int | None = None) -> torch.Tensor:
@@ -266,7 +272,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, 
     if lora:
         if bd is None or mid.shape[0] != M or bd.shape[0] != N or bd.shape[1] != mid.shape[1]:
             raise ValueError("LoRA: mid must be [M, R] and bd [N, R]")
-        r = max(16, triton.next_power_of_2(mid.shape[1]))
+        r = padded_rank(mid.shape[1])
         if r != mid.shape[1]:  # the dot's R must be a power of 2 of at least 16: zero columns
             mid = torch.nn.functional.pad(mid, (0, r - mid.shape[1]))
             bd = torch.nn.functional.pad(bd, (0, r - bd.shape[1]))
