@@ -14,7 +14,8 @@ compress_statistics=True)` leaves, as Linear4bit keeps it on CUDA:
   block may run across the end of a row when K is not a multiple of it), itself
   quantised (double quantisation): uint8 codes into `state2.code` (256 fp32 values),
   times `state2.absmax` (fp32, one per 256 consecutive scales), plus `offset` (fp32).
-- the 16 NF4 values (`quant_state.code`, fp32).
+- the 16 NF4 values (`quant_state.code`, fp32): checked equal to `NF4` once, then
+  selected in registers by the code's bits (a select tree, no table load per weight).
 
 A weight is code[c] * (code2[q] * absmax2[b // 256] + offset), computed in fp32 in that
 order, then rounded to bf16: what `dequantize_4bit` returns, bit for bit (the kernel is
@@ -25,6 +26,13 @@ The decode step's epilogue, in the same kernel: a bias, and a LoRA product
 `mid · Bdᵀ` (mid = X · Aᵀ, [M, R], one small GEMM before the call; Bd = scaling * B,
 [N, R]) added in fp32 before Y is rounded. Several weights that read the same X (q|k|v)
 write column slices of one Y (`out`, `column`): one launch each, no copy of their codes.
+
+Layout, from what an earlier fused NF4 kernel of this project measured on an H200 (in git
+history): the weights are the dot's left operand (a tile of Yᵀ = W · Xᵀ: the long N side
+fills the tensor cores' M, the decode batch their N), the NF4 value comes from a select
+tree, and the K step is one scale block, so the scale is one load per row and step. That
+kernel dequantised the absmax to fp32 beforehand (a copy); this one reads the uint8 codes
+and the nested scales in the K loop, once per row and block.
 
 Shapes: the aligned path (K a multiple of the block, as in every model layer) loads a
 [BLOCK_N, 32] tile of bytes and one scale per row of the tile per K step; any other K
@@ -48,6 +56,12 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# The 16 NF4 values as bitsandbytes' quant_state.code holds them (fp32; nf4_weight checks).
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+       0.7229568362236023, 1.0)
+
 
 @dataclass(frozen=True)
 class NF4Weight:
@@ -58,7 +72,6 @@ class NF4Weight:
     code2: torch.Tensor  # fp32 [256]
     absmax2: torch.Tensor  # fp32 [ceil(len(absmax) / blocksize2)]
     offset: torch.Tensor  # fp32 [1]
-    table: torch.Tensor  # fp32 [16]: the NF4 values
     n: int
     k: int
     blocksize: int
@@ -78,6 +91,8 @@ def nf4_weight(data: torch.Tensor, quant_state) -> NF4Weight:
         raise ValueError("absmax is not double-quantised (the kernel reads compress_statistics=True storage)")
     if len(qs.shape) != 2:
         raise ValueError(f"weight shape {tuple(qs.shape)} is not 2-D")
+    if not torch.equal(qs.code.detach().float().cpu(), torch.tensor(NF4)):
+        raise ValueError("the quant_state's NF4 table is not bitsandbytes' 16 values")
     n, k = qs.shape
     codes = (data if data.dtype == torch.uint8 else data.view(torch.uint8)).reshape(-1)
     s2 = qs.state2
@@ -85,7 +100,7 @@ def nf4_weight(data: torch.Tensor, quant_state) -> NF4Weight:
         raise ValueError("NF4 storage does not match its quant_state")
     offset = qs.offset if torch.is_tensor(qs.offset) else torch.tensor(float(qs.offset), device=codes.device)
     return NF4Weight(codes=codes, absmax=qs.absmax.reshape(-1), code2=s2.code.float(), absmax2=s2.absmax.float(),
-                     offset=offset.reshape(1).float(), table=qs.code.float(), n=n, k=k, blocksize=qs.blocksize,
+                     offset=offset.reshape(1).float(), n=n, k=k, blocksize=qs.blocksize,
                      blocksize2=s2.blocksize)
 
 
@@ -117,7 +132,25 @@ def _to_bf16(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset, rn, k0, N, K,
+def _nf4_value(c):
+    """NF4[c] for 4-bit codes c, by a select tree on c's bits (constants in registers, no
+    table load per weight)."""
+    b0, b1, b2, b3 = (c & 1) != 0, (c & 2) != 0, (c & 4) != 0, (c & 8) != 0
+    lo = tl.where(b2,
+                  tl.where(b1, tl.where(b0, 0.0, -0.09105003625154495),
+                           tl.where(b0, -0.18477343022823334, -0.28444138169288635)),
+                  tl.where(b1, tl.where(b0, -0.39491748809814453, -0.5250730514526367),
+                           tl.where(b0, -0.6961928009986877, -1.0)))
+    hi = tl.where(b2,
+                  tl.where(b1, tl.where(b0, 1.0, 0.7229568362236023),
+                           tl.where(b0, 0.5626170039176941, 0.44070982933044434)),
+                  tl.where(b1, tl.where(b0, 0.33791524171829224, 0.24611230194568634),
+                           tl.where(b0, 0.16093020141124725, 0.07958029955625534)))
+    return tl.where(b3, hi, lo)
+
+
+@triton.jit
+def _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, offset, rn, k0, N, K,
                  BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, ALIGNED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     """bf16 [BLOCK_N, BLOCK_K] of W at rows rn, columns k0 .. k0 + BLOCK_K."""
@@ -131,7 +164,7 @@ def _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset, rn, k0, N
         blk = rn64 * (K // BLOCKSIZE) + k0 // BLOCKSIZE
         aq = tl.load(aq_ptr + blk, mask=nmask, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + aq) * tl.load(am2_ptr + blk // BLOCKSIZE2, mask=nmask, other=0.0) + offset
-        w = tl.load(table_ptr + codes) * scale[:, None]
+        w = _nf4_value(codes) * scale[:, None]
     else:
         rk = k0 + tl.arange(0, BLOCK_K)
         e = rn.to(tl.int64)[:, None] * K + rk[None, :]
@@ -141,7 +174,7 @@ def _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset, rn, k0, N
         blk = e // BLOCKSIZE
         aq = tl.load(aq_ptr + blk, mask=m, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + aq) * tl.load(am2_ptr + blk // BLOCKSIZE2, mask=m, other=0.0) + offset
-        w = tl.load(table_ptr + codes) * scale
+        w = _nf4_value(codes) * scale
     return _to_bf16(w, EMULATE)
 
 
@@ -149,57 +182,60 @@ def _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset, rn, k0, N
 def _epilogue(acc, rm, rn, M, N, bias_ptr, mid_ptr, bd_ptr, y_ptr, stride_mid, stride_bd, stride_y,
               HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr, LORA_PREC: tl.constexpr,
               EMULATE: tl.constexpr):
-    """acc + bias + mid · Bdᵀ, rounded to bf16 into Y's rows rm, columns rn."""
+    """acc [BLOCK_N, BLOCK_M] (Yᵀ's tile) + bias + Bd · midᵀ, rounded to bf16 into Y's rows
+    rm, columns rn."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
         rr = tl.arange(0, R)
-        mid = tl.load(mid_ptr + rm[:, None] * stride_mid + rr[None, :], mask=rm[:, None] < M, other=0.0)
-        bd = tl.load(bd_ptr + rn[None, :] * stride_bd + rr[:, None], mask=rn[None, :] < N, other=0.0)
+        bd = tl.load(bd_ptr + rn[:, None] * stride_bd + rr[None, :], mask=rn[:, None] < N, other=0.0)
+        mid_t = tl.load(mid_ptr + rm[None, :] * stride_mid + rr[:, None], mask=rm[None, :] < M, other=0.0)
         if EMULATE:
-            mid, bd = mid.to(tl.float32), bd.to(tl.float32)
+            bd, mid_t = bd.to(tl.float32), mid_t.to(tl.float32)
         if LORA_PREC == 1:
-            acc += tl.dot(mid, bd, input_precision="ieee")
+            acc += tl.dot(bd, mid_t, input_precision="ieee")
         elif LORA_PREC == 2:  # fp32 factors: three tf32 passes, about fp32's accuracy (plain tf32 loses ~1e-3)
-            acc += tl.dot(mid, bd, input_precision="tf32x3")
+            acc += tl.dot(bd, mid_t, input_precision="tf32x3")
         else:  # 16-bit factors
-            acc += tl.dot(mid, bd)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], _to_bf16(acc, EMULATE).to(tl.bfloat16), mask=mask)
+            acc += tl.dot(bd, mid_t)
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], _to_bf16(acc, EMULATE).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _nf4_mm_kernel(x_ptr, q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset_ptr, bias_ptr, mid_ptr, bd_ptr,
+def _nf4_mm_kernel(x_ptr, q_ptr, aq_ptr, code2_ptr, am2_ptr, offset_ptr, bias_ptr, mid_ptr, bd_ptr,
                    y_ptr, ws_ptr, M, N, K, stride_x, stride_mid, stride_bd, stride_y, k_tiles_per_split,
                    BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, ALIGNED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, R: tl.constexpr, LORA_PREC: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EMULATE: tl.constexpr):
+    """A [BLOCK_N, BLOCK_M] tile of Yᵀ = W · Xᵀ: the weights are the dot's left operand, so
+    the long N side fills the tensor cores' M and the small batch their N."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offset = tl.load(offset_ptr)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t0 = pid_k * k_tiles_per_split
     t1 = tl.minimum(t0 + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
     for t in range(t0, t1):
         k0 = t * BLOCK_K
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                    other=0.0)
-        x = _to_bf16(x, EMULATE)
-        w = _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, table_ptr, offset, rn, k0, N, K,
+        x_t = tl.load(x_ptr + rm[None, :] * stride_x + rk[:, None], mask=(rm[None, :] < M) & (rk[:, None] < K),
+                      other=0.0)
+        x_t = _to_bf16(x_t, EMULATE)
+        w = _weight_tile(q_ptr, aq_ptr, code2_ptr, am2_ptr, offset, rn, k0, N, K,
                          BLOCKSIZE, BLOCKSIZE2, ALIGNED, BLOCK_N, BLOCK_K, EMULATE)
         if EMULATE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(w, x_t, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(w, x_t, acc)
     if SPLIT == 1:
         _epilogue(acc, rm, rn, M, N, bias_ptr, mid_ptr, bd_ptr, y_ptr, stride_mid, stride_bd, stride_y,
                   HAS_BIAS, HAS_LORA, R, LORA_PREC, EMULATE)
     else:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+        mask = (rn[:, None] < N) & (rm[None, :] < M)
+        tl.store(ws_ptr + (pid_k * M + rm[None, :]) * N + rn[:, None], acc, mask=mask)
 
 
 @triton.jit
@@ -209,10 +245,10 @@ def _split_sum_kernel(ws_ptr, bias_ptr, mid_ptr, bd_ptr, y_ptr, M, N, stride_mid
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for s in range(SPLIT):  # a fixed order: the same sum at every call
-        acc += tl.load(ws_ptr + (s * M + rm[:, None]) * N + rn[None, :], mask=mask, other=0.0)
+        acc += tl.load(ws_ptr + (s * M + rm[None, :]) * N + rn[:, None], mask=mask, other=0.0)
     _epilogue(acc, rm, rn, M, N, bias_ptr, mid_ptr, bd_ptr, y_ptr, stride_mid, stride_bd, stride_y,
               HAS_BIAS, HAS_LORA, R, LORA_PREC, EMULATE)
 
@@ -286,7 +322,7 @@ def nf4_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, 
     mid_, bd_ = (mid, bd) if lora else (out, out)
     smid, sbd = (mid.stride(0), bd.stride(0)) if lora else (0, 0)
     _nf4_mm_kernel[(grid_n, grid_m, split)](
-        x, w.codes, w.absmax, w.code2, w.absmax2, w.table, w.offset, b, mid_, bd_, y, ws,
+        x, w.codes, w.absmax, w.code2, w.absmax2, w.offset, b, mid_, bd_, y, ws,
         M, N, K, x.stride(0), smid, sbd, y.stride(0), per,
         BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, ALIGNED=aligned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False, **flags)
