@@ -162,6 +162,12 @@ def build():
     return model
 
 
+def kernel_on_cpu(nf4_kernel: str) -> bool | None:
+    """--tiny: the kernel rows take the fast decode loop on the CPU too (the engine's default
+    keeps it to CUDA), so that the plumbing of the NF4 kernel path runs; else the default."""
+    return True if args.tiny and nf4_kernel != "off" else None
+
+
 def fgrpo_step(base, nf4_kernel: str = "off", key: str = "fgrpo"):
     from edgetune.kernels import sebp as sebp_lib
 
@@ -190,7 +196,7 @@ def fgrpo_step(base, nf4_kernel: str = "off", key: str = "fgrpo"):
         with sebp.lifted():
             roll = generate(model, IdTokenizer(), prompts, num_generations=s.num_generations,
                             max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0,
-                            nf4_kernel=nf4_kernel)
+                            nf4_kernel=nf4_kernel, fast=kernel_on_cpu(nf4_kernel))
         sync()
         gen_s = time.perf_counter() - t
         gen_peak = peaks()
@@ -235,7 +241,7 @@ def essa_generation(base, nf4_kernel: str = "off", key: str = "essa"):
     xs = es.ask()
     while True:
         ev = info_evaluator()(model, IdTokenizer(), space, id_reward, s, candidates_per_batch=k,
-                              nf4_kernel=nf4_kernel)
+                              nf4_kernel=nf4_kernel, fast=kernel_on_cpu(nf4_kernel))
         ev.population(xs[:2], rows[:2])  # warm-up of the batched path (kernels, allocator), not timed
         reset_peak()
         t = time.perf_counter()
