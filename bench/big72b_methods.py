@@ -16,12 +16,16 @@ as it would on an 80 GB card.
           same base, its F-GRPO adapter unloaded), population 16, 32 prompts x 64 tokens,
           64 new tokens, greedy, batched evaluation with the candidates per pass (K) the
           memory planner fits into 80 GB.
-Each part: seconds, peak allocated / reserved, and the planner's prediction for the same
+Each part runs twice on the same model: its rollouts as the engine decodes them by default
+(NF4 through bitsandbytes, a bf16 copy of the layers that fit), then with model.nf4_kernel
+on (every layer on its 4-bit codes through kernels/nf4_matmul.py, no copy): the rows "...,
+NF4 kernel". Each part: seconds, peak allocated / reserved, and the planner's prediction for the same
 settings (within 15% is the target), compared with the peak less the bf16 copy of base
 layers that rollouts take from free memory for speed (which the planner does not count;
 its size is reported as copy_GiB).
 
-    python bench/big72b_methods.py --tiny            # CPU, tiny config: the plumbing
+    python bench/big72b_methods.py --tiny            # CPU, tiny config: the plumbing (the
+                                                     # kernel under Triton's interpreter)
     PYTHONPATH=$PWD/.gpu-site python bench/big72b_methods.py   # GPU: $OUT/big72b_methods.json
 """
 
@@ -34,7 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if "--tiny" in sys.argv:  # the NF4 kernel on the CPU: Triton's interpreter (read when triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -144,6 +151,10 @@ def build():
         R["memory_fraction"] = round(CARD_LIMIT / total, 4)
     t = time.perf_counter()
     model = build_nf4_model(ARCH, DEV, DTYPE)
+    if DEV == "cpu":  # keep the storage bitsandbytes keeps on CUDA (the NF4 kernel's): no CPU repack
+        for m in model.modules():
+            if type(m).__name__ == "Linear4bit":
+                m.support_avx512bf16_for_cpu = False
     sync()
     R["build_s"] = round(time.perf_counter() - t, 1)
     R["mem_after_build_GiB"] = C.gib(torch.cuda.memory_allocated()) if DEV == "cuda" else None
@@ -151,7 +162,13 @@ def build():
     return model
 
 
-def fgrpo_step(base):
+def kernel_on_cpu(nf4_kernel: str) -> bool | None:
+    """--tiny: the kernel rows take the fast decode loop on the CPU too (the engine's default
+    keeps it to CUDA), so that the plumbing of the NF4 kernel path runs; else the default."""
+    return True if args.tiny and nf4_kernel != "off" else None
+
+
+def fgrpo_step(base, nf4_kernel: str = "off", key: str = "fgrpo"):
     from edgetune.kernels import sebp as sebp_lib
 
     from edgetune.engine.core.settings import FGRPOSettings, LoraSettings
@@ -178,7 +195,8 @@ def fgrpo_step(base):
         t = time.perf_counter()
         with sebp.lifted():
             roll = generate(model, IdTokenizer(), prompts, num_generations=s.num_generations,
-                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0)
+                            max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=0,
+                            nf4_kernel=nf4_kernel, fast=kernel_on_cpu(nf4_kernel))
         sync()
         gen_s = time.perf_counter() - t
         gen_peak = peaks()
@@ -189,21 +207,21 @@ def fgrpo_step(base):
         upd = policy_update(model, roll, adv, s, opt, sched, sebp)
         sync()
         gen_tokens = int(roll.completion_mask.sum())
-        R["fgrpo"] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens,
+        R[key] = {"gen_s": round(gen_s, 2), "gen_tokens": gen_tokens,
                       "gen_tokens_per_s": round(gen_tokens / gen_s, 1),
                       "train_s": round(upd["train_s"], 2), "train_tokens": upd["train_tokens"],
                       "step_s": round(time.perf_counter() - t, 2), "loss": upd["loss"], "grad_norm": upd["grad_norm"],
                       "rollout_path": roll.info, "generation_peak": gen_peak, "copy_GiB": C.gib(copied), **peaks()}
-        log(f"fgrpo {R['fgrpo']}")
-        R["planner"].append(C.compare("72B F-GRPO step",
-                                      planned("fgrpo", FG_SETS), less(R["fgrpo"].get("peak_alloc"), copied)))
+        log(f"{key} {R[key]}")
+        name = "72B F-GRPO step" + (", NF4 kernel" if nf4_kernel != "off" else "")
+        R["planner"].append(C.compare(name, planned("fgrpo", FG_SETS), less(R[key].get("peak_alloc"), copied)))
     del opt, sched, roll, adv
     for p in model.parameters():
         p.grad = None
     return model.unload()  # the NF4 base again, LoRA layers removed
 
 
-def essa_generation(base):
+def essa_generation(base, nf4_kernel: str = "off", key: str = "essa"):
     import numpy as np
 
     from edgetune.engine.core.settings import ESSASettings
@@ -222,7 +240,8 @@ def essa_generation(base):
     es = make_es(space.dim, s, seed=0, values=space.values())
     xs = es.ask()
     while True:
-        ev = info_evaluator()(model, IdTokenizer(), space, id_reward, s, candidates_per_batch=k)
+        ev = info_evaluator()(model, IdTokenizer(), space, id_reward, s, candidates_per_batch=k,
+                              nf4_kernel=nf4_kernel, fast=kernel_on_cpu(nf4_kernel))
         ev.population(xs[:2], rows[:2])  # warm-up of the batched path (kernels, allocator), not timed
         reset_peak()
         t = time.perf_counter()
@@ -239,15 +258,16 @@ def essa_generation(base):
     sync()
     dt = time.perf_counter() - t
     new = ES["population"] * ES["prompts"] * ES["new_tokens"]
-    R["essa"] = {"k": k, "passes": -(-ES["population"] // k), "search_dim": space.dim, "s_per_generation": round(dt, 2),
+    R[key] = {"k": k, "passes": -(-ES["population"] // k), "search_dim": space.dim, "s_per_generation": round(dt, 2),
                  "candidates_per_min": round(60 * ES["population"] / dt, 1), "gen_tokens_per_s": round(new / dt, 1),
                  "fitness_mean": float(np.mean(fit)), "rollout_path": ev.last_info, **peaks()}
     copied = copy_bytes(model, ev.last_info)
-    R["essa"]["copy_GiB"] = C.gib(copied)
-    log(f"essa {R['essa']}")
-    R["planner"].append(C.compare(f"72B ESSA generation, K = {k}",
-                                  planned("essa", ES_SETS + [f"essa.candidates_per_batch={k}"]),
-                                  less(R["essa"].get("peak_alloc"), copied)))
+    R[key]["copy_GiB"] = C.gib(copied)
+    log(f"{key} {R[key]}")
+    name = "72B ESSA generation" + (" NF4 kernel" if nf4_kernel != "off" else "")
+    R["planner"].append(C.compare(f"{name}, K = {k}", planned("essa", ES_SETS + [f"essa.candidates_per_batch={k}"]),
+                                  less(R[key].get("peak_alloc"), copied)))
+    model.unload()  # the NF4 base again, for the next part
 
 
 def table() -> str:
@@ -255,21 +275,23 @@ def table() -> str:
            f"{CARD_LIMIT / 1e9:.0f} GB; build {R.get('build_s')} s, {R.get('mem_after_build_GiB')} GiB after it", "",
            "| part | seconds | generated tokens/s | peak allocated GiB | peak reserved GiB | planner GiB | error |",
            "|---|---|---|---|---|---|---|"]
-    plan = {row["name"].split(",")[0]: row for row in R["planner"]}
-    f = R.get("fgrpo")
-    if f:
-        p = plan.get("72B F-GRPO step", {})
-        out.append(f"| F-GRPO step ({FG['prompts']} x {FG['group']} x {FG['new_tokens']} new tokens; generation "
-                   f"{f['gen_s']} s + update {f['train_s']} s) | {f['step_s']} | {f['gen_tokens_per_s']} | "
-                   f"{f.get('peak_alloc_GiB')} | {f.get('peak_reserved_GiB')} | {p.get('predicted_GiB')} | "
-                   f"{p.get('error')} |")
-    e = R.get("essa")
-    if e:
-        p = plan.get("72B ESSA generation", {})
-        out.append(f"| ESSA generation (population {ES['population']}, {ES['prompts']} prompts x {ES['new_tokens']} "
-                   f"new tokens, K = {e['k']} per pass, {e['passes']} passes) | {e['s_per_generation']} | "
-                   f"{e['gen_tokens_per_s']} | {e.get('peak_alloc_GiB')} | {e.get('peak_reserved_GiB')} | "
-                   f"{p.get('predicted_GiB')} | {p.get('error')} |")
+    plan = {row["name"].split(", K =")[0]: row for row in R["planner"]}
+    for key, how in (("fgrpo", ""), ("fgrpo_kernel", ", NF4 kernel")):
+        f = R.get(key)
+        if f:
+            p = plan.get("72B F-GRPO step" + how, {})
+            out.append(f"| F-GRPO step{how} ({FG['prompts']} x {FG['group']} x {FG['new_tokens']} new tokens; "
+                       f"generation {f['gen_s']} s + update {f['train_s']} s) | {f['step_s']} | "
+                       f"{f['gen_tokens_per_s']} | {f.get('peak_alloc_GiB')} | {f.get('peak_reserved_GiB')} | "
+                       f"{p.get('predicted_GiB')} | {p.get('error')} |")
+    for key, how in (("essa", ""), ("essa_kernel", ", NF4 kernel")):
+        e = R.get(key)
+        if e:
+            p = plan.get("72B ESSA generation" + how.replace(",", ""), {})
+            out.append(f"| ESSA generation{how} (population {ES['population']}, {ES['prompts']} prompts x "
+                       f"{ES['new_tokens']} new tokens, K = {e['k']} per pass, {e['passes']} passes) | "
+                       f"{e['s_per_generation']} | {e['gen_tokens_per_s']} | {e.get('peak_alloc_GiB')} | "
+                       f"{e.get('peak_reserved_GiB')} | {p.get('predicted_GiB')} | {p.get('error')} |")
     if R["errors"]:
         out.append(f"errors: {json.dumps(R['errors'])[:1500]}")
     return "\n".join(out)
@@ -282,7 +304,10 @@ def main():
     if base is None:
         return
     base = section("fgrpo", lambda: fgrpo_step(base), need_s=30 if args.tiny else 200) or base
+    base = section("fgrpo_kernel", lambda: fgrpo_step(base, "on", "fgrpo_kernel"),
+                   need_s=30 if args.tiny else 150) or base
     section("essa", lambda: essa_generation(base), need_s=20 if args.tiny else 100)
+    section("essa_kernel", lambda: essa_generation(base, "on", "essa_kernel"), need_s=20 if args.tiny else 80)
     R["table"] = table()
     R["wall_s"] = round(time.perf_counter() - T0, 1)
     BUDGET.dump()

@@ -1,8 +1,10 @@
 """Rollout throughput: model.generate (default, and HF's static cache + compile) against
 edgetune's rollouts.generate (static loop + CUDA graph; NF4 base through bitsandbytes'
-layers, a bf16 copy of some layers, the whole bf16 copy, and that copy with the decode
-step under torch.compile, which this script applies itself), all in one process on one
-model, so the ratios hold on a shared machine.
+layers, through the NF4 kernel on the 4-bit codes (kernels/nf4_matmul.py, model.nf4_kernel
+on), a bf16 copy of some layers with the rest through bitsandbytes or through the kernel,
+the whole bf16 copy, and that copy with the decode step under torch.compile, which this
+script applies itself), all in one process on one model, so the ratios hold on a shared
+machine.
 
 Model: random-init Qwen2.5-7B architecture, NF4 (built layer by layer on the GPU by
 bench/reference/baseline.py), then edgetune's
@@ -13,16 +15,19 @@ never emits EOS on purpose here; every row runs all 256 steps in every method.
 Correctness on the GPU: a small random Qwen2 in fp32 (greedy, ragged left-padded prompts)
 must give model.generate's tokens exactly through the CUDA-graph path; on the 7B model the
 share of greedy tokens equal to model.generate's (up to the first divergence, bf16) is
-reported, for the NF4 and the bf16-copy paths.
+reported, for the NF4 (bitsandbytes), NF4-kernel and bf16-copy paths, with each one's
+log-probabilities against a full forward.
 
     export PYTHONPATH=$PWD/.gpu-site:$PYTHONPATH; python bench/rollouts.py   # on the GPU
-    python bench/rollouts.py --tiny                                          # CPU smoke run
+    python bench/rollouts.py --tiny                                          # CPU smoke run (the
+                                                                             # kernel interpreted)
     python bench/rollouts.py --72b                                           # 72B, GPU
 
 --72b: random-init Qwen2.5-72B architecture built layer by layer on the GPU in NF4
 (baseline.build_72b_layers, capped by --max-build-s, layers truncated and noted when
-slower), LoRA r16; no whole bf16 copy (it would need 145 GB): bitsandbytes' layers against
-a copy of as many layers as fit, with --new tokens (default 64) so that both fit the budget.
+slower), LoRA r16; no whole bf16 copy (it would need 145 GB): bitsandbytes' layers and the
+NF4 kernel against a copy of as many layers as fit (the rest through either), with --new
+tokens (default 64) so that all fit the budget.
 Writes $OUT/rollouts.json; prints a markdown table last.
 """
 
@@ -43,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 ap = argparse.ArgumentParser()
 ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--budget", type=float, default=380.0)
-ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_mixed,ours_bf16,"
-                                            "ours_bf16_compiled,check7b")
+ap.add_argument("--skip", default="", help="comma list: default,static,ours_nf4,ours_nf4_kernel,ours_mixed,"
+                                            "ours_mixed_kernel,ours_bf16,ours_bf16_compiled,check7b")
 ap.add_argument("--72b", dest="big", action="store_true", help="Qwen2.5-72B architecture (GPU)")
 ap.add_argument("--max-build-s", type=float, default=150.0, help="72B: stop building layers after this (noted)")
 ap.add_argument("--new", type=int, default=0, help="new tokens per row (default 256; 64 with --72b)")
@@ -52,6 +57,8 @@ ap.add_argument("--mixed-layers", type=int, default=-1,
                 help="layers the ours_mixed row copies to bf16 (default: half the layers at 7B, as many as fit "
                      "with --72b; 0 = none: every layer NF4 through bitsandbytes, but packed)")
 args = ap.parse_known_args()[0]
+if args.tiny:  # the NF4 kernel's rows on the CPU: Triton's interpreter (read when triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import baseline as B  # noqa: E402  (reads --tiny itself)
 import torch  # noqa: E402
@@ -239,16 +246,17 @@ def mixed_layers(cfg) -> int | None:
     return None if args.big else cfg["num_hidden_layers"] // 2
 
 
-def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, dense_layers=None):
+def time_ours(model, tok, ids, bf16, compile_step=False, reps=2, dense_layers=None, nf4_kernel="off"):
     if compile_step:  # the packed decode step under torch.compile (the engine never compiles it)
         step = fast_decode.packed_step
         fast_decode.packed_step = torch.compile(step, dynamic=False)
         try:
-            return time_ours(model, tok, ids, bf16, reps=reps, dense_layers=dense_layers)
+            return time_ours(model, tok, ids, bf16, reps=reps, dense_layers=dense_layers, nf4_kernel=nf4_kernel)
         finally:
             fast_decode.packed_step = step
     prompts = ids.tolist()
-    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, dense_layers=dense_layers)
+    kw = dict(max_new_tokens=NEW, temperature=1.0, seed=0, fast=True, bf16_weights=bf16, dense_layers=dense_layers,
+              nf4_kernel=nf4_kernel)
     B.sync()
     t = time.perf_counter()
     rollouts.generate(model, tok, prompts, **kw)  # warm-up (graph capture, allocator, compile)
@@ -311,6 +319,7 @@ def main():
 
     def check7b():
         R["check"]["7b_nf4"] = greedy_agreement(pm, tok, bf16_weights=False)
+        R["check"]["7b_nf4_kernel"] = greedy_agreement(pm, tok, bf16_weights=False, nf4_kernel="on")
         if not args.big:
             R["check"]["7b_bf16_packed"] = greedy_agreement(pm, tok, bf16_weights=True)
         log("greedy agreement", {k: v for k, v in R["check"].items() if k.startswith("7b")})
@@ -319,15 +328,20 @@ def main():
     rows = [
         ("ours_bf16", lambda: time_ours(pm, tok, ids, True), 30),
         ("ours_nf4", lambda: time_ours(pm, tok, ids, False), 30),
+        # every layer on its 4-bit codes through the NF4 kernel, LoRA in its epilogue: no copy
+        ("ours_nf4_kernel", lambda: time_ours(pm, tok, ids, False, nf4_kernel="on"), 30),
         # the copy of as many layers as the free memory holds (72B), or of half of them (7B,
         # where the whole copy fits): between the two rows above
         ("ours_mixed", lambda: time_ours(pm, tok, ids, None, dense_layers=mixed_layers(cfg)), 30),
+        # the same copy, the other layers through the NF4 kernel instead of bitsandbytes
+        ("ours_mixed_kernel", lambda: time_ours(pm, tok, ids, None, dense_layers=mixed_layers(cfg),
+                                                nf4_kernel="on"), 30),
         ("default", lambda: time_hf(pm, ids, False), 60),
         ("static", lambda: time_hf(pm, ids, True), 100),
         ("ours_bf16_compiled", lambda: time_ours(pm, tok, ids, True, compile_step=True), 60),
     ]
     if args.big:  # no room for a bf16 copy; model.generate at 72B would take the whole budget
-        rows = [r for r in rows if r[0] in ("ours_nf4", "ours_mixed")]
+        rows = [r for r in rows if r[0] in ("ours_nf4", "ours_nf4_kernel", "ours_mixed", "ours_mixed_kernel")]
     for key, fn, need in rows:
         r = guarded(key, fn, need)
         if r is not None:
@@ -341,8 +355,11 @@ def table():
     stat = S.get("static", {}).get("tok_per_s")
     names = {"default": "model.generate (default)", "static": 'model.generate (cache_implementation="static")',
              "ours_nf4": "rollouts.generate, NF4 base through bitsandbytes (CUDA graph)",
+             "ours_nf4_kernel": "rollouts.generate, NF4 base through the NF4 kernel, no copy (CUDA graph)",
              "ours_bf16": "rollouts.generate, packed bf16 copy (CUDA graph)",
              "ours_mixed": "rollouts.generate, bf16 copy of some layers, the rest NF4 through bitsandbytes (CUDA graph)",
+             "ours_mixed_kernel": "rollouts.generate, bf16 copy of some layers, the rest through the NF4 kernel "
+                                  "(CUDA graph)",
              "ours_bf16_compiled": "rollouts.generate, packed bf16 copy, torch.compile + CUDA graph"}
     lines = [f"{R['env'].get('date', '')}, {R['env'].get('device', '')}, torch {R['env'].get('torch')}, "
              f"transformers {R['env'].get('transformers')}; {ARCH} NF4 ({R['setup'].get('layers', 'all')} layers) + "
@@ -350,7 +367,8 @@ def table():
              f"{NEW} new tokens, sampling", "",
              "| method | tokens/s | ms/step | x default | x static | peak GiB | first call s |",
              "|---|---|---|---|---|---|---|"]
-    for k in ("default", "static", "ours_nf4", "ours_mixed", "ours_bf16", "ours_bf16_compiled"):
+    for k in ("default", "static", "ours_nf4", "ours_nf4_kernel", "ours_mixed", "ours_mixed_kernel", "ours_bf16",
+              "ours_bf16_compiled"):
         if k not in S:
             lines.append(f"| {names[k]} | {R['errors'].get(k, 'not run')[:80]} | | | | | |")
             continue
@@ -365,6 +383,10 @@ def table():
         R["mixed_over_bnb_nf4"] = round(mixed["tok_per_s"] / nf4, 3)
         lines += ["", f"bf16 copy of {mixed['info'].get('dense_layers')} layers, the rest NF4 / NF4 through bitsandbytes "
                   f"(same run): {mixed['tok_per_s'] / nf4:.2f}x tokens/s"]
+    kern, copy = S.get("ours_nf4_kernel", {}).get("tok_per_s"), S.get("ours_bf16", {}).get("tok_per_s")
+    for name, other in (("NF4 through bitsandbytes", nf4), ("the packed bf16 copy", copy)):
+        if kern and other:
+            lines.append(f"NF4 kernel / {name} (same run): {kern / other:.2f}x tokens/s")
     lines += ["", f"checks: {json.dumps(R['check'], default=str)[:1500]}", f"errors: {json.dumps(R['errors'])[:1500]}"]
     print("\n".join(lines))
 

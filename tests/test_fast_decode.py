@@ -193,3 +193,79 @@ def test_generate_reserves_the_planners_decode_memory_and_passes_the_budget(nf4_
     assert seen["reserve_bytes"] == kv + planner.prefill_bytes(ctx, rows, longest)
     # and the static cache the loop then allocates fits in what was reserved for it
     assert len(buffers) == 1 and 0 < buffers[0] <= kv
+
+
+def fresh_nf4_model():
+    """tiny_nf4_model with the storage Linear4bit keeps on CUDA: bitsandbytes' CPU forward
+    is told not to repack it for its AVX-512 kernel, so its module path reads the same
+    packed codes and double-quantised absmax as the NF4 kernel (and as on a GPU)."""
+    from edgetune.engine.generation.fast_decode import linear4bit_modules
+
+    model = tiny_nf4_model()
+    for m in linear4bit_modules(model):
+        m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def test_nf4_kernel_gives_the_module_paths_tokens():
+    from edgetune.engine.generation.rollouts import generate
+
+    model = fresh_nf4_model()
+    ref = greedy(model)
+    got = generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=5, fast=True, nf4_kernel="on")
+    assert got.info["nf4_kernel"] is True and got.info["packed"] is True and got.info["dense_layers"] == 0
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+                   for m in model.modules() if type(m).__name__ == "Linear4bit")
+    assert torch.equal(got.completion_ids, ref.completion_ids)
+    # the same products but for rounding: the kernel adds LoRA before its one bf16 rounding
+    assert torch.allclose(got.logprobs, ref.logprobs, atol=5e-2)
+    # a copy of layer 0, layer 1 through the kernel: the same tokens
+    mixed = generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=3, fast=True, nf4_kernel="on",
+                     dense_layers=1)
+    assert mixed.info["nf4_kernel"] is True and mixed.info["dense_layers"] == 1
+    assert torch.equal(mixed.completion_ids, ref.completion_ids[:, :3])
+
+
+def test_nf4_kernel_refuses_weights_repacked_for_the_cpu(nf4_model):
+    # after bitsandbytes' CPU forward repacked them (the module fixture), the kernel's layout
+    # is gone: the decode says so and runs bitsandbytes' own layers
+    from edgetune.engine.generation.rollouts import generate
+
+    got = generate(nf4_model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=3, fast=True, nf4_kernel="on")
+    assert got.info["nf4_kernel"] is False and "repacked" in got.info["packed"]
+    assert torch.equal(got.completion_ids, greedy(nf4_model, n=3).completion_ids)
+
+
+def test_base_path_with_the_nf4_kernel(nf4_model, monkeypatch):
+    from edgetune.engine.planning import effective
+
+    from edgetune.engine.generation import fast_decode as fd
+
+    per_layer = fd.layer_copy_bytes(nf4_model)
+    cuda, reserve = torch.device("cuda"), 1000
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: 1.0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+
+    def free(b):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (b, 8 << 30))
+
+    one = (2 << 30) + reserve + per_layer[0] * 3 // 2  # room for one layer's copy
+    free(one)
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="off", rows=64) == "mixed"
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="on", rows=64) == "kernel"  # no copy
+    # auto is off until a GPU run shows the kernel faster ...
+    assert not effective.NF4_KERNEL_AUTO
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "mixed"
+    # ... then: the kernel instead of bitsandbytes, a copy only where it fits and is faster
+    monkeypatch.setattr(effective, "NF4_KERNEL_AUTO", True)
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "mixed_kernel"
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=256) == "mixed"  # past its tiles
+    monkeypatch.setattr(effective, "COPY_OVER_KERNEL_FROM_ROWS", 32)
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=16) == "kernel"
+    free(one + sum(per_layer))
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "dense"
+    free(1 << 20)  # no copy fits
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "kernel"
+    assert fd.base_path(nf4_model, cuda, False, reserve, nf4_kernel="off", rows=64) == "module"
+    # the setting reaches rollouts on CUDA only (a GPU kernel)
+    assert effective.rollout_nf4_kernel("on", "cpu") == "off" and effective.rollout_nf4_kernel("on", "cuda:0") == "on"

@@ -167,28 +167,41 @@ def dense_layers_that_fit(model, reserve_bytes: int, memory_budget: int | None =
 
 
 def base_path(model, device, bf16_weights: bool | None, reserve_bytes: int,
-              dense_layers: int | None = None, memory_budget: int | None = None) -> str:
+              dense_layers: int | None = None, memory_budget: int | None = None,
+              nf4_kernel: str = "off", rows: int = 0) -> str:
     """How the decode step computes the base linears: "dense" (a packed dense copy: bf16
     for NF4 layers, the weights themselves otherwise), "mixed" (a packed bf16 copy of the
-    first decoder layers, the others on their NF4 codes through bitsandbytes) or "module"
-    (the layers' own forward: bitsandbytes for NF4). None picks: the bf16 copy when it
-    fits (cuBLAS on bf16 decodes fastest); else as many layers' copies as fit ("mixed",
-    when at least one does, e.g. 72B on a 141 GB card); else bitsandbytes. dense_layers
-    forces the mixed split (tests, benches)."""
+    first decoder layers, the others on their NF4 codes through bitsandbytes), "module"
+    (the layers' own forward: bitsandbytes for NF4), "kernel" (every NF4 layer on its
+    codes through kernels/nf4_matmul.py) or "mixed_kernel" (a copy of the first layers,
+    the others through that kernel). None picks, with the free memory and the decode's
+    `rows`, as engine/planning/effective.nf4_decode_base says for `nf4_kernel` (off: the
+    bf16 copy when it fits, cuBLAS on bf16 decoding fastest; else as many layers' copies
+    as fit, e.g. 72B on a 141 GB card; else bitsandbytes). dense_layers forces the mixed
+    split (tests, benches)."""
+    from edgetune.engine.planning.effective import nf4_decode_base
+
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
     if not nf4:
         return "dense" if bf16_weights else "module"
+    n_layers = len(inner_model(model).model.layers)
     if bf16_weights and cuda:  # on the CPU bitsandbytes repacks NF4 for its own kernel
         return "dense"
-    if dense_layers is not None and bf16_weights is not False:
-        return "mixed" if dense_layers < len(inner_model(model).model.layers) else "dense"
-    if bf16_weights is None and cuda:
-        if bf16_copy_fits(model, reserve_bytes, memory_budget):
+    if dense_layers is not None and bf16_weights is not False:  # the split asked for
+        if dense_layers >= n_layers:
             return "dense"
-        if dense_layers_that_fit(model, reserve_bytes, memory_budget) > 0:
-            return "mixed"
-    return "module"
+        return "mixed_kernel" if nf4_decode_base(nf4_kernel, rows, n_layers, 0)[1] == "nf4kernel" else "mixed"
+    fit = 0
+    if bf16_weights is None and cuda:
+        fit = (n_layers if bf16_copy_fits(model, reserve_bytes, memory_budget)
+               else dense_layers_that_fit(model, reserve_bytes, memory_budget))
+    copied, rest = nf4_decode_base(nf4_kernel, rows, n_layers, fit)
+    if copied >= n_layers:
+        return "dense"
+    if copied > 0:
+        return "mixed_kernel" if rest == "nf4kernel" else "mixed"
+    return "kernel" if rest == "nf4kernel" else "module"
 
 
 class ModulePack:
@@ -203,6 +216,39 @@ class ModulePack:
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         ys = [m(x) for m in self.mods]
         return torch.cat(ys, dim=-1) if len(ys) > 1 else ys[0]
+
+
+class NF4KernelPack:
+    """The base of one pack computed straight from its Linear4bit layers' 4-bit storage by
+    kernels/nf4_matmul.py (no copy of the weights): one launch a layer, each writing its
+    columns of one bf16 [M, sum N] output, with the pack's bias and its LoRA product
+    (mid = X·Aᵀ, one small GEMM for the pack, times Bd) in the kernel's epilogue. Raises
+    ValueError for storage the kernel does not read (e.g. repacked by bitsandbytes' CPU
+    forward) or a layer that does not compute in bf16."""
+
+    dtype = torch.bfloat16  # the kernel's output, and Linear4bit's compute dtype it stands for
+
+    def __init__(self, mods):
+        from edgetune.kernels.nf4_matmul import nf4_weight
+
+        for m in mods:
+            if getattr(m, "compute_dtype", None) not in (None, torch.bfloat16):
+                raise ValueError(f"a Linear4bit computes in {m.compute_dtype} (the NF4 kernel in bf16)")
+        self.weights = [nf4_weight(m.weight.data, m.weight.quant_state) for m in mods]
+        self.shape = (sum(w.n for w in self.weights), self.weights[0].k)
+
+    def linear(self, x: Tensor, bias: Tensor | None, a: Tensor | None = None, bd: Tensor | None = None) -> Tensor:
+        from edgetune.kernels.nf4_matmul import nf4_matmul
+
+        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.bfloat16, device=x.device)
+        mid = F.linear(x.to(a.dtype), a) if a is not None else None
+        col = 0
+        for w in self.weights:
+            end = col + w.n
+            nf4_matmul(x, w, bias[col:end] if bias is not None else None, mid,
+                       bd[col:end] if mid is not None else None, out=out, column=col)
+            col = end
+        return out
 
 
 @contextlib.contextmanager
@@ -247,7 +293,7 @@ def _dense_forward(w: Tensor):
 def _base_and_lora(mod, base_kind: str = "dense"):
     """(base weight, bias, [(A, scaling * B)]) of a plain or PEFT-LoRA linear, or a reason.
     The base weight is dense (NF4 layers dequantised to bf16; base_kind "dense") or the
-    Linear4bit module itself ("module").
+    Linear4bit module itself ("module", "nf4kernel").
     Inside multilora.batched_lora the factors are the candidates' stacks (A [K, r, in],
     scaling * B [K, out, r]) instead of the layer's own adapters."""
     import bitsandbytes.functional as bnbF
@@ -276,7 +322,7 @@ def _base_and_lora(mod, base_kind: str = "dense"):
                 b = mod.lora_B[ad].weight.detach() * mod.scaling[ad]
                 loras.append((a, b))
         base = mod.base_layer
-    if type(base).__name__ == "Linear4bit" and base_kind == "module":
+    if type(base).__name__ == "Linear4bit" and base_kind in ("module", "nf4kernel"):
         w = base
     elif type(base).__name__ == "Linear4bit" and getattr(base.weight.quant_state, "packing_format_for_cpu", False):
         w = _dequantize_cpu_layout(base.weight.data, base.weight.quant_state)
@@ -309,23 +355,26 @@ def _dequantize_cpu_layout(weight: Tensor, qs) -> Tensor:
 
 def pack_linears(mods, base_kind: str = "dense") -> tuple:
     """One pack (w [N, K], bias or None, A [R, K] or None, B [N, R] or None) of linears that
-    read the same input; w is a dense tensor ("dense") or a ModulePack ("module": NF4
-    layers through bitsandbytes); raises ValueError when one cannot be packed."""
+    read the same input; w is a dense tensor ("dense"), a ModulePack ("module": NF4 layers
+    through bitsandbytes) or an NF4KernelPack ("nf4kernel": NF4 layers through
+    kernels/nf4_matmul.py); raises ValueError when one cannot be packed."""
     parts = [_base_and_lora(m, base_kind) for m in mods]
     for _, _, _, why in parts:
         if why:
             raise ValueError(why)
     ws = [p[0] for p in parts]
-    if base_kind == "module":
+    on_codes = base_kind in ("module", "nf4kernel")  # the base stays NF4
+    if on_codes:
         if not all(type(x).__name__ == "Linear4bit" for x in ws):
             raise ValueError("a pack mixes NF4 and dense base layers")
-        w = ModulePack(ws)
+        w = ModulePack(ws) if base_kind == "module" else NF4KernelPack(ws)
     elif len({w.dtype for w in ws}) != 1:
         raise ValueError("base weights of one pack differ in dtype")
     else:
         w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
     bias = None
     if any(p[1] is not None for p in parts) and base_kind != "module":  # the modules add their own
+        # (the NF4 kernel adds it in its epilogue, in bf16 as Linear4bit does)
         dev = next(p[1] for p in parts if p[1] is not None).device
         bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None
                           else torch.zeros(p[0].shape[0], dtype=w.dtype, device=dev) for p in parts])
@@ -339,12 +388,17 @@ def pack_linears(mods, base_kind: str = "dense") -> tuple:
     Bd = A.new_zeros(*A.shape[:-2], w.shape[0], A.shape[-2])
     offs = [0]
     for p in parts:
-        offs.append(offs[-1] + (p[0].out_features if base_kind == "module" else p[0].shape[0]))
+        offs.append(offs[-1] + (p[0].out_features if on_codes else p[0].shape[0]))
     r0 = 0
     for i, a, b in loras:
         r = a.shape[-2]
         Bd[..., offs[i]:offs[i + 1], r0:r0 + r] = b.to(A.dtype)
         r0 += r
+    if isinstance(w, NF4KernelPack) and A.dim() == 2:  # the kernel's epilogue takes a rank of 2^n >= 16
+        from edgetune.kernels.nf4_matmul import padded_rank
+
+        pad = padded_rank(A.shape[0]) - A.shape[0]
+        A, Bd = F.pad(A, (0, 0, 0, pad)), F.pad(Bd, (0, pad))
     return (w, bias, A, Bd)
 
 
@@ -362,7 +416,7 @@ def _same_candidates(loras: list) -> list:
 
 
 def pack_model(core, base_kind: str = "dense", dense_layers: int | None = None) -> list:
-    """Packs of every decoder layer, the base as `base_kind` ("dense", "module"); with
+    """Packs of every decoder layer, the base as `base_kind` ("dense", "module", "nf4kernel"); with
     dense_layers, the first that many layers dense and the rest as base_kind (the "mixed"
     path)."""
     if getattr(core.config, "hidden_act", "silu") != "silu":
@@ -380,7 +434,11 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
     """What the module path computes (base in the copy's dtype, back to x's dtype, plus
     LoRA in its own dtype), over one pack."""
     w, b, a, bd = p
-    if isinstance(w, ModulePack):
+    if isinstance(w, NF4KernelPack):
+        if a is not None and a.dim() == 2:  # LoRA in the kernel's epilogue
+            return w.linear(x, b, a, bd).to(x.dtype)
+        y = w.linear(x, b).to(x.dtype)
+    elif isinstance(w, ModulePack):
         y = w.linear(x, b).to(x.dtype)
     else:
         y = F.linear(x.to(w.dtype), w, b).to(x.dtype)
@@ -467,27 +525,33 @@ class Decoder:
     @classmethod
     @contextlib.contextmanager
     def for_model(cls, model, bf16_weights: bool | None = None, reserve_bytes: int = 0,
-                  dense_layers: int | None = None, memory_budget: int | None = None):
+                  dense_layers: int | None = None, memory_budget: int | None = None,
+                  nf4_kernel: str = "off", rows: int = 0):
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
         None = on for NF4 models on CUDA when it fits, else a copy of as many layers as fit
         (packed; the other layers' packs call bitsandbytes). On the CPU only when asked
         (tests: a plain fp32 model then gets a packed fp32 copy). dense_layers: the copy
         for the first that many layers only. memory_budget: bytes the process may hold;
-        the copy stays within it. The choice is `base_path`'s."""
+        the copy stays within it. nf4_kernel (Effective.nf4_kernel) and rows (of one decode):
+        NF4 layers without a copy through kernels/nf4_matmul.py where
+        effective.nf4_decode_base says so. The choice is `base_path`'s."""
         dec = cls(model)
         nf4 = bool(linear4bit_modules(model))
-        path = base_path(model, dec.device, bf16_weights, reserve_bytes, dense_layers, memory_budget)
+        path = base_path(model, dec.device, bf16_weights, reserve_bytes, dense_layers, memory_budget,
+                         nf4_kernel, rows)
         bf16_weights = path == "dense"
+        dec.info["nf4_kernel"] = path in ("kernel", "mixed_kernel")
         with contextlib.ExitStack() as stack:
-            if path == "mixed":
-                n = (dense_layers if dense_layers is not None
-                     else dense_layers_that_fit(model, reserve_bytes, memory_budget))
+            if path in ("mixed", "mixed_kernel", "kernel"):
+                n = 0 if path == "kernel" else (dense_layers if dense_layers is not None
+                                                else dense_layers_that_fit(model, reserve_bytes, memory_budget))
+                rest = "module" if path == "mixed" else "nf4kernel"
                 try:
-                    dec.parts = pack_model(dec.core, "module", dense_layers=n)
-                    dec.info.update(packed=True, bf16_weights=True, dense_layers=n)
+                    dec.parts = pack_model(dec.core, rest, dense_layers=n)
+                    dec.info.update(packed=True, bf16_weights=path != "kernel", dense_layers=n)
                 except ValueError as e:  # not packable: every layer through its own forward
-                    dec.info["packed"] = f"no: {e}"
+                    dec.info.update(packed=f"no: {e}", nf4_kernel=False)
             if bf16_weights:
                 try:
                     dec.parts = pack_model(dec.core)

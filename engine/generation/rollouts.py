@@ -102,7 +102,7 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
              batch_size: int = 0, system_prompt: str = "", fast: bool | None = None,
              bf16_weights: bool | None = None, dense_layers: int | None = None, memory_budget: int | None = None,
-             on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
+             nf4_kernel: str = "off", on_chunk: Callable[[list[int]], None] | None = None) -> RolloutBatch:
     """Sample `num_generations` completions per prompt (rows of one prompt adjacent).
 
     prompts: strings / chat-message lists (rendered with the chat template), or lists of
@@ -114,7 +114,9 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
     fast_decode.py). dense_layers (fast loop, NF4 base): the bf16 copy for the first that many decoder
     layers only (None: all when they fit, else as many as fit). memory_budget: bytes the
     process may hold (model.memory_budget_gib); the copy stays within it as well as within
-    the free memory.
+    the free memory. nf4_kernel (fast loop, NF4 base; Effective.nf4_kernel): off | auto | on,
+    NF4 layers without a copy through kernels/nf4_matmul.py instead of bitsandbytes (see
+    engine/planning/effective.nf4_decode_base).
     on_chunk(rows): called before each chunk is decoded with the global row indices it
     holds (for per-row adapters).
     """
@@ -156,7 +158,8 @@ def generate(model, tokenizer, prompts, *, num_generations: int = 1, max_new_tok
             reserve = fast_decode.reserve_bytes(model, rows_per_chunk, max(len(r) for r in rows), longest + 64)
             decoder = stack.enter_context(
                 fast_decode.Decoder.for_model(model, bf16_weights=bf16_weights, reserve_bytes=reserve,
-                                              dense_layers=dense_layers, memory_budget=memory_budget))
+                                              dense_layers=dense_layers, memory_budget=memory_budget,
+                                              nf4_kernel=nf4_kernel, rows=rows_per_chunk))
             info.update(decoder.info)
         for s in range(0, n, bs):
             idx = list(range(s, min(n, s + bs)))

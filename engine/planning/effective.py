@@ -66,6 +66,7 @@ class Effective:
     packing: bool  # SFT rows laid end to end (engine/data/packing.py)
     loss_chunk_rows: int
     candidates_per_batch: int  # ESSA: candidates sharing one forward pass (1 = one after another)
+    nf4_kernel: str  # rollouts of an NF4 base through kernels/nf4_matmul.py: off | auto | on (see nf4_decode_base)
     # decoder layers (the first ones) that recompute their activations in the backward
     # (model.gradient_checkpointing); None = all of them, their number not known here
     checkpointed_layers: int | None
@@ -104,6 +105,38 @@ def attention(asked: str, packing: bool, device: str, model_type: str = "") -> s
 # those steps and the longer start cost more than it saves; with packing (the SFT default)
 # it has nothing to skip. Measured: bench/README.md#the-user-path-on-an-h100--measured-once
 SEBP_AUTO = False
+
+
+# The NF4 decode matmul (kernels/nf4_matmul.py) under `model.nf4_kernel: auto`: built and
+# proven exact on the CPU, not yet timed on a GPU, so auto leaves it off until
+# bench/rollouts.py shows it faster (bench/README.md). Once it does, these say where it wins:
+NF4_KERNEL_AUTO = False
+NF4_KERNEL_MAX_ROWS = 128  # the decode batches it is tiled for; more rows: bitsandbytes / the copy
+# From how many rows a bf16 copy of a layer (where the free memory holds it) decodes faster
+# than the kernel on its codes; until measured, a copy that fits is kept (the fastest measured).
+COPY_OVER_KERNEL_FROM_ROWS = 1
+
+
+def rollout_nf4_kernel(asked: str, device: str) -> str:
+    """Effective.nf4_kernel: the setting on CUDA; off elsewhere (a Triton GPU kernel)."""
+    return asked if device.startswith("cuda") else "off"
+
+
+def nf4_decode_base(nf4_kernel: str, rows: int, layers: int, layers_fit: int) -> tuple[int, str]:
+    """How the fast rollout loop (engine/generation/fast_decode.py) computes an NF4 base for
+    one decode of `rows` rows: (how many decoder layers, from the first, get a bf16 copy;
+    how the other layers compute from their 4-bit codes: "module" = bitsandbytes,
+    "nf4kernel" = kernels/nf4_matmul.py). `layers_fit`: the layers whose copy the free
+    memory holds (`layers` when the whole copy fits). nf4_kernel (Effective.nf4_kernel):
+    off = a copy where it fits, bitsandbytes for the rest; on = the kernel for every layer,
+    no copy; auto = off until NF4_KERNEL_AUTO, then the kernel for up to
+    NF4_KERNEL_MAX_ROWS rows in place of bitsandbytes, and a copy only where it fits and
+    beats the kernel (COPY_OVER_KERNEL_FROM_ROWS)."""
+    if nf4_kernel == "on":
+        return 0, "nf4kernel"
+    if nf4_kernel == "auto" and NF4_KERNEL_AUTO and rows <= NF4_KERNEL_MAX_ROWS:
+        return (layers_fit if rows >= COPY_OVER_KERNEL_FROM_ROWS else 0), "nf4kernel"
+    return layers_fit, "module"
 
 
 def _switch(asked: str, default: bool) -> bool:
@@ -265,6 +298,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
         optimizer=optimizer, fused_optimizer=cuda and optimizer == "adamw", packing=packing,
         loss_chunk_rows=LOSS_CHUNK_ROWS,
         candidates_per_batch=essa_candidates_per_batch(cfg, device, arch, dtype, gpu_free, prompt_tokens),
+        nf4_kernel=rollout_nf4_kernel(m.nf4_kernel, device),
         checkpointed_layers=checkpointed_layers(cfg, arch, checkpointed),
     )
 

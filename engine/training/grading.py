@@ -19,7 +19,7 @@ from edgetune.engine.core.errors import ConfigError, DataError
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings import Config, GradingSettings
 
-from edgetune.engine.planning.effective import copy_budget
+from edgetune.engine.planning.effective import copy_budget, rollout_nf4_kernel
 
 from edgetune.engine.models import model as model_lib
 
@@ -48,7 +48,7 @@ def eval_passes(s: GradingSettings, greedy: bool = True) -> int:
 @torch.no_grad()
 def evaluate(model, tok, rows: list[dict], reward: Reward, s: GradingSettings, system_prompt: str = "",
              seed: int = 0, greedy: bool = True, tick=None, memory_budget: int | None = None,
-             samples: int = 0) -> dict | None:
+             samples: int = 0, nf4_kernel: str = "off") -> dict | None:
     """Held-out metrics: success_rate (greedy, one completion per prompt), and pass@1 /
     pass@k from n = 2k samples per prompt at the training temperature (eval_k > 0).
     The sampling seed is fixed, so before/after compare on the same random numbers.
@@ -58,7 +58,8 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: GradingSettings, s
     Rows are decoded in chunks of s.batch_rows (one training rollout batch: a size the
     run already fits); `tick(prompts_done)` before each chunk (counting over both passes) and None
     when it returns True: a stop asked for during a long evaluation ends it there.
-    memory_budget: rollouts.generate's (effective.copy_budget). samples: out["samples"] holds
+    memory_budget, nf4_kernel: rollouts.generate's (effective.copy_budget,
+    Effective.nf4_kernel). samples: out["samples"] holds
     the first that many prompts with their greedy completion and answer (emit_samples)."""
     out: dict = {"prompts": len(rows)}
     prompts = [r["prompt"] for r in rows]
@@ -66,7 +67,8 @@ def evaluate(model, tok, rows: list[dict], reward: Reward, s: GradingSettings, s
 
     def chunks(per_prompt: int, offset: int) -> dict:
         # The same chunks with or without progress: sampled metrics depend on them.
-        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "memory_budget": memory_budget}
+        size = {"batch_size": max(per_prompt, chunk_rows // per_prompt * per_prompt), "memory_budget": memory_budget,
+                "nf4_kernel": nf4_kernel}
         if tick is None:
             return size
 
@@ -166,8 +168,10 @@ def grade_rows(cfg: Config, s: GradingSettings, model, tok, rows: list[dict], pr
     reward = build_reward(s.reward, s.reward_file)
     total = len(rows) * eval_passes(s)
     tick = (lambda done: progress(done, total)) if progress is not None else None
+    device = str(next(model.parameters()).device)
     metrics = evaluate(model, tok, rows, reward, s, cfg.data.system_prompt, cfg.run.seed, tick=tick,
-                       memory_budget=copy_budget(cfg), samples=samples)
+                       memory_budget=copy_budget(cfg), samples=samples,
+                       nf4_kernel=rollout_nf4_kernel(cfg.model.nf4_kernel, device))
     return None if metrics is None else {"reward_fn": reward.name, **metrics}
 
 

@@ -86,6 +86,14 @@ class ModelSettings:
         "Liger-Kernel's fused RMSNorm / SwiGLU / RoPE in SFT (engine/models/liger.py): auto = on a CUDA "
         "GPU for the model families Liger knows; on | off.",
         choices=AUTO_ON_OFF)
+    nf4_kernel: str = setting(
+        "off",
+        "Rollouts (F-GRPO, ESSA, evaluation) of an NF4 base through our Triton matmul on the 4-bit "
+        "weights (kernels/nf4_matmul.py) instead of bitsandbytes, which dequantises every weight at "
+        "every decode step: on = for every layer, no bf16 copy; auto = where it is faster "
+        "(engine/planning/effective.py); off = bitsandbytes, with the bf16 copy where it fits. "
+        "CUDA only; not yet timed on a GPU (bench/README.md).",
+        choices=AUTO_ON_OFF)
     quant_cache: bool = setting(
         True,
         "Keep the 4-bit weights of an NF4 load of a local model folder in $EDGETUNE_CACHE/quantized "

@@ -112,7 +112,8 @@ def train(ctx: RunContext) -> dict:
     eff = decide(cfg, device, arch_of(model), gpu_free=free, prompt_tokens=longest)
     record(ctx.run, cfg, eff)
     evaluator = Evaluator(model, tok, space, reward, s, cfg.data.system_prompt, eff.candidates_per_batch,
-                          memory_budget=copy_budget(cfg), warn=lambda m: ctx.emit("warning", message=m))
+                          memory_budget=copy_budget(cfg), warn=lambda m: ctx.emit("warning", message=m),
+                          nf4_kernel=eff.nf4_kernel)
     held_out = data.eval[: s.eval_prompts]  # eval_prompts 0 = no held-out evaluation
 
     es, log = make_es(space.dim, s, seed, space.values()), SearchLog()

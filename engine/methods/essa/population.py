@@ -28,9 +28,10 @@ class Evaluator:
 
     def __init__(self, model, tokenizer, space: SVDSpace, reward, s: ESSASettings, system_prompt: str = "",
                  candidates_per_batch: int = 0, fast: bool | None = None, memory_budget: int | None = None,
-                 warn=None):
+                 warn=None, nf4_kernel: str = "off"):
         self.model, self.tok, self.space, self.reward, self.s = model, tokenizer, space, reward, s
         self.memory_budget = memory_budget  # rollouts.generate's (effective.copy_budget)
+        self.nf4_kernel = nf4_kernel  # rollouts.generate's (Effective.nf4_kernel)
         self.system_prompt = system_prompt
         self.k = candidates_per_batch
         self.warn = warn  # warn(message): a line for the run's events (a smaller batch after an OOM)
@@ -40,7 +41,7 @@ class Evaluator:
         s = self.s
         return generate(self.model, self.tok, prompts, max_new_tokens=s.max_new_tokens, greedy=s.greedy,
                         temperature=s.temperature, seed=seed, system_prompt=self.system_prompt, fast=fast,
-                        memory_budget=self.memory_budget)
+                        memory_budget=self.memory_budget, nf4_kernel=self.nf4_kernel)
 
     def _fitness(self, rows, seed, fast, k: int = 1, kind: str | None = None) -> list[float]:
         """Fitness (`essa.fitness`, or `kind`) of the k candidates whose rows are the k

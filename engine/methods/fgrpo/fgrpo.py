@@ -137,7 +137,7 @@ def train(ctx: RunContext) -> dict:
             tick = phases.counter(ctx.emit, phase, len(held_out) * eval_passes(grading), unit, ctx.should_stop)
         with sebp.lifted():  # generation: the model's own forwards (fast_decode)
             m = evaluate(model, tok, held_out, reward, grading, sys_prompt, cfg.run.seed, tick=tick,
-                         memory_budget=copy_budget(cfg), samples=samples)
+                         memory_budget=copy_budget(cfg), samples=samples, nf4_kernel=eff.nf4_kernel)
         if m is None:  # stopped during the evaluation
             return
         shown = m.pop("samples", None)
@@ -171,7 +171,8 @@ def train(ctx: RunContext) -> dict:
             rows = [rows[i] for i in dist.shard(len(rows))]  # this rank's prompts (all of them on one)
             with sebp.lifted():  # generation: the model's own forwards (fast_decode)
                 traj = generate_trajectory(model, tok, rows, reward, s, sys_prompt, copy_budget(cfg),
-                                           seed=cfg.run.seed * _TRAIN_STREAM + step + dist.rank() * _RANK_STREAM)
+                                           seed=cfg.run.seed * _TRAIN_STREAM + step + dist.rank() * _RANK_STREAM,
+                                           nf4_kernel=eff.nf4_kernel)
             bad = [e for e in traj.errors if e]
             if bad and warned < 3:
                 warned += 1
@@ -235,7 +236,7 @@ class Trajectory:
 
 
 def generate_trajectory(model, tok, rows: list[dict], reward: Reward, s: FGRPOSettings, system_prompt: str,
-                        memory_budget: int | None, seed: int) -> Trajectory:
+                        memory_budget: int | None, seed: int, nf4_kernel: str = "off") -> Trajectory:
     """G completions of each of this rank's prompts, their rewards and success, and the
     focal group-relative advantages of this rank's rows. Every rank gets the whole step's
     scores (a few numbers per completion): the advantages are computed over all of them,
@@ -243,7 +244,7 @@ def generate_trajectory(model, tok, rows: list[dict], reward: Reward, s: FGRPOSe
     G, t = s.num_generations, time.time()
     roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G, max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature, top_p=s.top_p, seed=seed, system_prompt=system_prompt,
-                    memory_budget=memory_budget)
+                    memory_budget=memory_budget, nf4_kernel=nf4_kernel)
     gen_s = time.time() - t
     sc = reward.score(roll.texts, [rows[i] for i in roll.prompt_index], roll.truncated, threshold=s.success_threshold)
     parts = dist.all_gather_object((sc.rewards, sc.success, roll.truncated, sc.errors))
