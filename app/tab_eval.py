@@ -203,7 +203,8 @@ class EvalTab:
             tasks = task_list(values[self.held_out], (values[self.files] or "").splitlines(),
                               (values[self.harness] or "").split(","))
             job = p.adopt(eval_jobs.start(cfg, values[self.base], [(n, str(p.runs_dir / n)) for n in names], tasks,
-                                          p.runs_dir))  # reaped when it ends, as the runs' workers are
+                                          p.runs_dir, run=p.runs_dir / names[0] if names else None))
+            # (reaped when it ends, as the runs' workers are)
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error")}
         return {self.msg: message(f"Started evaluation **{job.name}**.", "ok"), self.shown: str(job.path),

@@ -286,7 +286,7 @@ def cmd_queue(a) -> int:
         print(f"queue of {Path(runs).resolve()}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}; "
               + (f"run by pid {pid}" if pid else "no process runs it now (edgetune queue run, or the app)"))
         for i, j in enumerate(jobs):
-            print(_job_line(j, i + 1))
+            print(_job_line(j, i + 1) + (f"\n     {queue.waiting_line(runs, j)}" if not queue.queued_here(j) else ""))
         if ended and a.all:
             print("ended:")
             for j in ended:
@@ -297,6 +297,9 @@ def cmd_queue(a) -> int:
         return 0
     if a.job is None:
         raise EdgetuneError(f"edgetune queue {a.action}: give the job's number (edgetune queue list shows them)")
+    if a.action == "confirm":
+        print(f"job {queue.confirm(runs, a.job)['id']} may run; it trains with the settings in its file, as they are now")
+        return 0
     if a.action == "cancel":
         job = queue.cancel(runs, a.job)
         print(f"job {job['id']} ({job['folder']}) taken out of the queue")
@@ -637,11 +640,12 @@ def cmd_eval(a) -> int:
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
-    from edgetune.engine.run import evaluation
+    from edgetune.engine.run import evaluation, harness
 
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)
     tasks = list(dict.fromkeys(a.task or [evaluation.HELD_OUT]))
+    harness.confirm_code(tasks, a.allow_code or (), how="add")  # a task file that runs Python: the user's word
     evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
     systems = [(name, _run_arg(path, a.runs_dir) if path else "")
                for name, path in evaluation.system_names(a.adapter or [], a.base)]
@@ -728,9 +732,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Jobs queued with `edgetune train --queue` (or the app's Add to queue) run one "
                                    "after another, in order: in the app while it runs, or under `edgetune queue run`. "
                                    "The queue lives in the runs folder and survives restarts.")
-    q.add_argument("action", nargs="?", default="list", choices=["list", "run", "cancel", "up", "down", "move"],
+    q.add_argument("action", nargs="?", default="list", choices=["list", "run", "cancel", "up", "down", "move",
+                                                                  "confirm"],
                    help="list (the default); run: run the jobs one after another until the queue is empty; cancel, "
-                        "up, down, move (with --to N) a job that has not started")
+                        "up, down, move (with --to N) a job that has not started; confirm: let a job run that this "
+                        "user did not queue here (a copied runs folder's)")
     q.add_argument("job", nargs="?", help="the job's number, as list shows it")
     q.add_argument("--to", metavar="N", help="move: the job's new place (1 = next to run)")
     q.add_argument("--runs-dir", default="runs")
@@ -823,6 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "on the loaded model (a shipped task, lm:path/to/task.yaml or lm:path/to/folder of YAMLs; "
                          "pip install 'edgetune[harness]')")
     ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
+    ev.add_argument("--allow-code", action="append", metavar="TASK_OR_FILE",
+                    help="a harness task of one's own (lm:PATH: give PATH) or the Python file whose `!function` it "
+                         "imports: run that Python (a task YAML that runs Python is refused without it)")
     ev.add_argument("--json", action="store_true",
                     help="scores, intervals, per-prompt outcomes and comparisons as JSON, no progress bar")
     ev.set_defaults(fn=cmd_eval)

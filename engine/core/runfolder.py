@@ -422,3 +422,28 @@ def pid_alive(pid: int | None) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat), or None when
+    there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def our_process(pid: int | None, marks: tuple[str, ...], start: int | None = None) -> bool:
+    """Whether `pid`, as a file we wrote names it, is still the process we started: it lives,
+    its command line holds each of `marks`, and (`start` given) it started when we recorded.
+    A pid read from a file may be planted, or reused by another process since: a signal is
+    sent only to a process for which this holds."""
+    if not pid or not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return False
+    return all(m in cmd for m in marks) and (start is None or process_start(pid) == start)

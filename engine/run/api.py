@@ -38,6 +38,7 @@ from edgetune.engine.core.runfolder import (
     exit_words,
     lock_runs_folder,
     open_append,
+    our_process,
     pid_alive,
 )
 from edgetune.engine.core.settings import (  # noqa: F401
@@ -53,6 +54,7 @@ from edgetune.engine.core.settings import (  # noqa: F401
 from edgetune.engine.core.threads import worker_env
 
 from edgetune.engine.run.eval_jobs import active_eval
+from edgetune.engine.run.user_code import code_it_runs, confirm_code  # noqa: F401 (code_it_runs: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -124,7 +126,9 @@ class Run:
     def kill(self) -> None:
         """Immediate. The worker cannot write, so the run is marked failed here."""
         pid = self.process.pid if self.process is not None else self.dir.read_pid()
-        if pid and self.alive():
+        # (a pid read from worker.pid is signalled only when it is an edgetune process: the
+        # file may be planted in a copied run folder, or its pid reused since)
+        if pid and self.alive() and (self.process is not None or our_process(pid, ("edgetune",))):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -420,43 +424,6 @@ def create(cfg: Config, name: str | None = None, job: str | None = None) -> tupl
     except BaseException:
         os.close(fd)
         raise
-
-
-def code_it_runs(cfg: Config) -> list[tuple[str, str]]:
-    """(setting, file or model) for each setting of `cfg` that makes its worker run Python
-    that is not edgetune's: the method's reward_file (imported, then called on every
-    completion) and model.trust_remote_code (the modelling code the model ships)."""
-    out = []
-    group = getattr(cfg, cfg.method, None)
-    if RECORDS[cfg.method].rewards and group.reward_file:
-        out.append((f"{cfg.method}.reward_file", group.reward_file))
-    if cfg.model.trust_remote_code:
-        out.append(("model.trust_remote_code", cfg.model.name))
-    return out
-
-
-def _names_the_same(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
-def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] = ()) -> None:
-    """A run folder may come from anywhere, and resuming it must not run Python it names
-    unless the user named that same file (or model) too: refuse in one line otherwise."""
-    import shlex
-
-    for setting, what in code_it_runs(cfg):
-        if any(_names_the_same(what, allowed) for allowed in allow_code):
-            continue
-        code = f"the Python file {what}" if setting.endswith("reward_file") else \
-            f"the Python code that model {what} ships"
-        raise RunError(f"{run.dir.config_path}: {setting} runs {code} when this run resumes; if you trust it, "
-                       f"resume on the command line with: edgetune resume {shlex.quote(str(run.path))} "
-                       f"--allow-code {shlex.quote(what)}")
 
 
 def more_steps(run: Run, cfg: Config, n: int) -> None:
