@@ -189,6 +189,41 @@ def test_a_data_file_or_base_replaced_since_the_run_trained_is_refused_in_one_li
     assert api.export(path, tmp_path / "adapter-only") == tmp_path / "adapter-only"  # reads no base
 
 
+def test_a_data_link_retargeted_since_the_run_trained_is_refused_and_a_lost_inputs_json_is_named(tiny_model_dir,
+                                                                                                 tmp_path):
+    from edgetune.engine.run import worker
+
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n" for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("".join(rows))
+    (tmp_path / "b.jsonl").write_text("".join(reversed(rows)))
+    link = tmp_path / "data.jsonl"
+    link.symlink_to(tmp_path / "a.jsonl")
+    cfg = _cfg(tiny_model_dir, tmp_path, data={"path": str(link)}, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        link.unlink()
+        link.symlink_to(tmp_path / "b.jsonl")  # other rows under the same name
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == (f"{link}: leads to {tmp_path / 'b.jsonl'} now, not to {tmp_path / 'a.jsonl'} as when "
+                                "run 'r' trained on it (data.path); point it back, or start a new run on the new file")
+        assert api.load_run_config(path / "config.yaml").sft.steps == 2 and api.Run(path).status() == "finished"
+        link.unlink()
+        link.symlink_to(tmp_path / "a.jsonl")
+        (path / "inputs.json").write_text('{"cut')  # damaged: the check cannot be made, and says so
+        api.more_steps(api.Run(path), api.load_run_config(path / "config.yaml"), 1)
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    warned = [e["message"] for e in read_events(path / "events.jsonl") if e["type"] == "warning"]
+    assert any(w.startswith(f"{path / 'inputs.json'}: damaged (") and "cannot be checked" in w for w in warned)
+    assert str(link) in json.loads((path / "inputs.json").read_text())  # recorded anew, under the link's name
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is

@@ -806,7 +806,8 @@ def resume_changes(cfg: Config, trained: dict, config_path: str | os.PathLike = 
         old, new = _setting(then, key), _setting(cfg, key)
         if old == new:
             continue
-        if key not in APPLIED_ON_RESUME:
+        more = key == f"{cfg.method}.{RECORDS[cfg.method].length}" and not RECORDS[cfg.method].more_steps
+        if key not in APPLIED_ON_RESUME and not more:  # (more: its step count, which --more-steps raises)
             raise ConfigError(f"{config_path}: {key} is {_brief(new)} but the run trained with {_brief(old)}, which "
                               f"its checkpoint keeps (a resume would ignore the new value); set it back to "
                               f"{_brief(old)} to resume, or start a new run with the new value")

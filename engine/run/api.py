@@ -452,6 +452,11 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
         raise ConfigError(f"--more-steps {n}: {key} would be {before + n}; {key} {steps.describe()}")
     schedule = schedule_steps(events) or before
     group.steps = before + n
+    try:  # the worker's own check of what changed since the run started, before anything is written
+        resume_changes(cfg, started_config(events), run.dir.config_path)
+    except ConfigError:
+        group.steps = before
+        raise
     atomic_write_text(run.dir.config_path, cfg.to_yaml())
     w = EventWriter(run.dir.events_path)
     w.emit("more_steps", setting=f"{cfg.method}.steps", **{"from": before, "to": group.steps}, schedule=schedule)

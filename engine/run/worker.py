@@ -39,6 +39,7 @@ from edgetune.engine.core.runfolder import (
     clean_temporaries,
     disk_full,
     exit_words,
+    inputs_unchecked,
     record_inputs,
 )
 from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config, resume_changes
@@ -239,7 +240,10 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
-            if not (run.path / INPUTS_FILE).is_file():  # what it trains on, checked at each resume and export
+            unchecked = inputs_unchecked(run) if resume else None
+            if unchecked:
+                emit("warning", message=unchecked)
+            if unchecked or not (run.path / INPUTS_FILE).is_file():  # checked at each resume and export
                 record_inputs(run, cfg)
         # A run given more steps keeps its learning-rate schedule's length (engine/run/api.more_steps).
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
