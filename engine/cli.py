@@ -930,6 +930,11 @@ def main(argv=None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+    except OSError as e:  # a full disk, a read-only folder: the user's condition, in one line
+        from edgetune.engine.core.errors import os_error_line
+
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     finally:
         if ours:
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -63,7 +63,7 @@ def test_the_queue_file_reads_back_and_is_never_half_written(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError):
+    with pytest.raises(RunError, match="^nothing was queued: no space left on the device$"):
         _fake_job(runs, "c")
     monkeypatch.undo()
     assert (runs / queue.QUEUE_FILE).read_text() == before

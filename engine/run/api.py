@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
-from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.errors import ConfigError, RunError, os_errors_as_run_errors
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.methods import METHODS as RECORDS
@@ -87,7 +87,10 @@ class Run:
     def status(self, events: list[dict] | None = None) -> str:
         """starting | running | finished | stopped | failed | crashed (`events`: the run's,
         when the caller has read them already)."""
-        return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
+        try:
+            return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
+        except OSError:  # events.jsonl unreadable (a folder, no permission): the run is damaged, no other is
+            return "damaged"
 
     def _status(self, ending: dict) -> str:
         """The status from what the events say of the run's end (`_ending`), and whether its
@@ -513,7 +516,10 @@ TRASH = ".trash"  # <runs_dir>/.trash: runs deleted from the app or `trash_run`,
 
 
 def _idle_run(path: str | os.PathLike, doing: str) -> Run:
-    r = Run(path)
+    if Path(path).name in ("", ".", ".."):  # the folder would be taken from under its own name
+        raise RunError(f"{path}: name the run to {doing} by its name or path (edgetune runs lists them), not "
+                       "'.' or '..'")
+    r = Run(os.path.abspath(path))
     r.dir.require()
     status = r.status()
     if status in ACTIVE:
@@ -521,12 +527,24 @@ def _idle_run(path: str | os.PathLike, doing: str) -> Run:
     return r
 
 
+def _trash(runs_dir: Path, make: bool = False) -> Path:
+    """<runs_dir>/.trash, refused in one line when it is not a folder of the runs folder's
+    own (a file, or a link: a run moved through it would leave the runs folder)."""
+    trash = Path(runs_dir) / TRASH
+    if trash.is_symlink() or (trash.exists() and not trash.is_dir()):
+        raise RunError(f"{trash}: not a folder of the runs folder ({'a link' if trash.is_symlink() else 'a file'}); "
+                       "move it aside, and deleted runs go to a new trash")
+    if make:
+        trash.mkdir(exist_ok=True)
+    return trash
+
+
+@os_errors_as_run_errors
 def trash_run(path: str | os.PathLike) -> Path:
     """Move a run folder (not a training one) into <runs_dir>/.trash/, whole and under its
     own name (a suffix if the trash holds one of that name); `restore_run` brings it back."""
     r = _idle_run(path, "delete")
-    trash = r.path.parent / TRASH
-    trash.mkdir(exist_ok=True)
+    trash = _trash(r.path.parent, make=True)
     dest = trash / _unique_name(trash, r.name)
     os.rename(r.path, dest)
     return dest
@@ -534,16 +552,17 @@ def trash_run(path: str | os.PathLike) -> Path:
 
 def trashed_runs(runs_dir: str | os.PathLike = "runs") -> list[str]:
     """The names of the runs in <runs_dir>/.trash/, newest deletion first."""
-    trash = Path(runs_dir) / TRASH
+    trash = _trash(Path(runs_dir))
     if not trash.is_dir():
         return []
     found = [p for p in trash.iterdir() if (p / "config.yaml").is_file()]
     return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
+@os_errors_as_run_errors
 def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
     """A run of <runs_dir>/.trash/ back among the runs (a suffix if its name was taken since)."""
-    src = Path(runs_dir) / TRASH / check_run_name(name)
+    src = _trash(Path(runs_dir)) / check_run_name(name)
     if not (src / "config.yaml").is_file():
         raise RunError(f"no run '{name}' in {Path(runs_dir) / TRASH}")
     dest = Path(runs_dir) / _unique_name(Path(runs_dir), name)
@@ -551,22 +570,28 @@ def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
     return dest
 
 
+@os_errors_as_run_errors
 def rename_run(path: str | os.PathLike, new_name: str) -> Path:
     """Give a run folder (not a training one) a new name in the same runs folder; its
-    config.yaml's run.name follows."""
+    config.yaml's run.name follows. Both change or neither: the config is written first (a
+    full disk refuses it before the folder moves), and put back if the folder cannot move."""
     r = _idle_run(path, "rename")
     new_name = check_run_name(new_name)
     dest = r.path.parent / new_name
     if dest.exists():
         raise RunError(f"{dest} exists already: pick another name")
     text = r.dir.config_path.read_text()
-    os.rename(r.path, dest)
     try:
-        cfg = load_run_config(dest / "config.yaml")
+        cfg = load_run_config(r.dir.config_path)
         cfg.run.name = new_name
-        atomic_write_text(dest / "config.yaml", cfg.to_yaml())
+        atomic_write_text(r.dir.config_path, cfg.to_yaml())
     except ConfigError:  # a damaged config.yaml keeps its text; the folder is renamed all the same
-        atomic_write_text(dest / "config.yaml", text)
+        pass
+    try:
+        os.rename(r.path, dest)
+    except OSError:
+        atomic_write_text(r.dir.config_path, text)
+        raise
     return dest
 
 

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgetune.engine.core import consent
-from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError
+from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError, os_error_line
 from edgetune.engine.core.runfolder import RunDir, atomic_write_text, check_run_name, lock_runs_folder, try_lock
 
 from edgetune.engine.run import api
@@ -237,15 +237,21 @@ def editing(runs_dir: str | os.PathLike):
     """The queue's contents to change in place; written whole when the block ends without
     an error, all under QUEUE_LOCK."""
     d = Path(runs_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / QUEUE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / QUEUE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"the queue of {d} cannot be changed: {os_error_line(e)}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         data = read(d)
         before = json.dumps(data)
         yield data
         if json.dumps(data) != before:
-            atomic_write_text(queue_path(d), json.dumps(data, indent=1))
+            try:
+                atomic_write_text(queue_path(d), json.dumps(data, indent=1))
+            except OSError as e:  # the file as it was: written whole or not at all
+                raise RunError(f"the queue of {d} is unchanged: {os_error_line(e)}") from None
     finally:
         os.close(fd)
 
@@ -305,7 +311,10 @@ def add_run(cfg, gpus: int = 1, cwd: str | os.PathLike | None = None) -> dict:
     api.check_run_name(name)
     token = uuid.uuid4().hex
     spool = spool_path(runs_dir, token)
-    atomic_write_text(spool, cfg.to_yaml())
+    try:
+        atomic_write_text(spool, cfg.to_yaml())
+    except OSError as e:
+        raise RunError(f"nothing was queued: {os_error_line(e)}") from None
     try:
         command = ["train", "--config", str(spool)] + (["--gpus", str(gpus)] if gpus > 1 else [])
         return add(runs_dir, "train", command, name, cwd or os.getcwd(), token=token, settings=str(spool),
