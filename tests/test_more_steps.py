@@ -9,6 +9,7 @@ from inline_run import run_inline, sft_config
 
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import EventWriter, read_events
+from edgetune.engine.core.runfolder import RunDir, record_inputs
 from edgetune.engine.core.settings import load_run_config
 
 from edgetune.engine.run import api
@@ -69,6 +70,7 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
     first = _sft(cfg, path)
     assert first[-1]["type"] == "finished" and (path / "checkpoints" / "step-3").is_dir()  # the final checkpoint
     (path / "config.yaml").write_text(cfg.to_yaml())
+    record_inputs(RunDir(path), cfg)  # as the worker leaves a run
     run = api.Run(path)
 
     with pytest.raises(RunError, match=r"^run 'r' already finished; edgetune resume .* --more-steps N"):
