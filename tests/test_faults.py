@@ -420,6 +420,55 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
     r.parts[0][0].score.worker.close()
 
 
+def test_what_a_user_reward_starts_in_a_session_of_its_own_ends_with_the_step(tmp_path):
+    """A process started in a new session, and one whose parent exits at once (a daemon's
+    double fork), are not in the reward process's group: they end with the step all the same."""
+    from edgetune.engine.core.runfolder import pid_alive
+
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import subprocess\n"
+                               "    away = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{away.pid}}\\n')\n"
+                               f"    subprocess.run(['sh', '-c', 'setsid sleep 300 >/dev/null 2>&1 & echo $! >> {pids}'])\n"
+                               "    return 1.0\n")
+    s = r.score(["a", "b"], [{"answer": "1"}] * 2)
+    assert s.rewards == [1.0, 1.0]
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 4
+    t0 = time.time()
+    while any(pid_alive(p) for p in started) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not [p for p in started if pid_alive(p)]
+    r.parts[0][0].score.worker.close()
+
+
+def test_a_user_reward_whose_process_exits_while_a_fork_holds_its_pipe_is_reported_at_once(tmp_path, monkeypatch):
+    from edgetune.engine.core.runfolder import pid_alive
+
+    from edgetune.engine.training import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 30.0)
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import os\n"
+                               "    if completion == 'exit':\n"
+                               "        child = os.fork()\n"
+                               "        if child == 0:\n"
+                               "            time.sleep(300)\n"
+                               "            os._exit(0)\n"
+                               f"        open({str(pids)!r}, 'a').write(f'{{child}}\\n')\n"
+                               "        os._exit(3)\n"
+                               "    return 1.0\n")
+    s = r.score(["exit", "ok"], [{"answer": "1"}] * 2)
+    assert s.rewards == [0.0, 1.0]
+    assert s.errors == ["file: RuntimeError: the reward process ended (exit status 3)", None]  # not a timeout
+    (fork,) = [int(x) for x in pids.read_text().split()]
+    r.parts[0][0].score.worker.close()
+    t0 = time.time()
+    while pid_alive(fork) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not pid_alive(fork)
+
+
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):
     from edgetune.engine.core.errors import ConfigError
 
