@@ -641,16 +641,19 @@ def cmd_eval(a) -> int:
     from transformers.utils import logging as hf_logging
 
     from edgetune.engine.run import evaluation, harness
+    from edgetune.engine.run.eval_tasks import size_line
 
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = _config(a)
     tasks = list(dict.fromkeys(a.task or [evaluation.HELD_OUT]))
     harness.confirm_code(tasks, a.allow_code or (), how="add")  # a task file that runs Python: the user's word
-    evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
+    rows = evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
     systems = [(name, _run_arg(path, a.runs_dir) if path else "")
                for name, path in evaluation.system_names(a.adapter or [], a.base)]
     if not systems:
         raise EdgetuneError("nothing to evaluate: give --adapter RUN (repeatable) and/or --base")
+    for task, task_rows in rows.items():  # how much it generates, before it starts
+        print(size_line(cfg, task, len(task_rows), len(systems)), file=sys.stderr)
     bar = tqdm(total=None, unit="item", dynamic_ncols=True, disable=a.json, desc="loading the model",
                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}")
 

@@ -127,13 +127,14 @@ def active_eval(runs_dir: str | os.PathLike) -> EvalJob | None:
 
 
 def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
-          runs_dir: str | os.PathLike, run: str | os.PathLike | None = None) -> EvalJob:
+          runs_dir: str | os.PathLike, run: str | os.PathLike | None = None, long_ok: bool = False) -> EvalJob:
     """A new job folder with its request and settings, and its worker started: the base
     (when `base`) and each (name, adapter or run folder) graded on `tasks`. `run`: the run
     folder whose settings `cfg` are; a run folder may come from anywhere, so Python its
     settings name (a reward file, a model's own code) is refused in one line, as a harness
     task that runs Python is: both run only from the command line, where the user names
-    them (`edgetune eval --allow-code`). The worker holds
+    them (`edgetune eval --allow-code`). A task file of more than LARGE_TASK_PROMPTS prompts
+    is refused, saying its size and what it generates, unless `long_ok`. The worker holds
     the runs folder's lock, as a run's worker does (engine/core/runfolder.py): one job on
     the device at a time, so no run starts and the queue waits while it grades, and none
     starts while a run trains."""
@@ -142,6 +143,8 @@ def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
     if not tasks:
         raise EdgetuneError("nothing to grade on: pick the held-out split, a task file or a harness task")
     _confirm_code(cfg, adapters, tasks, run)
+    if not long_ok:
+        _confirm_size(cfg, tasks, int(bool(base)) + len(adapters))
     fd = lock_runs_folder(runs_dir)  # the device does one thing at a time: the worker holds it to its end
     if fd is None:
         other = active_eval(runs_dir)
@@ -165,6 +168,20 @@ def _confirm_code(cfg, adapters, tasks, run) -> None:
     if run is not None:
         confirm_code(run, cfg, doing="is graded", command=f"grade it on the command line: {line}")
     harness.confirm_code(tasks, how=f"grade it on the command line: {line}")
+
+
+def _confirm_size(cfg, tasks: list[str], systems: int) -> None:
+    from edgetune.engine.run.eval_tasks import HARNESS_PREFIX, HELD_OUT, LARGE_TASK_PROMPTS, size_line
+
+    from edgetune.engine import data as data_lib
+
+    for task in tasks:
+        if task == HELD_OUT or task.startswith(HARNESS_PREFIX):
+            continue
+        prompts = len(data_lib.task_rows(task, cfg.data))
+        if prompts > LARGE_TASK_PROMPTS:
+            raise EdgetuneError(f"{size_line(cfg, task, prompts, systems)}: a long evaluation; to start it, tick "
+                                "'Start a long evaluation' and Start again")
 
 
 def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
