@@ -224,6 +224,32 @@ def test_a_data_link_retargeted_since_the_run_trained_is_refused_and_a_lost_inpu
     assert str(link) in json.loads((path / "inputs.json").read_text())  # recorded anew, under the link's name
 
 
+def test_a_run_folder_made_unwritable_mid_run_is_the_users_condition_in_one_line(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    from edgetune.engine.training import loop
+
+    from edgetune.engine.run import worker
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sft={"steps": 3}, run={"checkpoint_every": 1})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+
+    def refused(ctx, step, *a, **k):  # as the file system answers once the folder is read-only or not ours
+        raise PermissionError(13, "Permission denied", str(path / "checkpoints" / f"step-{step}"))
+
+    monkeypatch.setattr(loop, "save_checkpoint", refused)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = read_events(path / "events.jsonl")[-1]
+    assert err["type"] == "error" and err["kind"] == "input", err
+    assert err["message"] == (f"{path / 'checkpoints' / 'step-1'}: cannot write there (Permission denied); make the "
+                              f"run folder writable, then edgetune resume {path}")
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is

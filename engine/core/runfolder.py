@@ -435,6 +435,15 @@ def disk_full(e: BaseException) -> bool:
     return "No space left on device" in text or "StorageFull" in text or "os error 28" in text
 
 
+def cannot_write(e: BaseException) -> bool:
+    """A write refused by the file system (permissions, a read-only mount), also when a
+    library (torch's or safetensors' writer) wrapped it in its own error."""
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return True
+    text = str(e)
+    return "Permission denied" in text or "Read-only file system" in text
+
+
 def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False

@@ -34,6 +34,7 @@ from edgetune.engine.core.runfolder import (
     INPUTS_FILE,
     RunDir,
     atomic_write_text,
+    cannot_write,
     changed_input,
     checkpoint_mismatch,
     clean_temporaries,
@@ -308,6 +309,11 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             where = getattr(e, "filename", None) or run.path
             emit("error", message=f"no space left on {where}: free some space, then edgetune resume {run.path}",
                  kind="input")
+            return 2
+        if cannot_write(e):  # the run folder made read-only or unwritable under the run: the user's condition too
+            where = getattr(e, "filename", None) or run.path
+            emit("error", message=f"{where}: cannot write there ({getattr(e, 'strerror', None) or e}); make the run "
+                                  f"folder writable, then edgetune resume {run.path}", kind="input")
             return 2
         first = str(e).splitlines()[0] if str(e) else ""
         emit("error", message=f"internal error: {type(e).__name__}: {first} (traceback in {run.log_path})",
