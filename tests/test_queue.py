@@ -244,6 +244,10 @@ def test_a_planted_queue_job_runs_nothing_until_this_user_confirms_it(tmp_path):
         and f"it runs {reward} (fgrpo.reward_file)" in lines[0] and "edgetune queue confirm 1 --runs-dir" in lines[0]
     p = _cli("queue", "list", "--runs-dir", str(runs))
     assert p.returncode == 0 and "job 1 (planted) waits" in p.stdout
+    from edgetune.app.ui import build_app  # the app's Queue section says the same
+
+    section = build_app(str(runs)).edgetune_page.train_tab.queue
+    assert lines[0] in section.section()[section.note]
     assert _cli("queue", "confirm", "1", "--runs-dir", str(runs)).returncode == 0
     assert queue.queued_here(queue.jobs(runs)[0])  # the user's word, kept outside the runs folder
 
