@@ -246,8 +246,8 @@ def test_a_run_folder_made_unwritable_mid_run_is_the_users_condition_in_one_line
         signal.signal(signal.SIGTERM, sigterm)
     err = read_events(path / "events.jsonl")[-1]
     assert err["type"] == "error" and err["kind"] == "input", err
-    assert err["message"] == (f"{path / 'checkpoints' / 'step-1'}: cannot write there (Permission denied); make the "
-                              f"run folder writable, then edgetune resume {path}")
+    assert err["message"].startswith(f"{path / 'checkpoints' / 'step-'}") and err["message"].endswith(
+        f": cannot write there (Permission denied); make the run folder writable, then edgetune resume {path}")
 
 
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):

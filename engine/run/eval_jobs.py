@@ -178,7 +178,10 @@ def _confirm_size(cfg, tasks: list[str], systems: int) -> None:
     for task in tasks:
         if task == HELD_OUT or task.startswith(HARNESS_PREFIX):
             continue
-        prompts = len(data_lib.task_rows(task, cfg.data))
+        try:
+            prompts = len(data_lib.task_rows(task, cfg.data))
+        except EdgetuneError:
+            continue  # a bad task file: the job names its file and row, as for every task
         if prompts > LARGE_TASK_PROMPTS:
             raise EdgetuneError(f"{size_line(cfg, task, prompts, systems)}: a long evaluation; to start it, tick "
                                 "'Start a long evaluation' and Start again")
