@@ -107,6 +107,8 @@ class QueueSection:
             note = f"{len(jobs)} job{'s' if len(jobs) != 1 else ''} queued; they train one after another" + \
                 (f" (run by `edgetune queue run`, pid {driver})." if driver not in (-1, None) and not self.mine(driver)
                  else ".")
+        waiting = [queue.waiting_line(runs_dir, j) for j in jobs if not queue.queued_here(j)]
+        note += "".join(f"\n\n{line}" for line in waiting)  # (a copied queue's jobs: none starts unconfirmed)
         choices = [label(j) for j in jobs if j.get("state") == "queued"]
         return {self.note: note, self.table: frame(jobs), self.ended: ended_text(ended),
                 self.seen: repr((jobs, ended[-ENDED_SHOWN:], driver)),

@@ -20,7 +20,7 @@ from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError
 
 from edgetune.engine.run import api, eval_jobs
-from edgetune.engine.run.eval_tasks import task_list
+from edgetune.engine.run.eval_tasks import LARGE_TASK_PROMPTS, task_list
 
 from .page import message
 
@@ -157,6 +157,9 @@ class EvalTab:
             self.harness = gr.Textbox(label="Harness tasks (lm-evaluation-harness: names, task YAML files or "
                                             "folders; comma-separated)", elem_id="eval-harness", scale=2)
         with gr.Row():
+            self.long_ok = gr.Checkbox(value=False, label=f"Start a long evaluation (a task file of more than "
+                                                          f"{LARGE_TASK_PROMPTS:,} prompts: Start says its size first)",
+                                       elem_id="eval-long-ok")
             self.start_btn = gr.Button("Start the evaluation", variant="primary", elem_id="eval-start-btn")
             self.stop_btn = gr.Button("Stop", variant="stop", elem_id="eval-stop-btn")
         self.msg = gr.Markdown("", elem_id="eval-message")
@@ -203,7 +206,9 @@ class EvalTab:
             tasks = task_list(values[self.held_out], (values[self.files] or "").splitlines(),
                               (values[self.harness] or "").split(","))
             job = p.adopt(eval_jobs.start(cfg, values[self.base], [(n, str(p.runs_dir / n)) for n in names], tasks,
-                                          p.runs_dir))  # reaped when it ends, as the runs' workers are
+                                          p.runs_dir, run=p.runs_dir / names[0] if names else None,
+                                          long_ok=bool(values.get(self.long_ok))))
+            # (reaped when it ends, as the runs' workers are)
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error")}
         return {self.msg: message(f"Started evaluation **{job.name}**.", "ok"), self.shown: str(job.path),
@@ -226,7 +231,7 @@ class EvalTab:
         drawn = [self.status, self.drawn, self.table, self.plot, self.words, self.diffs, self.select]
         self.timer.tick(self.draw, shown, drawn, show_progress="hidden")
         self.refresh_btn.click(self.refresh, None, [self.runs])
-        inputs = {self.base, self.runs, self.held_out, self.files, self.harness} | p.form_inputs
+        inputs = {self.base, self.runs, self.held_out, self.files, self.harness, self.long_ok} | p.form_inputs
         self.start_btn.click(self.do_start, inputs, [self.msg, self.shown, self.drawn]) \
             .then(self.draw, shown, drawn)
         self.stop_btn.click(self.do_stop, self.shown, [self.msg])

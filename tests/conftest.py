@@ -3,6 +3,7 @@ engine tests run in seconds on a CPU; and the embedded SmolLM2 itself for tests 
 must see a real model learn."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("EDGETUNE_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# What the user said yes to (engine/core/consent.py) is kept in a folder of the tests' own,
+# never in the user's: subprocesses inherit it.
+os.environ["EDGETUNE_STATE_DIR"] = tempfile.mkdtemp(prefix="edgetune-state-")
 
 
 @pytest.fixture(scope="session")

@@ -575,3 +575,111 @@ def test_rename_delete_and_restore_a_run_from_the_command_line(tmp_path, capsys)
     assert (runs / "arith-v1" / "adapter" / "adapter_model.safetensors").is_file()
     assert cli.main(["restore", "nope", "--runs-dir", str(runs)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_delete_of_dot_or_a_trash_that_is_no_folder_of_its_own_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from edgetune.engine import cli
+
+    runs = tmp_path / "runs"
+    run = _fake_finished_run(runs, "r")
+    monkeypatch.chdir(run)
+    for args in (["delete", "."], ["delete", ".."], ["rename", ".", "other"], ["delete", "./"]):
+        assert cli.main([*args, "--runs-dir", str(runs)]) == 2, args
+        assert "not '.' or '..'" in _one_line_error(capsys)
+    assert not (run / ".trash").exists() and sorted(p.name for p in runs.iterdir()) == ["r"]
+    monkeypatch.chdir(tmp_path)
+    (runs / ".trash").write_text("a file of the user's")
+    assert cli.main(["delete", "r", "--runs-dir", str(runs)]) == 2
+    assert _one_line_error(capsys) == f"error: {runs / '.trash'}: not a folder of the runs folder (a file); move it " \
+        "aside, and deleted runs go to a new trash"
+    (runs / ".trash").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (runs / ".trash").symlink_to(elsewhere)  # through it, the run would leave the runs folder
+    assert cli.main(["delete", "r", "--runs-dir", str(runs)]) == 2
+    assert "(a link)" in _one_line_error(capsys)
+    assert (run / "config.yaml").is_file() and not any(elsewhere.iterdir())
+    assert cli.main(["restore", "--runs-dir", str(runs)]) == 2
+    assert "(a link)" in _one_line_error(capsys)
+
+
+def test_one_run_whose_events_file_is_a_folder_blocks_no_other(tmp_path, capsys):
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
+
+    from edgetune.engine import cli
+
+    runs = tmp_path / "runs"
+    bad = _fake_finished_run(runs, "bad")
+    (bad / "events.jsonl").unlink()
+    (bad / "events.jsonl").mkdir()
+    run, fd = api.create(resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}"]), "fine")  # a start
+    os.close(fd)
+    assert run.path.is_dir() and api.active_run(runs) is None
+    assert cli.main(["runs", "--runs-dir", str(runs)]) == 0
+    assert any(line.startswith("bad ") and "damaged" in line for line in capsys.readouterr().out.splitlines())
+    assert cli.main(["resume", "bad", "--runs-dir", str(runs)]) == 2
+    assert "events.jsonl" in _one_line_error(capsys)
+    assert cli.main(["export", "bad", "--out", str(tmp_path / "out"), "--runs-dir", str(runs)]) == 0  # its adapter
+
+
+@pytest.fixture
+def small_mount(tmp_path):
+    """A 256 KiB tmpfs of the test's own, to fill up or make read-only."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"needs permission to mount a tmpfs: {p.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_commands_on_a_full_disk_or_a_read_only_runs_folder_fail_in_one_line_and_change_nothing(
+        small_mount, capsys):
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import queue
+
+    from edgetune.engine import cli
+
+    runs = small_mount / "runs"
+    _fake_finished_run(runs, "r")
+    (runs / "r" / "config.yaml").write_text(resolve(preset="sft-quickstart", overrides=["run.name=r"]).to_yaml())
+    train = ["train", "--preset", "sft-quickstart", "--runs-dir", str(runs), "--queue"]
+    assert cli.main([*train, "--name", "q"]) == 0
+    capsys.readouterr()
+
+    def state():
+        return sorted(str(p.relative_to(runs)) for p in runs.rglob("*")), (runs / "r" / "config.yaml").read_text()
+
+    subprocess.run(["mount", "-o", "remount,ro", str(small_mount)], check=True)
+    before = state()
+    for args in (train, ["queue", "cancel", "1", "--runs-dir", str(runs)], ["delete", "r", "--runs-dir", str(runs)],
+                 ["rename", "r", "r2", "--runs-dir", str(runs)]):
+        assert cli.main(args) == 2, args
+        assert "read-only" in _one_line_error(capsys), args
+    assert state() == before
+    subprocess.run(["mount", "-o", "remount,rw", str(small_mount)], check=True)
+    fd = os.open(small_mount / "filler", os.O_WRONLY | os.O_CREAT)  # the disk full
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        os.close(fd)
+    before = state()
+    for args in (train, ["queue", "cancel", "1", "--runs-dir", str(runs)],
+                 ["rename", "r", "r2", "--runs-dir", str(runs)]):
+        assert cli.main(args) == 2, args
+        assert "no space left on the device" in _one_line_error(capsys), args
+    assert state() == before  # the rename: neither the folder nor its config.yaml changed
+    assert [j["folder"] for j in queue.jobs(runs)] == ["q"]

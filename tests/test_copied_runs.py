@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,6 +148,51 @@ def test_the_app_refuses_a_run_that_runs_code_and_names_the_command(tmp_path, ti
     shown = page.train_tab.do_resume(str(run))[page.train_tab.msg]
     assert "model.trust_remote_code" in shown and f"edgetune resume {run} --allow-code {tiny_model_dir}" in shown
     assert read_events(run / "events.jsonl")[-1]["type"] == "stopped"  # nothing started
+
+
+def test_the_evaluate_tab_does_not_run_a_run_folders_reward_file(tmp_path, tiny_model_dir):
+    from edgetune.app.ui import build_app
+
+    runs = tmp_path / "runs"
+    marker = tmp_path / "RAN"
+    reward = tmp_path / "reward.py"
+    reward.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef reward(prompt, completion, **kw):\n    return 0.0\n")
+    run = stopped_run(runs, "rl", tiny_model_dir, "method=fgrpo", "fgrpo.reward=file", f"fgrpo.reward_file={reward}",
+                      "data.path=embedded:arith-rl")
+    page = build_app(str(runs)).edgetune_page
+    tab = page.eval_tab
+    values = {tab.base: True, tab.runs: ["rl"], tab.held_out: True, tab.files: "", tab.harness: "",
+              **{k: None for k in page.form_inputs}}
+    shown = tab.do_start(values)[tab.msg]
+    assert f"{run / 'config.yaml'}: fgrpo.reward_file runs the Python file {reward} when this run is graded" in shown
+    assert f"edgetune eval --config {run / 'config.yaml'} --adapter {run} --task held-out" in shown
+    assert not (runs / ".evaluations").exists() and not marker.exists()
+
+
+def test_a_planted_evaluation_pid_is_not_a_running_job_and_stop_signals_nothing(tmp_path):
+    from edgetune.engine.run import eval_jobs
+
+    job = tmp_path / "runs" / ".evaluations" / "eval-planted"
+    job.mkdir(parents=True)
+    (job / "request.json").write_text(json.dumps({"base": True, "adapters": [], "tasks": ["held-out"]}))
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # any process of this user
+    try:
+        for planted in (str(other.pid), f"{other.pid} 0"):
+            (job / "pid").write_text(planted)
+            found = eval_jobs.list_evals(tmp_path / "runs")[0]
+            assert found.status() == "crashed" and eval_jobs.active_eval(tmp_path / "runs") is None
+            found.stop()
+            time.sleep(0.2)
+            assert other.poll() is None  # not signalled
+        (tmp_path / "runs" / "r").mkdir()
+        (tmp_path / "runs" / "r" / "config.yaml").write_text("method: sft\n")
+        (tmp_path / "runs" / "r" / "worker.pid").write_text(str(other.pid))
+        api.Run(tmp_path / "runs" / "r").kill()  # nor by a run's kill
+        time.sleep(0.2)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_the_apps_chat_does_not_run_a_run_folders_model_code(tmp_path, tiny_model_dir, monkeypatch):

@@ -466,3 +466,60 @@ def test_a_long_file_reports_progress(tok, tmp_path, monkeypatch):
     size = f.stat().st_size
     assert [h[0] for h in heard] == [4, 8, 10]
     assert heard[-1] == (10, size, size) and all(0 < h[1] <= size for h in heard)
+
+
+def test_a_gz_of_blank_lines_says_how_far_the_check_got(tmp_path, monkeypatch, capsys):
+    import gzip
+
+    from edgetune.engine.data import files as data_files
+
+    from edgetune.engine import cli
+
+    monkeypatch.setattr(data_files, "PROGRESS_EVERY_S", 0.0)
+    f = tmp_path / "blank.jsonl.gz"
+    with gzip.open(f, "wb") as out:
+        out.write(b"\n" * 3000)
+    assert cli.main(["data", str(f)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"checking {f}: 0 rows (") and len(err) > 100  # heard while it reads, not at the end
+    assert err[-1] == f"error: {f}: the dataset is empty (no rows)"
+
+
+@pytest.mark.parametrize("rows", [
+    lambda i: {"prompt": f"Add {i} and {i}, then say why in a sentence.", "completion": f"{2 * i} because it is."},
+    lambda i: {"prompt": f"Add {i} and {i}.", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"},
+    lambda i: {"prompt": f"Add {i} and {i}.", "answer": f"{2 * i}"},
+], ids=["sft", "pairs", "rl"])
+def test_the_data_check_reports_as_training_does_and_keeps_no_rows(tok, tmp_path, monkeypatch, rows):
+    """`edgetune data`'s check (lengths_only) reports what the training's load reports, and
+    keeps one number a row instead of the rows' tokens: its memory is a fraction of it (the
+    file read in chunks of 100 rows, as a long file is in chunks of CHUNK_ROWS)."""
+    import tracemalloc
+
+    from edgetune.engine.data import files as data_files
+    from edgetune.engine.data import rl as data_rl
+    from edgetune.engine.data import sft as data_sft
+
+    for module in (data_files, data_sft, data_rl):
+        monkeypatch.setattr(module, "CHUNK_ROWS", 100, raising=False)
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(rows(i)) + "\n" for i in range(3000)))
+    ds = DataSettings(path=str(f))
+    fmt = D.preview(str(f))[1]
+
+    def load(lengths_only):
+        tracemalloc.start()
+        if fmt == "rl":
+            data = D.load_rl(ds, 0, tok, lengths_only=lengths_only)
+        else:
+            data = (D.load_pairs if fmt == "pairs" else D.load_sft)(ds, tok, 0, lengths_only=lengths_only)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return data, peak
+
+    full, full_peak = load(False)
+    check, check_peak = load(True)
+    assert check.report == full.report
+    assert all(not isinstance(x, (dict, D.SFTExample, D.PairExample)) for x in check.train + check.eval)
+    assert check_peak < full_peak / 2, (check_peak, full_peak)

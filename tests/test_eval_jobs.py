@@ -72,3 +72,26 @@ def test_a_stopped_job_ends_without_a_result_and_a_bad_one_says_why(tiny_model_d
     assert job.wait(120) == "failed"
     assert job.error() == f"{bad}, row 2: missing 'answer' (columns: ['prompt'])"
     assert [j.status() for j in eval_jobs.list_evals(runs)] == ["failed", "stopped"]
+
+
+def test_a_large_task_file_says_its_size_before_it_starts_and_the_app_asks(tiny_model_dir, tmp_path, capsys):
+    from edgetune.engine.core.errors import EdgetuneError
+
+    from edgetune.engine import cli
+
+    runs = tmp_path / "runs"
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(1500)))
+    cfg = _cfg(tiny_model_dir, tmp_path, "fgrpo.max_new_tokens=4")
+    with pytest.raises(EdgetuneError) as e:
+        eval_jobs.start(cfg, True, [], [str(big)], runs)
+    assert str(e.value) == (f"{big}: 1,500 prompts x 1 system = 1,500 completions of up to 4 new tokens each (up to "
+                            "6,000 tokens to generate; bench/README.md has generation speeds): a long evaluation; to "
+                            "start it, tick 'Start a long evaluation' and Start again")
+    assert not (runs / ".evaluations").exists()
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    assert cli.main(["eval", "--preset", "fgrpo-quickstart", "--set", f"model.name={tiny_model_dir}", "--set",
+                     "model.quant=none", "--set", "fgrpo.eval_k=0", "--set", "fgrpo.max_new_tokens=4", "--base",
+                     "--task", str(small), "--json"]) == 0
+    assert f"{small}: 3 prompts x 1 system = 3 completions of up to 4 new tokens each" in capsys.readouterr().err

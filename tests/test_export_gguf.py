@@ -313,3 +313,14 @@ def test_a_llama_cpp_that_crashes_or_hangs_leaves_a_complete_export(embedded_run
     assert len(gguf.GGUFReader(str(out / "gguf" / LORA_FILE)).tensors) > 0  # the export is whole
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     assert not pid_alive(int(pid_file.read_text()))  # llama.cpp's process went with the check
+
+
+def test_an_adapter_folder_copied_out_of_its_run_says_so_not_that_its_base_is_no_gguf(tmp_path):
+    from edgetune.engine.models.export_gguf import Base, check_line, verify
+
+    adapter = tmp_path / "my-adapter"  # copied out of runs/<name>/adapter
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    result = verify(adapter, tmp_path / "out", Base("llama", True, 4, 2, 2, None))
+    assert check_line(result) == ("llama.cpp check not run: an adapter folder without its run (the check needs the "
+                                  "run's model)")

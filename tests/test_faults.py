@@ -189,6 +189,67 @@ def test_a_data_file_or_base_replaced_since_the_run_trained_is_refused_in_one_li
     assert api.export(path, tmp_path / "adapter-only") == tmp_path / "adapter-only"  # reads no base
 
 
+def test_a_data_link_retargeted_since_the_run_trained_is_refused_and_a_lost_inputs_json_is_named(tiny_model_dir,
+                                                                                                 tmp_path):
+    from edgetune.engine.run import worker
+
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "completion": f"{i + 1}"}) + "\n" for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("".join(rows))
+    (tmp_path / "b.jsonl").write_text("".join(reversed(rows)))
+    link = tmp_path / "data.jsonl"
+    link.symlink_to(tmp_path / "a.jsonl")
+    cfg = _cfg(tiny_model_dir, tmp_path, data={"path": str(link)}, sft={"steps": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 0
+        link.unlink()
+        link.symlink_to(tmp_path / "b.jsonl")  # other rows under the same name
+        with pytest.raises(ConfigError) as e:
+            api.resume(path, more=1)
+        assert str(e.value) == (f"{link}: leads to {tmp_path / 'b.jsonl'} now, not to {tmp_path / 'a.jsonl'} as when "
+                                "run 'r' trained on it (data.path); point it back, or start a new run on the new file")
+        assert api.load_run_config(path / "config.yaml").sft.steps == 2 and api.Run(path).status() == "finished"
+        link.unlink()
+        link.symlink_to(tmp_path / "a.jsonl")
+        (path / "inputs.json").write_text('{"cut')  # damaged: the check cannot be made, and says so
+        api.more_steps(api.Run(path), api.load_run_config(path / "config.yaml"), 1)
+        assert worker.run(str(path), resume=True, owns_pid=False) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    warned = [e["message"] for e in read_events(path / "events.jsonl") if e["type"] == "warning"]
+    assert any(w.startswith(f"{path / 'inputs.json'}: damaged (") and "cannot be checked" in w for w in warned)
+    assert str(link) in json.loads((path / "inputs.json").read_text())  # recorded anew, under the link's name
+
+
+def test_a_run_folder_made_unwritable_mid_run_is_the_users_condition_in_one_line(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    from edgetune.engine.training import loop
+
+    from edgetune.engine.run import worker
+
+    cfg = _cfg(tiny_model_dir, tmp_path, sft={"steps": 3}, run={"checkpoint_every": 1})
+    path = tmp_path / "r"
+    path.mkdir()
+    _write_config(cfg, path)
+
+    def refused(ctx, step, *a, **k):  # as the file system answers once the folder is read-only or not ours
+        raise PermissionError(13, "Permission denied", str(path / "checkpoints" / f"step-{step}"))
+
+    monkeypatch.setattr(loop, "save_checkpoint", refused)
+    sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own
+    try:
+        assert worker.run(str(path), owns_pid=False) == 2
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = read_events(path / "events.jsonl")[-1]
+    assert err["type"] == "error" and err["kind"] == "input", err
+    assert err["message"].startswith(f"{path / 'checkpoints' / 'step-'}") and err["message"].endswith(
+        f": cannot write there (Permission denied); make the run folder writable, then edgetune resume {path}")
+
+
 def test_resume_names_the_checkpoint_it_uses_and_an_edited_lora_r(tiny_model_dir, tmp_path):
     """The CLI's resume line names the checkpoint the worker continued from, not a newer
     damaged one it skipped; a config.yaml whose lora.r was edited after the checkpoint is
@@ -383,6 +444,55 @@ def test_what_a_user_reward_starts_ends_with_the_step_and_what_it_prints_is_capp
     assert err.count("x") == 4096
     assert f"[reward_file {tmp_path / 'reward.py'}: what it prints past 4,096 bytes is left out of this log]" in err
     r.parts[0][0].score.worker.close()
+
+
+def test_what_a_user_reward_starts_in_a_session_of_its_own_ends_with_the_step(tmp_path):
+    """A process started in a new session, and one whose parent exits at once (a daemon's
+    double fork), are not in the reward process's group: they end with the step all the same."""
+    from edgetune.engine.core.runfolder import pid_alive
+
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import subprocess\n"
+                               "    away = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+                               f"    open({str(pids)!r}, 'a').write(f'{{away.pid}}\\n')\n"
+                               f"    subprocess.run(['sh', '-c', 'setsid sleep 300 >/dev/null 2>&1 & echo $! >> {pids}'])\n"
+                               "    return 1.0\n")
+    s = r.score(["a", "b"], [{"answer": "1"}] * 2)
+    assert s.rewards == [1.0, 1.0]
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 4
+    t0 = time.time()
+    while any(pid_alive(p) for p in started) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not [p for p in started if pid_alive(p)]
+    r.parts[0][0].score.worker.close()
+
+
+def test_a_user_reward_whose_process_exits_while_a_fork_holds_its_pipe_is_reported_at_once(tmp_path, monkeypatch):
+    from edgetune.engine.core.runfolder import pid_alive
+
+    from edgetune.engine.training import rewards
+
+    monkeypatch.setattr(rewards, "USER_REWARD_TIMEOUT_S", 30.0)
+    pids = tmp_path / "pids"
+    r = _user_reward(tmp_path, "    import os\n"
+                               "    if completion == 'exit':\n"
+                               "        child = os.fork()\n"
+                               "        if child == 0:\n"
+                               "            time.sleep(300)\n"
+                               "            os._exit(0)\n"
+                               f"        open({str(pids)!r}, 'a').write(f'{{child}}\\n')\n"
+                               "        os._exit(3)\n"
+                               "    return 1.0\n")
+    s = r.score(["exit", "ok"], [{"answer": "1"}] * 2)
+    assert s.rewards == [0.0, 1.0]
+    assert s.errors == ["file: RuntimeError: the reward process ended (exit status 3)", None]  # not a timeout
+    (fork,) = [int(x) for x in pids.read_text().split()]
+    r.parts[0][0].score.worker.close()
+    t0 = time.time()
+    while pid_alive(fork) and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not pid_alive(fork)
 
 
 def test_user_reward_calling_sys_exit_stops_in_one_line_naming_the_file(tmp_path):

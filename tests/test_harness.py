@@ -165,3 +165,34 @@ def test_a_harness_task_whose_data_is_missing_offline_is_one_line(tmp_path, monk
     assert capsys.readouterr().err.strip() == f"error: {line}"
     with pytest.raises(ConfigError, match=r"lm:no_such_task_anywhere: no harness task no_such_task_anywhere"):
         harness.load_tasks("lm:no_such_task_anywhere")
+
+
+def test_a_harness_task_yaml_that_runs_python_through_include_is_refused_without_allow_code(tmp_path, capsys):
+    from edgetune.engine.core.errors import ConfigError
+
+    from edgetune.engine.run import harness
+
+    marker = tmp_path / "RAN"
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "utils.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                                  "def docs(dataset):\n    return dataset\n")
+    (tmp_path / "shared" / "common.yaml").write_text("process_docs: !function utils.docs\n")
+    (tmp_path / "mine").mkdir()
+    task = tmp_path / "mine" / "t.yaml"
+    task.write_text(f"include: ../shared/common.yaml\ntask: planted\ndataset_path: json\ndataset_kwargs:\n"
+                    f"  data_files:\n    test: {tmp_path / 'rows.jsonl'}\ntest_split: test\n"
+                    "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    _jsonl(tmp_path / "rows.jsonl", [{"q": "1+1=", "a": "2"}])
+    from edgetune.engine import cli
+
+    assert cli.main(["eval", "--preset", "fgrpo-quickstart", "--base", "--task", f"lm:{task}"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (f"error: {tmp_path / 'shared' / 'common.yaml'}: `!function utils.docs` runs the Python file "
+                    f"{tmp_path / 'shared' / 'utils.py'} when the harness loads task lm:{task}; if you trust it, add "
+                    f"--allow-code {task}")
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match="runs the Python file"):
+        harness.confirm_code([f"lm:{tmp_path / 'mine'}"])  # the folder, too
+    harness.confirm_code([f"lm:{task}"], [str(task)])  # named: it may run
+    harness.confirm_code([f"lm:{task}"], [str(tmp_path / "shared" / "utils.py")])
+    assert harness.code_it_runs("lm:arc_easy") == []  # a shipped task

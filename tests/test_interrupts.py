@@ -163,3 +163,32 @@ def test_ctrl_c_ends_the_app_in_one_line(tmp_path):
     assert rc == 130 and "Traceback" not in err and "Keyboard interruption" not in out
     assert err.strip().splitlines()[-1] == ("interrupted: the app stopped; runs it started go on training "
                                             "(edgetune runs lists them)")
+
+
+def test_ctrl_c_just_after_a_run_finished_kills_nothing_and_says_it_finished(tmp_path, capsys, monkeypatch):
+    """The Ctrl-C lands while the worker winds down after its `finished` event: nothing is
+    killed, nothing is written, and the command ends as the run did."""
+    from edgetune.engine.core.events import EventWriter, read_events
+
+    from edgetune.engine.run import api
+
+    from edgetune.engine import cli
+
+    path = tmp_path / "runs" / "r"
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("method: sft\n")
+    (path / "checkpoints" / "step-6").mkdir(parents=True)
+    w = EventWriter(path / "events.jsonl")
+    w.emit("started", method="sft", step=0)
+    w.emit("finished", step=6, metrics={})
+    w.close()
+    run = api.Run(path)
+
+    def ctrl_c(timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "wait", ctrl_c)
+    assert cli.watch(run, quiet=True) == 0
+    err = capsys.readouterr().err
+    assert "the run had finished already; nothing was killed" in err and "killed;" not in err
+    assert read_events(path / "events.jsonl")[-1]["type"] == "finished" and run.status() == "finished"

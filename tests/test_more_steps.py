@@ -9,6 +9,7 @@ from inline_run import run_inline, sft_config
 
 from edgetune.engine.core.errors import ConfigError, RunError
 from edgetune.engine.core.events import EventWriter, read_events
+from edgetune.engine.core.runfolder import RunDir, record_inputs
 from edgetune.engine.core.settings import load_run_config
 
 from edgetune.engine.run import api
@@ -69,6 +70,7 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
     first = _sft(cfg, path)
     assert first[-1]["type"] == "finished" and (path / "checkpoints" / "step-3").is_dir()  # the final checkpoint
     (path / "config.yaml").write_text(cfg.to_yaml())
+    record_inputs(RunDir(path), cfg)  # as the worker leaves a run
     run = api.Run(path)
 
     with pytest.raises(RunError, match=r"^run 'r' already finished; edgetune resume .* --more-steps N"):
@@ -153,3 +155,49 @@ def test_a_samples_prompt_is_its_last_turn_without_the_template(embedded_dir):
     assert last_turn(tok, prompt_ids(tok, [chat])[0]) == "Line one\nline two"
     plain = tok("Question: 2 + 2?", add_special_tokens=False)["input_ids"]  # no template: the whole text
     assert last_turn(tok, plain) == "Question: 2 + 2?"
+
+
+def _finished_run(path, method, steps):
+    """A finished run's folder as a worker leaves it: its config, the `started` event with
+    that config, the final checkpoint (empty: nothing loads it here) and `finished`."""
+    from edgetune.engine.core.settings import resolve
+
+    cfg = resolve(overrides=[f"method={method}", f"{method}.steps={steps}", f"run.runs_dir={path.parent}"])
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    (path / "checkpoints" / f"step-{steps}").mkdir(parents=True)
+    w = EventWriter(path / "events.jsonl")
+    w.emit("started", method=method, config=cfg.to_dict())
+    w.emit("finished", step=steps, metrics={})
+    w.close()
+    return cfg
+
+
+@pytest.mark.parametrize("method", [name for name, m in api.METHODS.items() if not m.more_steps])
+def test_more_steps_trains_further_for_every_method_that_can(tmp_path, monkeypatch, method):
+    """The worker's check of settings edited since the run started (resume_changes) takes the
+    step count --more-steps raised, for every method whose record lets it train further."""
+    from edgetune.engine.core.events import started_config
+    from edgetune.engine.core.settings import resume_changes
+
+    path = tmp_path / "runs" / "r"
+    _finished_run(path, method, 6)
+    started = []
+    monkeypatch.setattr(api, "_spawn", lambda run, **kw: started.append(kw) or None)
+    api.resume(path, more=2)
+    assert started and getattr(load_run_config(path / "config.yaml"), method).steps == 8
+    cfg = load_run_config(path / "config.yaml")  # what the worker reads, and checks as it does
+    assert resume_changes(cfg, started_config(read_events(path / "events.jsonl")), path / "config.yaml") == \
+        [(f"{method}.steps", 6, 8)]
+
+
+def test_a_refused_more_steps_changes_neither_the_config_nor_the_status(tmp_path, monkeypatch):
+    path = tmp_path / "runs" / "r"
+    _finished_run(path, "dpo", 6)
+    before = (path / "config.yaml").read_text()
+    monkeypatch.setattr("edgetune.engine.core.settings.RECORDS", {
+        **api.METHODS, "dpo": __import__("dataclasses").replace(api.METHODS["dpo"], length="generations")})
+    with pytest.raises(ConfigError, match="dpo.steps is 8 but the run trained with 6"):
+        api.resume(path, more=2)  # (a record whose step count the worker would not take)
+    assert (path / "config.yaml").read_text() == before and api.Run(path).status() == "finished"
+    assert read_events(path / "events.jsonl")[-1]["type"] == "finished"

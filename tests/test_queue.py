@@ -45,7 +45,9 @@ def _wait_for(cond, timeout, what):
 
 
 def _fake_job(runs, folder):
-    return queue.add(runs, "train", ["train", "--config", "x.yaml"], folder, runs)
+    """A queued run that is never started (the embedded model and data: nothing is loaded)."""
+    return queue.add_run(api.resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}",
+                                                                         f"run.name={folder}"]))
 
 
 def test_the_queue_file_reads_back_and_is_never_half_written(tmp_path, monkeypatch):
@@ -61,7 +63,7 @@ def test_the_queue_file_reads_back_and_is_never_half_written(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError):
+    with pytest.raises(RunError, match="^nothing was queued: no space left on the device$"):
         _fake_job(runs, "c")
     monkeypatch.undo()
     assert (runs / queue.QUEUE_FILE).read_text() == before
@@ -207,3 +209,127 @@ def test_a_revived_job_whose_worker_never_spoke_is_recorded_not_started_again(tm
     queue.Driver(runs).run()
     assert [(h["folder"], h["status"]) for h in queue.history(runs)] == [("mute", "failed")]
     assert not (runs / "mute" / "events.jsonl").exists() and not (runs / "mute" / "worker.log").exists()
+
+
+# --------------------------------------------------------------------------- a queue from elsewhere
+
+
+def _plant(runs, tmp_path, *overrides, **job):
+    """A queue file and settings as another user's (or a copied) runs folder holds them: in
+    the form `add_run` writes, but recorded by no user of this machine."""
+    import uuid
+
+    token = uuid.uuid4().hex
+    spool = runs / queue.SPOOL / f"{token}.yaml"
+    spool.parent.mkdir(parents=True, exist_ok=True)
+    spool.write_text(api.resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}", *overrides]).to_yaml())
+    entry = {"id": 1, "token": token, "kind": "train", "folder": "planted", "cwd": str(tmp_path),
+             "command": ["train", "--config", str(spool.resolve())], "settings": str(spool.resolve()),
+             "state": "queued", **job}
+    (runs / queue.QUEUE_FILE).write_text(json.dumps({"format": 1, "next_id": 2, "jobs": [entry], "history": []}))
+    return entry
+
+
+def test_a_planted_queue_job_runs_nothing_until_this_user_confirms_it(tmp_path):
+    runs = tmp_path / "runs"
+    marker = tmp_path / "RAN"
+    reward = tmp_path / "reward.py"
+    reward.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef reward(prompt, completion, **kw):\n    return 0.0\n")
+    _plant(runs, tmp_path, "method=fgrpo", "fgrpo.reward=file", f"fgrpo.reward_file={reward}",
+           "data.path=embedded:arith-rl")
+    lines = []
+    queue.Driver(runs, say=lines.append).run()  # returns: nothing it may run
+    assert not marker.exists() and not (runs / "planted").exists()
+    assert len(lines) == 1 and lines[0].startswith("job 1 (planted) waits: it was not queued by this user") \
+        and f"it runs {reward} (fgrpo.reward_file)" in lines[0] and "edgetune queue confirm 1 --runs-dir" in lines[0]
+    p = _cli("queue", "list", "--runs-dir", str(runs))
+    assert p.returncode == 0 and "job 1 (planted) waits" in p.stdout
+    from edgetune.app.ui import build_app  # the app's Queue section says the same
+
+    section = build_app(str(runs)).edgetune_page.train_tab.queue
+    assert lines[0] in section.section()[section.note]
+    assert _cli("queue", "confirm", "1", "--runs-dir", str(runs)).returncode == 0
+    assert queue.queued_here(queue.jobs(runs)[0])  # the user's word, kept outside the runs folder
+
+
+def test_a_queued_job_whose_settings_changed_since_waits(tmp_path):
+    runs = tmp_path / "runs"
+    job = _fake_job(runs, "mine")
+    assert queue.queued_here(job)
+    spool = queue.jobs(runs)[0]["settings"]
+    with open(spool, "a") as f:
+        f.write("\n# edited by someone else\n")
+    lines = []
+    assert queue.Driver(runs, say=lines.append).step() == "empty"
+    assert "job 1 (mine) waits" in lines[0] and not (runs / "mine").exists()
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("folder", "../escaped-run", "folder '../escaped-run' is not a plain run name"),
+    ("folder", None, "folder None is not a plain run name"),
+    ("command", ["export", "x", "--out", "/tmp/y"], "is not one edgetune train --queue makes"),
+    ("cwd", 3, "its working folder 3 is not an absolute path"),
+    ("id", "1", "its number is not a whole number"),
+])
+def test_a_queue_job_of_a_form_add_never_makes_is_refused_in_one_line(tmp_path, field, value, said):
+    runs = tmp_path / "runs"
+    _plant(runs, tmp_path, **{field: value})
+    for args in (("queue", "list"), ("queue", "run"), ("queue", "cancel", "1")):
+        p = _cli(*args, "--runs-dir", str(runs))
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and said in p.stderr, (args, p.stderr)
+    assert not (tmp_path / "escaped-run").exists() and not (runs / "planted").exists()
+
+
+def _started_job(runs, tiny_model_dir, name):
+    """A queued run whose folder appeared and whose worker (this test's process) trains."""
+    from edgetune.engine.core.events import EventWriter
+
+    job = _queue_run(tiny_model_dir, runs, name)
+    cfg = api.load_run_config(job["settings"])
+    run, fd = api.create(cfg, job["folder"], job=job["token"])
+    os.close(fd)
+    w = EventWriter(run.events_path)
+    w.emit("started", step=0)
+    w.close()
+    run.pid_path.write_text(str(os.getpid()))
+    with queue.editing(runs) as data:
+        data["jobs"][0]["state"] = "started"
+    assert queue.Driver(runs).step() == "wait"  # the driver saw it train
+    return run
+
+
+def _finish(run):
+    from edgetune.engine.core.events import EventWriter
+
+    run.pid_path.unlink()
+    w = EventWriter(run.events_path)
+    w.emit("finished", step=2, metrics={})
+    w.close()
+
+
+def test_a_queued_run_renamed_after_it_started_is_recorded_under_its_new_name_not_run_again(tmp_path,
+                                                                                              tiny_model_dir):
+    runs = tmp_path / "runs"
+    run = _started_job(runs, tiny_model_dir, "first")
+    _finish(run)
+    api.rename_run(run.path, "renamed")
+    queue.Driver(runs).run()
+    assert [(h["folder"], h["status"]) for h in queue.history(runs)] == [("renamed", "finished")]
+    assert [r.name for r in api.list_runs(runs)] == ["renamed"]  # no second run under the old name
+
+
+def test_a_queued_run_deleted_after_it_started_is_never_started_again(tmp_path, tiny_model_dir):
+    import shutil
+
+    runs = tmp_path / "runs"
+    run = _started_job(runs, tiny_model_dir, "gone")
+    shutil.rmtree(run.path)
+    queue.Driver(runs).run()
+    assert [(h["folder"], h["status"]) for h in queue.history(runs)] == [("gone", "deleted")]
+    assert api.list_runs(runs) == []
+    run = _started_job(runs, tiny_model_dir, "trashed")
+    _finish(run)
+    api.trash_run(run.path)
+    queue.Driver(runs).run()
+    assert queue.history(runs)[-1]["status"] == "finished" and ".trash" in queue.history(runs)[-1]["message"]
+    assert api.list_runs(runs) == []

@@ -22,7 +22,7 @@ import signal
 import sys
 
 from edgetune.engine.core import settings as S
-from edgetune.engine.core.errors import EdgetuneError
+from edgetune.engine.core.errors import EdgetuneError, os_error_line
 
 from edgetune.engine.cli import data, estimate, evaluate, export, presets, queue, runs, train, ui
 from edgetune.engine.cli.common import config_from as _config  # a command's settings, as the app's tests read them
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
         # stdout goes to /dev/null so that flushing it at exit raises nothing either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+    except OSError as e:  # a full disk, a read-only folder: the user's condition, in one line
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     finally:
         if ours:
             signal.signal(signal.SIGINT, signal.default_int_handler)

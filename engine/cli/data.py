@@ -13,7 +13,6 @@ from edgetune.engine import data as data_lib
 
 def cmd_data(a) -> int:
     ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
-    fmt = data_lib.preview(a.path, a.format, 1)[1]
     tty, shown = sys.stderr.isatty(), []
 
     def progress(rows: int, read: int, total: int) -> None:  # a long file: how far the check got
@@ -22,12 +21,13 @@ def cmd_data(a) -> int:
         print(f"{chr(13) if tty else ''}checking {a.path}: {rows:,} rows{done}", end="" if tty else "\n",
               file=sys.stderr, flush=True)
 
+    fmt = data_lib.preview(a.path, a.format, 1, progress)[1]
     if fmt == "rl":
-        report = data_lib.load_rl(ds, 0, progress=progress).report
+        report = data_lib.load_rl(ds, 0, progress=progress, lengths_only=True).report
     else:
         tok = model_lib.load_tokenizer(model_lib.resolve_model_path(a.model or ModelSettings().name))
         load = data_lib.load_pairs if fmt == "pairs" else data_lib.load_sft
-        report = load(ds, tok, 0, progress).report
+        report = load(ds, tok, 0, progress, lengths_only=True).report
     if tty and shown:
         print(file=sys.stderr)  # ends the \r line
     print(report.summary())

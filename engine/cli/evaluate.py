@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from tqdm import tqdm
 
 from edgetune.engine.core.errors import EdgetuneError
+
+from edgetune.engine.run import harness
+from edgetune.engine.run.eval_tasks import size_line
 
 from edgetune.engine.cli.common import config_args, config_from, run_arg
 from edgetune.engine.cli.tables import eval_table
@@ -20,11 +24,14 @@ def cmd_eval(a) -> int:
     hf_logging.disable_progress_bar()  # one bar here: ours
     cfg = config_from(a)
     tasks = list(dict.fromkeys(a.task or [evaluation.HELD_OUT]))
-    evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
+    harness.confirm_code(tasks, a.allow_code or (), how="add")  # a task file that runs Python: the user's word
+    rows = evaluation.check_tasks(cfg, tasks)  # a task that cannot be graded: its one line, before loading
     systems = [(name, run_arg(path, a.runs_dir) if path else "")
                for name, path in evaluation.system_names(a.adapter or [], a.base)]
     if not systems:
         raise EdgetuneError("nothing to evaluate: give --adapter RUN (repeatable) and/or --base")
+    for task, task_rows in rows.items():  # how much it generates, before it starts
+        print(size_line(cfg, task, len(task_rows), len(systems)), file=sys.stderr)
     bar = tqdm(total=None, unit="item", dynamic_ncols=True, disable=a.json, desc="loading the model",
                bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}")
 
@@ -62,6 +69,9 @@ def add_parser(sub) -> None:
                          "on the loaded model (a shipped task, lm:path/to/task.yaml or lm:path/to/folder of YAMLs; "
                          "pip install 'edgetune[harness]')")
     ev.add_argument("--runs-dir", default="runs", help="where run names are looked up")
+    ev.add_argument("--allow-code", action="append", metavar="TASK_OR_FILE",
+                    help="a harness task of one's own (lm:PATH: give PATH) or the Python file whose `!function` it "
+                         "imports: run that Python (a task YAML that runs Python is refused without it)")
     ev.add_argument("--json", action="store_true",
                     help="scores, intervals, per-prompt outcomes and comparisons as JSON, no progress bar")
     ev.set_defaults(fn=cmd_eval)

@@ -19,7 +19,7 @@ def cmd_queue(a) -> int:
         print(f"queue of {Path(runs).resolve()}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}; "
               + (f"run by pid {pid}" if pid else "no process runs it now (edgetune queue run, or the app)"))
         for i, j in enumerate(jobs):
-            print(job_line(j, i + 1))
+            print(job_line(j, i + 1) + (f"\n     {queue.waiting_line(runs, j)}" if not queue.queued_here(j) else ""))
         if ended and a.all:
             print("ended:")
             for j in ended:
@@ -30,6 +30,9 @@ def cmd_queue(a) -> int:
         return 0
     if a.job is None:
         raise EdgetuneError(f"edgetune queue {a.action}: give the job's number (edgetune queue list shows them)")
+    if a.action == "confirm":
+        print(f"job {queue.confirm(runs, a.job)['id']} may run; it trains with the settings in its file, as they are now")
+        return 0
     if a.action == "cancel":
         job = queue.cancel(runs, a.job)
         print(f"job {job['id']} ({job['folder']}) taken out of the queue")
@@ -50,9 +53,11 @@ def add_parser(sub) -> None:
                        description="Jobs queued with `edgetune train --queue` (or the app's Add to queue) run one "
                                    "after another, in order: in the app while it runs, or under `edgetune queue run`. "
                                    "The queue lives in the runs folder and survives restarts.")
-    q.add_argument("action", nargs="?", default="list", choices=["list", "run", "cancel", "up", "down", "move"],
+    q.add_argument("action", nargs="?", default="list", choices=["list", "run", "cancel", "up", "down", "move",
+                                                                  "confirm"],
                    help="list (the default); run: run the jobs one after another until the queue is empty; cancel, "
-                        "up, down, move (with --to N) a job that has not started")
+                        "up, down, move (with --to N) a job that has not started; confirm: let a job run that this "
+                        "user did not queue here (a copied runs folder's)")
     q.add_argument("job", nargs="?", help="the job's number, as list shows it")
     q.add_argument("--to", metavar="N", help="move: the job's new place (1 = next to run)")
     q.add_argument("--runs-dir", default="runs")

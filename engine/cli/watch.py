@@ -145,6 +145,10 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
 
     def kill() -> int:
         bar.close()
+        ended = run.status()
+        if ended in ("finished", "stopped", "failed"):  # it ended as the Ctrl-C came: nothing to kill
+            print(f"\nthe run had {ended} already; nothing was killed", file=sys.stderr)
+            return seen["status"]
         print("\nkilling the worker...", file=sys.stderr)
         run.kill()
         last = run.dir.last_checkpoint()

@@ -33,3 +33,29 @@ class RunError(EdgetuneError):
 
 class CheckpointError(RunError):
     """A checkpoint that is missing, truncated, or holds more than tensors and numbers."""
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line naming the file and the condition (a full disk, a read-only
+    folder): the user's condition, never a traceback."""
+    import errno
+
+    said = {errno.ENOSPC: "no space left on the device", errno.EROFS: "the file system is read-only",
+            errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is used up",
+            errno.EXDEV: "it lies on another file system"}.get(e.errno, e.strerror or str(e))
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+    return f"{where}: {said}" if where else said
+
+
+def os_errors_as_run_errors(fn):
+    """`fn`, whose OSError (a full disk, a read-only folder) is a one-line RunError."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            raise RunError(os_error_line(e)) from None
+
+    return wrapped

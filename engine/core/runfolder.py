@@ -286,7 +286,9 @@ def file_digest(path: Path) -> str:
 def run_inputs(cfg) -> dict[str, str]:
     """The local files a run's settings read its data and base model from (the setting that
     names each): data.path, data.eval_path, essa.warm_start_data and model.name, each a
-    file or every file of a folder (embedded sets and hub ids have none)."""
+    file or every file of a folder (embedded sets and hub ids have none). Each is named as
+    the settings reach it (absolute, its links not followed): a link retargeted since is a
+    change too (record_inputs keeps where each led)."""
     out: dict[str, str] = {}
     named = [("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path), ("model.name", cfg.model.name)]
     if RECORDS[cfg.method].warm_start:
@@ -294,40 +296,66 @@ def run_inputs(cfg) -> dict[str, str]:
     for setting, value in named:
         if not value or str(value).startswith("embedded:"):
             continue
-        p = Path(value).expanduser()
+        p = Path(os.path.abspath(Path(value).expanduser()))
         if p.is_file():
-            out[str(p.resolve())] = setting
+            out[str(p)] = setting
         elif p.is_dir():
             for f in sorted(p.rglob("*"))[:10_000]:
                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts):
-                    out[str(f.resolve())] = setting
+                    out[str(f)] = setting
     return out
 
 
 def record_inputs(run: RunDir, cfg) -> None:
-    """Write the checksums of the run's input files into its folder (at its first start)."""
+    """Write the checksums of the run's input files into its folder (at its first start):
+    of each file as its path reads now, and the file its links lead to."""
     import json
 
-    found = {path: {"setting": setting, "sha256": file_digest(Path(path))}
+    found = {path: {"setting": setting, "target": str(Path(path).resolve()), "sha256": file_digest(Path(path))}
              for path, setting in run_inputs(cfg).items()}
     atomic_write_text(run.path / INPUTS_FILE, json.dumps(found, indent=1))
 
 
-def changed_input(run: RunDir, only: tuple[str, ...] = ()) -> str | None:
-    """One line naming the first file a run trained on that is gone or changed since
-    (`only`: the files of these settings), or None; a run that recorded none has none."""
+def _recorded_inputs(run: RunDir) -> tuple[dict | None, str | None]:
+    """(inputs.json's entries, None), or (None, what is wrong with it)."""
     import json
 
+    p = run.path / INPUTS_FILE
     try:
-        found = json.loads((run.path / INPUTS_FILE).read_text())
-    except (OSError, ValueError):
+        found = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return None, f"damaged ({getattr(e, 'strerror', None) or str(e).splitlines()[0][:80]})"
+    if not isinstance(found, dict) or not all(isinstance(v, dict) for v in found.values()):
+        return None, "damaged (not the checksums edgetune writes)"
+    return found, None
+
+
+def inputs_unchecked(run: RunDir) -> str | None:
+    """One line when a run's inputs.json is missing or damaged, so that what it trained on
+    cannot be checked (a resume says so, and records them anew); None when it can."""
+    _, problem = _recorded_inputs(run)
+    if problem is None:
         return None
-    if not isinstance(found, dict):
-        return None
-    for path, was in found.items():
-        if not isinstance(was, dict) or (only and was.get("setting") not in only):
+    return (f"{run.path / INPUTS_FILE}: {problem}, so whether the data and base files run '{run.name}' trained on "
+            "changed since cannot be checked; it resumes on them as they are now (and records them for the next "
+            "resume)")
+
+
+def changed_input(run: RunDir, only: tuple[str, ...] = ()) -> str | None:
+    """One line naming the first file a run trained on that is gone or changed since, or
+    a link that leads elsewhere now (`only`: the files of these settings), or None; a run
+    that recorded none has none (inputs_unchecked says so)."""
+    found, _ = _recorded_inputs(run)
+    for path, was in (found or {}).items():
+        if only and was.get("setting") not in only:
             continue
         p = Path(path)
+        target = was.get("target")
+        if isinstance(target, str) and p.exists() and str(p.resolve()) != target:
+            return (f"{p}: leads to {p.resolve()} now, not to {target} as when run '{run.name}' trained on it "
+                    f"({was.get('setting')}); point it back, or start a new run on the new file")
         try:
             now = file_digest(p)
         except OSError:
@@ -407,6 +435,15 @@ def disk_full(e: BaseException) -> bool:
     return "No space left on device" in text or "StorageFull" in text or "os error 28" in text
 
 
+def cannot_write(e: BaseException) -> bool:
+    """A write refused by the file system (permissions, a read-only mount), also when a
+    library (torch's or safetensors' writer) wrapped it in its own error."""
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return True
+    text = str(e)
+    return "Permission denied" in text or "Read-only file system" in text
+
+
 def pid_alive(pid: int | None) -> bool:
     if not pid:
         return False
@@ -422,3 +459,28 @@ def pid_alive(pid: int | None) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat), or None when
+    there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def our_process(pid: int | None, marks: tuple[str, ...], start: int | None = None) -> bool:
+    """Whether `pid`, as a file we wrote names it, is still the process we started: it lives,
+    its command line holds each of `marks`, and (`start` given) it started when we recorded.
+    A pid read from a file may be planted, or reused by another process since: a signal is
+    sent only to a process for which this holds."""
+    if not pid or not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return False
+    return all(m in cmd for m in marks) and (start is None or process_start(pid) == start)

@@ -231,7 +231,10 @@ def _is_jsonl(p: Path) -> bool:
     opener = gzip.open if p.name.lower().endswith(".gz") else open
     try:
         with opener(p, "rb") as f:
-            while chunk := f.read(1 << 16):
+            for _ in range(16):  # the first MiB: a file that is blank that far is read line by line
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
                 head = chunk.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()
                 if head:
                     return not head.startswith(b"[")
@@ -249,7 +252,7 @@ def _jsonl_rows(p: Path, shown: str, progress: Progress):
     progress.total = os.fstat(raw.fileno()).st_size
     f = gzip.GzipFile(fileobj=raw, mode="rb") if p.name.lower().endswith(".gz") else raw
     with raw, f:
-        n = 0
+        n = kept = 0
         while True:
             try:
                 line = f.readline(MAX_LINE_BYTES + 1)
@@ -267,6 +270,7 @@ def _jsonl_rows(p: Path, shown: str, progress: Progress):
                 raise DataError(f"not UTF-8 text ({e.reason} at byte {e.start} of the line)", file=shown,
                                 row=n) from None
             if not text.strip():
+                progress.rows(kept)  # a long run of blank lines says how far it got too
                 continue
             try:
                 row = json.loads(text)
@@ -277,6 +281,7 @@ def _jsonl_rows(p: Path, shown: str, progress: Progress):
                 raise DataError(_TOO_DEEP, file=shown, row=n) from None
             if not isinstance(row, dict):
                 raise DataError(f"expected a JSON object per row, got {type(row).__name__}", file=shown, row=n)
+            kept += 1
             yield row
 
 
@@ -399,9 +404,10 @@ def detect_format(rows: list[dict], path: str) -> str:
     raise DataError(f"unknown columns {sorted(cols)}; expected one of ({expected})", file=path)
 
 
-def preview(path: str, fmt: str = "auto", n: int = 20) -> tuple[list[dict], str]:
-    """First rows and the detected (or given) format, for the UI's table."""
-    rows = read_rows(path, max_rows=n)
+def preview(path: str, fmt: str = "auto", n: int = 20, progress=None) -> tuple[list[dict], str]:
+    """First rows and the detected (or given) format, for the UI's table. `progress` (as
+    Progress's callback) hears how far a long read for them got (a file of blank lines)."""
+    rows = list(iter_rows(path, n, Progress(progress)))
     return rows, detect_format(rows, path) if fmt == "auto" else fmt
 
 

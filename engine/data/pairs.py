@@ -97,8 +97,9 @@ def pair_conversations(row: dict, file: str, n: int) -> tuple[list[dict], list[d
 
 
 def tokenize_pairs(rows, tok, ds: DataSettings, file: str, stats: dict,
-                   progress: Progress | None = None) -> list[PairExample]:
-    """Check every pair and label both of its conversations as SFT rows."""
+                   progress: Progress | None = None, lengths_only: bool = False) -> list[PairExample]:
+    """Check every pair and label both of its conversations as SFT rows (`lengths_only`:
+    keep the pair's length, the longer of the two, instead)."""
     whole = dataclasses.replace(ds, max_seq_len=2**31 - 1)  # lengths are judged per pair below
     out = []
     for n, row in enumerate(rows, start=1):
@@ -112,7 +113,7 @@ def tokenize_pairs(rows, tok, ds: DataSettings, file: str, stats: dict,
         if max(len(c.input_ids), len(r.input_ids)) > ds.max_seq_len:
             stats["dropped"][DROP_LONG_PAIR] = stats["dropped"].get(DROP_LONG_PAIR, 0) + 1
             continue
-        out.append(PairExample(c, r))
+        out.append(max(len(c.input_ids), len(r.input_ids)) if lengths_only else PairExample(c, r))
         if progress is not None and n % 256 == 0:
             progress.rows(stats["total"])
     if progress is not None:
@@ -132,20 +133,25 @@ def _rows(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | N
     return itertools.chain([first], rows)
 
 
-def load_pairs(ds: DataSettings, tokenizer, seed: int, progress=None) -> PairData:
-    """Read, check and tokenize preference pairs; split train / held-out; report."""
+def load_pairs(ds: DataSettings, tokenizer, seed: int, progress=None, lengths_only: bool = False) -> PairData:
+    """Read, check and tokenize preference pairs; split train / held-out; report.
+    `lengths_only`: a check (`edgetune data`): train and eval hold each pair's length, not
+    its tokens, so memory stays small whatever the file's size."""
     reading = Progress(progress)
     stats = {"total": 0, "dropped": {}, "truncated": 0}
-    examples = tokenize_pairs(_rows(ds.path, ds, ds.max_rows, reading), tokenizer, ds, ds.path, stats, reading)
+    examples = tokenize_pairs(_rows(ds.path, ds, ds.max_rows, reading), tokenizer, ds, ds.path, stats, reading,
+                              lengths_only)
     eval_file = eval_source(ds)
     if eval_file:
-        train, evals = examples, tokenize_pairs(_rows(eval_file, ds), tokenizer, ds, eval_file, stats)
+        train, evals = examples, tokenize_pairs(_rows(eval_file, ds), tokenizer, ds, eval_file, stats,
+                                                lengths_only=lengths_only)
     else:
         train, evals = split_rows(examples, ds.eval_fraction, seed)
     if not train:
         dropped = ", ".join(f"{k} {r}" for r, k in stats["dropped"].items()) or "none kept"
         raise DataError(f"no pairs left to train on after checking {stats['total']} ({dropped})", file=ds.path)
-    lengths, hist = length_stats([max(len(p.chosen.input_ids), len(p.rejected.input_ids)) for p in train + evals])
+    lengths, hist = length_stats([p if lengths_only else max(len(p.chosen.input_ids), len(p.rejected.input_ids))
+                                  for p in train + evals])
     report = ValidationReport(
         file=ds.path, format="pairs", rows_total=stats["total"], rows_kept=len(train) + len(evals),
         dropped=stats["dropped"], truncated=0, token_lengths=lengths, histogram=hist,

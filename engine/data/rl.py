@@ -89,9 +89,9 @@ def _drop_long_prompts(rows: list[dict], tokenizer, ds: DataSettings, file: str,
 
 
 def _checked(path: str, ds: DataSettings, tokenizer, dropped: dict, max_rows: int = 0,
-             progress: Progress | None = None) -> tuple[list[tuple[dict, int]], str, int]:
-    """(row, prompt length) pairs of a file read CHUNK_ROWS rows at a time, its format,
-    and the count of rows read."""
+             progress: Progress | None = None, lengths_only: bool = False) -> tuple[list[tuple[dict, int]], str, int]:
+    """(row, prompt length) pairs of a file read CHUNK_ROWS rows at a time (`lengths_only`:
+    (None, prompt length)), its format, and the count of rows read."""
     rows = iter_rows(path, max_rows, progress)
     first = next(rows)
     fmt = format_for([first], ds, path)
@@ -99,8 +99,8 @@ def _checked(path: str, ds: DataSettings, tokenizer, dropped: dict, max_rows: in
     total = 0
     rows = itertools.chain([first], rows)
     while chunk := list(itertools.islice(rows, CHUNK_ROWS)):
-        out += _drop_long_prompts(rl_rows(chunk, fmt, ds, path, total + 1), tokenizer, ds, path, dropped,
-                                  total + 1)
+        kept = _drop_long_prompts(rl_rows(chunk, fmt, ds, path, total + 1), tokenizer, ds, path, dropped, total + 1)
+        out += [(None, n) for _, n in kept] if lengths_only else kept
         total += len(chunk)
         if progress is not None:
             progress.rows(total)
@@ -109,16 +109,18 @@ def _checked(path: str, ds: DataSettings, tokenizer, dropped: dict, max_rows: in
     return out, fmt, total
 
 
-def load_rl(ds: DataSettings, seed: int, tokenizer=None, progress=None) -> RLData:
+def load_rl(ds: DataSettings, seed: int, tokenizer=None, progress=None, lengths_only: bool = False) -> RLData:
     """Read and check prompt/answer rows; split train/eval. With a tokenizer, prompt lengths
     are in tokens as the rollouts will see them (chat template + generation prompt) and
     prompts longer than max_seq_len are dropped; without one, lengths are in characters.
-    `progress(rows, bytes_read, bytes_total)` hears how far a long file got (Progress)."""
+    `progress(rows, bytes_read, bytes_total)` hears how far a long file got (Progress).
+    `lengths_only`: a check (`edgetune data`): the rows themselves are not kept (None in
+    train and eval), so memory stays small whatever the file's size."""
     dropped: dict[str, int] = {}
-    train, fmt, total = _checked(ds.path, ds, tokenizer, dropped, ds.max_rows, Progress(progress))
+    train, fmt, total = _checked(ds.path, ds, tokenizer, dropped, ds.max_rows, Progress(progress), lengths_only)
     eval_file = eval_source(ds)
     if eval_file:
-        evals, _, n_eval = _checked(eval_file, ds, tokenizer, dropped)
+        evals, _, n_eval = _checked(eval_file, ds, tokenizer, dropped, lengths_only=lengths_only)
         total += n_eval
     else:
         train, evals = split_rows(train, ds.eval_fraction, seed)

@@ -195,9 +195,11 @@ def _text_labels(tok, ids: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tokenize_rows(rows, fmt, tok, ds: DataSettings, file: str, stats: dict,
-                  progress: Progress | None = None) -> list[SFTExample]:
+                  progress: Progress | None = None, keep=None) -> list[SFTExample]:
     """Check every row and label its tokens, CHUNK_ROWS rows at a time (each chunk's texts
-    are tokenised in one call); `rows` may be an iterator, read as it goes."""
+    are tokenised in one call); `rows` may be an iterator, read as it goes. `keep`: what
+    is kept of each example (a check keeps its length: memory bounded by the rows' count,
+    not their tokens)."""
     chat = prompts.has_template(tok)
     sep = "" if fmt in ("prompt_completion", "rl") else "\n"
     # Whatever the tokenizer itself puts first (a BOS for Llama-like ones, nothing for many).
@@ -210,11 +212,13 @@ def tokenize_rows(rows, fmt, tok, ds: DataSettings, file: str, stats: dict,
     for n, row in enumerate(rows, start=1):
         chunk.append((n, row))
         if len(chunk) == CHUNK_ROWS:
-            out += _tokenize_chunk(chunk, fmt, tok, ds, file, stats, chat, sep, lead, ids_seen)
+            done = _tokenize_chunk(chunk, fmt, tok, ds, file, stats, chat, sep, lead, ids_seen)
+            out += done if keep is None else map(keep, done)
             chunk = []
             if progress is not None:
                 progress.rows(stats["total"])
-    out += _tokenize_chunk(chunk, fmt, tok, ds, file, stats, chat, sep, lead, ids_seen)
+    done = _tokenize_chunk(chunk, fmt, tok, ds, file, stats, chat, sep, lead, ids_seen)
+    out += done if keep is None else map(keep, done)
     if progress is not None:
         progress.rows(stats["total"], final=True)
     return out
@@ -268,29 +272,36 @@ def _tokenize_chunk(chunk, fmt, tok, ds, file, stats, chat, sep, lead, ids_seen)
 # --------------------------------------------------------------------------- loading
 
 
-def load_sft(ds: DataSettings, tokenizer, seed: int, progress=None) -> SFTData:
+def load_sft(ds: DataSettings, tokenizer, seed: int, progress=None, lengths_only: bool = False) -> SFTData:
     """Read, check and tokenize SFT data; split train/eval; report what happened.
-    `progress(rows, bytes_read, bytes_total)` hears how far a long file got (Progress)."""
+    `progress(rows, bytes_read, bytes_total)` hears how far a long file got (Progress).
+    `lengths_only`: a check (`edgetune data`): train and eval hold each row's token count,
+    not its tokens, so memory stays small whatever the file's size."""
     reading = Progress(progress)
     rows, fmt = _rows_and_format(ds.path, ds, ds.max_rows, reading)
     stats = {"total": 0, "dropped": {}, "truncated": 0}
-    examples = tokenize_rows(rows, fmt, tokenizer, ds, ds.path, stats, reading)
+    keep = _length if lengths_only else None
+    examples = tokenize_rows(rows, fmt, tokenizer, ds, ds.path, stats, reading, keep)
     eval_file = eval_source(ds)
     if eval_file:
         eval_rows, eval_fmt = _rows_and_format(eval_file, ds)
-        train, evals = examples, tokenize_rows(eval_rows, eval_fmt, tokenizer, ds, eval_file, stats)
+        train, evals = examples, tokenize_rows(eval_rows, eval_fmt, tokenizer, ds, eval_file, stats, keep=keep)
     else:
         train, evals = split_rows(examples, ds.eval_fraction, seed)
     if not train:
         raise DataError(f"no rows left to train on after checking {stats['total']} "
                         f"({', '.join(f'{n} {r}' for r, n in stats['dropped'].items())})", file=ds.path)
-    lengths, hist = length_stats([len(e.input_ids) for e in train + evals])
+    lengths, hist = length_stats([e if lengths_only else len(e.input_ids) for e in train + evals])
     report = ValidationReport(
         file=ds.path, format=fmt, rows_total=stats["total"], rows_kept=len(train) + len(evals),
         dropped=stats["dropped"], truncated=stats["truncated"], token_lengths=lengths, histogram=hist,
         train_rows=len(train), eval_rows=len(evals), eval_file=eval_file,
     )
     return SFTData(train, evals, report)
+
+
+def _length(example: SFTExample) -> int:
+    return len(example.input_ids)
 
 
 def _rows_and_format(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | None = None):

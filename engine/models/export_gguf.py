@@ -353,11 +353,11 @@ def verify(adapter: Path, out: Path, base: Base) -> dict:
     each merged GGUF) against edgetune's own greedy completions with the same adapter, on the base's own
     weights unquantised (what a GGUF holds; a run trained on a 4-bit copy of them). Prompts
     are rendered by edgetune (engine/data/prompts.py) and given to both as token ids."""
-    if base.gguf is None:
-        return {"status": "not run", "why": "the base is not a GGUF file; llama.cpp needs the base as GGUF"}
-    run = _run_of(adapter)
+    run = _run_of(adapter)  # first: without its run, which base it had is not known (not that it is no GGUF)
     if run is None:
         return {"status": "not run", "why": "an adapter folder without its run (the check needs the run's model)"}
+    if base.gguf is None:
+        return {"status": "not run", "why": "the base is not a GGUF file; llama.cpp needs the base as GGUF"}
     if not _llama_cpp_installed():
         return {"status": "not run", "why": "llama-cpp-python not installed (pip install edgetune[gguf-check])"}
     from edgetune.engine.core.settings import load_run_config

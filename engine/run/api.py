@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
-from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.errors import ConfigError, RunError, os_errors_as_run_errors
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.methods import METHODS as RECORDS
@@ -38,6 +38,7 @@ from edgetune.engine.core.runfolder import (
     exit_words,
     lock_runs_folder,
     open_append,
+    our_process,
     pid_alive,
 )
 from edgetune.engine.core.settings import (  # noqa: F401
@@ -53,6 +54,7 @@ from edgetune.engine.core.settings import (  # noqa: F401
 from edgetune.engine.core.threads import worker_env
 
 from edgetune.engine.run.eval_jobs import active_eval
+from edgetune.engine.run.user_code import code_it_runs, confirm_code  # noqa: F401 (code_it_runs: re-exported)
 
 ACTIVE = ("starting", "running")
 UPLOADS = ".uploads"  # <runs_dir>/.uploads: the app's copies of the data files uploaded in the browser
@@ -85,7 +87,10 @@ class Run:
     def status(self, events: list[dict] | None = None) -> str:
         """starting | running | finished | stopped | failed | crashed (`events`: the run's,
         when the caller has read them already)."""
-        return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
+        try:
+            return self._status(_ending(read_events(self.dir.events_path) if events is None else events))
+        except OSError:  # events.jsonl unreadable (a folder, no permission): the run is damaged, no other is
+            return "damaged"
 
     def _status(self, ending: dict) -> str:
         """The status from what the events say of the run's end (`_ending`), and whether its
@@ -124,7 +129,9 @@ class Run:
     def kill(self) -> None:
         """Immediate. The worker cannot write, so the run is marked failed here."""
         pid = self.process.pid if self.process is not None else self.dir.read_pid()
-        if pid and self.alive():
+        # (a pid read from worker.pid is signalled only when it is an edgetune process: the
+        # file may be planted in a copied run folder, or its pid reused since)
+        if pid and self.alive() and (self.process is not None or our_process(pid, ("edgetune",))):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -422,43 +429,6 @@ def create(cfg: Config, name: str | None = None, job: str | None = None) -> tupl
         raise
 
 
-def code_it_runs(cfg: Config) -> list[tuple[str, str]]:
-    """(setting, file or model) for each setting of `cfg` that makes its worker run Python
-    that is not edgetune's: the method's reward_file (imported, then called on every
-    completion) and model.trust_remote_code (the modelling code the model ships)."""
-    out = []
-    group = getattr(cfg, cfg.method, None)
-    if RECORDS[cfg.method].rewards and group.reward_file:
-        out.append((f"{cfg.method}.reward_file", group.reward_file))
-    if cfg.model.trust_remote_code:
-        out.append(("model.trust_remote_code", cfg.model.name))
-    return out
-
-
-def _names_the_same(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    try:
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
-def confirm_code(run: Run, cfg: Config, allow_code: list[str] | tuple[str, ...] = ()) -> None:
-    """A run folder may come from anywhere, and resuming it must not run Python it names
-    unless the user named that same file (or model) too: refuse in one line otherwise."""
-    import shlex
-
-    for setting, what in code_it_runs(cfg):
-        if any(_names_the_same(what, allowed) for allowed in allow_code):
-            continue
-        code = f"the Python file {what}" if setting.endswith("reward_file") else \
-            f"the Python code that model {what} ships"
-        raise RunError(f"{run.dir.config_path}: {setting} runs {code} when this run resumes; if you trust it, "
-                       f"resume on the command line with: edgetune resume {shlex.quote(str(run.path))} "
-                       f"--allow-code {shlex.quote(what)}")
-
-
 def more_steps(run: Run, cfg: Config, n: int) -> None:
     """Train a run `n` steps further: its config.yaml gets the new step count and the events
     a `more_steps` event (setting, from, to, schedule). The learning-rate schedule keeps the
@@ -485,6 +455,11 @@ def more_steps(run: Run, cfg: Config, n: int) -> None:
         raise ConfigError(f"--more-steps {n}: {key} would be {before + n}; {key} {steps.describe()}")
     schedule = schedule_steps(events) or before
     group.steps = before + n
+    try:  # the worker's own check of what changed since the run started, before anything is written
+        resume_changes(cfg, started_config(events), run.dir.config_path)
+    except ConfigError:
+        group.steps = before
+        raise
     atomic_write_text(run.dir.config_path, cfg.to_yaml())
     w = EventWriter(run.dir.events_path)
     w.emit("more_steps", setting=f"{cfg.method}.steps", **{"from": before, "to": group.steps}, schedule=schedule)
@@ -541,7 +516,10 @@ TRASH = ".trash"  # <runs_dir>/.trash: runs deleted from the app or `trash_run`,
 
 
 def _idle_run(path: str | os.PathLike, doing: str) -> Run:
-    r = Run(path)
+    if Path(path).name in ("", ".", ".."):  # the folder would be taken from under its own name
+        raise RunError(f"{path}: name the run to {doing} by its name or path (edgetune runs lists them), not "
+                       "'.' or '..'")
+    r = Run(os.path.abspath(path))
     r.dir.require()
     status = r.status()
     if status in ACTIVE:
@@ -549,12 +527,24 @@ def _idle_run(path: str | os.PathLike, doing: str) -> Run:
     return r
 
 
+def _trash(runs_dir: Path, make: bool = False) -> Path:
+    """<runs_dir>/.trash, refused in one line when it is not a folder of the runs folder's
+    own (a file, or a link: a run moved through it would leave the runs folder)."""
+    trash = Path(runs_dir) / TRASH
+    if trash.is_symlink() or (trash.exists() and not trash.is_dir()):
+        raise RunError(f"{trash}: not a folder of the runs folder ({'a link' if trash.is_symlink() else 'a file'}); "
+                       "move it aside, and deleted runs go to a new trash")
+    if make:
+        trash.mkdir(exist_ok=True)
+    return trash
+
+
+@os_errors_as_run_errors
 def trash_run(path: str | os.PathLike) -> Path:
     """Move a run folder (not a training one) into <runs_dir>/.trash/, whole and under its
     own name (a suffix if the trash holds one of that name); `restore_run` brings it back."""
     r = _idle_run(path, "delete")
-    trash = r.path.parent / TRASH
-    trash.mkdir(exist_ok=True)
+    trash = _trash(r.path.parent, make=True)
     dest = trash / _unique_name(trash, r.name)
     os.rename(r.path, dest)
     return dest
@@ -562,16 +552,17 @@ def trash_run(path: str | os.PathLike) -> Path:
 
 def trashed_runs(runs_dir: str | os.PathLike = "runs") -> list[str]:
     """The names of the runs in <runs_dir>/.trash/, newest deletion first."""
-    trash = Path(runs_dir) / TRASH
+    trash = _trash(Path(runs_dir))
     if not trash.is_dir():
         return []
     found = [p for p in trash.iterdir() if (p / "config.yaml").is_file()]
     return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
+@os_errors_as_run_errors
 def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
     """A run of <runs_dir>/.trash/ back among the runs (a suffix if its name was taken since)."""
-    src = Path(runs_dir) / TRASH / check_run_name(name)
+    src = _trash(Path(runs_dir)) / check_run_name(name)
     if not (src / "config.yaml").is_file():
         raise RunError(f"no run '{name}' in {Path(runs_dir) / TRASH}")
     dest = Path(runs_dir) / _unique_name(Path(runs_dir), name)
@@ -579,22 +570,28 @@ def restore_run(runs_dir: str | os.PathLike, name: str) -> Path:
     return dest
 
 
+@os_errors_as_run_errors
 def rename_run(path: str | os.PathLike, new_name: str) -> Path:
     """Give a run folder (not a training one) a new name in the same runs folder; its
-    config.yaml's run.name follows."""
+    config.yaml's run.name follows. Both change or neither: the config is written first (a
+    full disk refuses it before the folder moves), and put back if the folder cannot move."""
     r = _idle_run(path, "rename")
     new_name = check_run_name(new_name)
     dest = r.path.parent / new_name
     if dest.exists():
         raise RunError(f"{dest} exists already: pick another name")
     text = r.dir.config_path.read_text()
-    os.rename(r.path, dest)
     try:
-        cfg = load_run_config(dest / "config.yaml")
+        cfg = load_run_config(r.dir.config_path)
         cfg.run.name = new_name
-        atomic_write_text(dest / "config.yaml", cfg.to_yaml())
+        atomic_write_text(r.dir.config_path, cfg.to_yaml())
     except ConfigError:  # a damaged config.yaml keeps its text; the folder is renamed all the same
-        atomic_write_text(dest / "config.yaml", text)
+        pass
+    try:
+        os.rename(r.path, dest)
+    except OSError:
+        atomic_write_text(r.dir.config_path, text)
+        raise
     return dest
 
 

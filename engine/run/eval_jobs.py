@@ -10,7 +10,8 @@ stopped, and leaves its result on disk beside the runs, where the page finds it 
         result.json    engine/run/evaluation.py's comparison, written once at the end
         error.txt      the one line of a job that failed
         stopped        there when a stop was asked for and the job ended on it
-        pid, worker.log
+        pid            the worker's pid and start time (clock ticks since boot)
+        worker.log
 
 Status: `finished` (result.json), `failed` (error.txt), `stopped`, `running` while its process
 lives, else `crashed` (the process died without a word: worker.log says why). A stop sends
@@ -30,9 +31,10 @@ from datetime import datetime
 from pathlib import Path
 
 from edgetune.engine.core.errors import EdgetuneError, RunError
-from edgetune.engine.core.runfolder import atomic_write_text, lock_runs_folder, open_append, pid_alive
+from edgetune.engine.core.runfolder import atomic_write_text, lock_runs_folder, open_append, our_process, process_start
 from edgetune.engine.core.threads import worker_env
 
+WORKER_MODULE = "edgetune.engine.run.eval_jobs"
 EVALS = ".evaluations"  # <runs_dir>/.evaluations: one folder an evaluation job
 STATUSES = ("running", "finished", "failed", "stopped", "crashed")
 
@@ -72,15 +74,19 @@ class EvalJob:
             return ""
 
     def pid(self) -> int | None:
+        """The worker's pid, when that process is this job's worker (its command line names
+        this job's folder and it started when the pid file says): a pid file may be planted
+        in a copied folder, or its pid reused since, and no other process is signalled."""
         try:
-            return int((self.path / "pid").read_text())
+            pid, start = (int(x) for x in (self.path / "pid").read_text().split())
         except (OSError, ValueError):
             return None
+        return pid if our_process(pid, (WORKER_MODULE, str(self.path)), start) else None
 
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return pid_alive(self.pid())
+        return self.pid() is not None
 
     def status(self) -> str:
         if (self.path / "result.json").is_file():
@@ -121,9 +127,14 @@ def active_eval(runs_dir: str | os.PathLike) -> EvalJob | None:
 
 
 def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
-          runs_dir: str | os.PathLike) -> EvalJob:
+          runs_dir: str | os.PathLike, run: str | os.PathLike | None = None, long_ok: bool = False) -> EvalJob:
     """A new job folder with its request and settings, and its worker started: the base
-    (when `base`) and each (name, adapter or run folder) graded on `tasks`. The worker holds
+    (when `base`) and each (name, adapter or run folder) graded on `tasks`. `run`: the run
+    folder whose settings `cfg` are; a run folder may come from anywhere, so Python its
+    settings name (a reward file, a model's own code) is refused in one line, as a harness
+    task that runs Python is: both run only from the command line, where the user names
+    them (`edgetune eval --allow-code`). A task file of more than LARGE_TASK_PROMPTS prompts
+    is refused, saying its size and what it generates, unless `long_ok`. The worker holds
     the runs folder's lock, as a run's worker does (engine/core/runfolder.py): one job on
     the device at a time, so no run starts and the queue waits while it grades, and none
     starts while a run trains."""
@@ -131,6 +142,9 @@ def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
         raise EdgetuneError("nothing to evaluate: pick the base and/or runs")
     if not tasks:
         raise EdgetuneError("nothing to grade on: pick the held-out split, a task file or a harness task")
+    _confirm_code(cfg, adapters, tasks, run)
+    if not long_ok:
+        _confirm_size(cfg, tasks, int(bool(base)) + len(adapters))
     fd = lock_runs_folder(runs_dir)  # the device does one thing at a time: the worker holds it to its end
     if fd is None:
         other = active_eval(runs_dir)
@@ -140,6 +154,37 @@ def start(cfg, base: bool, adapters: list[tuple[str, str]], tasks: list[str],
         return _start(cfg, base, adapters, tasks, runs_dir, fd)
     finally:
         os.close(fd)
+
+
+def _confirm_code(cfg, adapters, tasks, run) -> None:
+    import shlex
+
+    from edgetune.engine.run import harness
+    from edgetune.engine.run.user_code import confirm_code
+
+    line = "edgetune eval " + " ".join(
+        [f"--config {shlex.quote(str(Path(run) / 'config.yaml'))}" if run else "--config CONFIG",
+         *(f"--adapter {shlex.quote(path)}" for _, path in adapters), *(f"--task {shlex.quote(t)}" for t in tasks)])
+    if run is not None:
+        confirm_code(run, cfg, doing="is graded", command=f"grade it on the command line: {line}")
+    harness.confirm_code(tasks, how=f"grade it on the command line: {line}")
+
+
+def _confirm_size(cfg, tasks: list[str], systems: int) -> None:
+    from edgetune.engine.run.eval_tasks import HARNESS_PREFIX, HELD_OUT, LARGE_TASK_PROMPTS, size_line
+
+    from edgetune.engine import data as data_lib
+
+    for task in tasks:
+        if task == HELD_OUT or task.startswith(HARNESS_PREFIX):
+            continue
+        try:
+            prompts = len(data_lib.task_rows(task, cfg.data))
+        except EdgetuneError:
+            continue  # a bad task file: the job names its file and row, as for every task
+        if prompts > LARGE_TASK_PROMPTS:
+            raise EdgetuneError(f"{size_line(cfg, task, prompts, systems)}: a long evaluation; to start it, tick "
+                                "'Start a long evaluation' and Start again")
 
 
 def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
@@ -158,11 +203,11 @@ def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
     except OSError as e:
         raise RunError(f"{path}: cannot create the evaluation folder ({e.strerror})") from None
     log = open_append(path / "worker.log")
-    proc = subprocess.Popen([sys.executable, "-m", "edgetune.engine.run.eval_jobs", str(path), str(fd)], stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(path), str(fd)], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             env=worker_env(PYTHONUNBUFFERED="1"), cwd=os.getcwd(), pass_fds=(fd,))
     log.close()
-    atomic_write_text(path / "pid", str(proc.pid))
+    atomic_write_text(path / "pid", f"{proc.pid} {process_start(proc.pid) or 0}")
     return EvalJob(path, proc)
 
 

@@ -18,6 +18,12 @@ other as a mean (bootstrap).
 
 A task whose data is not on this machine and cannot be downloaded is refused in one line
 naming the task and its dataset, before any model loads.
+
+A task YAML can run Python: `!function utils.process_docs` (in it, or in a YAML it
+`include:`s) imports utils.py beside that YAML. Such a task is Python the harness runs with
+the user's rights, as a reward file is: it is refused in one line naming the file and the
+function unless the user named the task (or the Python file) with --allow-code
+(`code_it_runs`, `confirm_code`), before anything imports it.
 """
 
 from __future__ import annotations
@@ -73,6 +79,78 @@ def task_names(task: str) -> tuple[list[str], str | None]:
             raise ConfigError(f"{task}: no task YAML there (a file with `task: NAME`)")
         return names, str(p.parent if p.is_file() else p)
     return [spec], None
+
+
+MAX_YAMLS = 10_000  # task YAMLs read for !function in one folder (the harness indexes them all)
+
+
+def code_it_runs(task: str) -> list[tuple[Path, str, Path]]:
+    """(task YAML, function, Python file) for each `!function` the harness could import
+    for an `lm:` task of one's own: in every YAML of the folder it indexes for it, and in
+    every YAML those `include:`; [] for a shipped task."""
+    import os
+
+    import yaml
+
+    names, folder = task_names(task)
+    if folder is None:
+        return []
+    found: list[tuple[Path, str, Path]] = []
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def function(loader, node):
+        value = loader.construct_scalar(node)
+        found.append((Path(loader.name), value, Path(loader.name).parent / f"{value.rsplit('.', 1)[0]}.py"))
+        return value
+
+    Loader.add_constructor("!function", function)
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)  # other tags run nothing
+
+    todo = [Path(dirpath) / f for dirpath, _, files in os.walk(folder) for f in sorted(files)
+            if f.endswith((".yaml", ".yml"))][:MAX_YAMLS]
+    seen: set[Path] = set()
+    while todo:
+        f = todo.pop().resolve()
+        if f in seen or not f.is_file():
+            continue
+        seen.add(f)
+        try:
+            with open(f) as stream:
+                loader = Loader(stream)
+                loader.name = str(f)
+                try:
+                    doc = loader.get_single_data()
+                finally:
+                    loader.dispose()
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # an unreadable YAML: task_names or the harness names it
+        includes = doc.get("include") if isinstance(doc, dict) else None
+        for inc in [includes] if isinstance(includes, str) else includes if isinstance(includes, list) else []:
+            if isinstance(inc, str):
+                todo.append(Path(inc) if Path(inc).is_absolute() else f.parent / inc)
+    return found
+
+
+def confirm_code(tasks: list[str], allow_code: list[str] | tuple[str, ...] = (), how: str = "") -> None:
+    """A harness task of one's own that runs Python is refused in one line, naming the YAML,
+    the function and its file, unless `allow_code` names the task (as given after lm:) or
+    that Python file. `how`: what the user does to allow it (a command line)."""
+    def same(a, b) -> bool:
+        try:
+            return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+        except (OSError, RuntimeError):
+            return False
+
+    for task in tasks:
+        if not is_harness(task):
+            continue
+        for yaml_file, fn, py in code_it_runs(task):
+            if any(same(task[len(PREFIX):], a) or same(py, a) for a in allow_code):
+                continue
+            raise ConfigError(f"{yaml_file}: `!function {fn}` runs the Python file {py} when the harness loads task "
+                              f"{task}; if you trust it, {how or 'add'} --allow-code {task[len(PREFIX):]}")
 
 
 def _manager(folder: str | None):

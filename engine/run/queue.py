@@ -24,14 +24,25 @@ work never did. Its command takes `--queue-job TOKEN`, makes its folder appear w
 the token in it (as api.create does for a run) and holds the runs folder's lock while it
 works (the device does one thing at a time); `add(runs_dir, kind, command, folder, cwd)`
 queues one.
+
+A runs folder may come from elsewhere, and its queue file with it: every job is checked as
+it is read, exactly as when it was added (a plain run name, a command of the form `add_run`
+makes, its settings in the queue's own folder), and a driver starts only the jobs this
+machine's user queued, as a record outside the runs folder says (engine/core/consent.py:
+the checksum of the job's command, folder and settings). Any other job waits, with one line
+naming what it would run, until the user confirms it (`edgetune queue confirm N`).
+A job's run is found by the token in its folder, not by its name: a run renamed since it
+started is still that job's, and one deleted since is never started again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from edgetune.engine.core.errors import EdgetuneError, RunError
-from edgetune.engine.core.runfolder import RunDir, atomic_write_text, lock_runs_folder, try_lock
+from edgetune.engine.core import consent
+from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError, os_error_line
+from edgetune.engine.core.runfolder import RunDir, atomic_write_text, check_run_name, lock_runs_folder, try_lock
 
 from edgetune.engine.run import api
 
@@ -92,7 +104,7 @@ KINDS = {
     "train": Kind("run", lambda f: ["--name", f.name, "--runs-dir", str(f.parent), "--detach"],
                   _train_outcome, _train_revive),
 }
-FAILED = ("failed", "crashed", "damaged")  # outcomes that mean the job did not do its work
+FAILED = ("failed", "crashed", "damaged", "deleted")  # outcomes that mean the job did not do its work
 
 
 # --------------------------------------------------------------------------- the file
@@ -107,8 +119,9 @@ def _empty() -> dict:
 
 
 def read(runs_dir: str | os.PathLike) -> dict:
-    """The queue file's contents (an empty queue when there is none); a damaged one is a
-    RunError naming it, never silently replaced."""
+    """The queue file's contents (an empty queue when there is none); a damaged one, or
+    one holding a job that `add_run` would not make, is a RunError naming it, never
+    silently replaced."""
     p = queue_path(runs_dir)
     try:
         data = json.loads(p.read_text())
@@ -117,13 +130,106 @@ def read(runs_dir: str | os.PathLike) -> dict:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise RunError(f"{p}: the queue file cannot be read ({e}); move it aside to start an empty queue") from None
     ok = isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("jobs"), list) \
-        and isinstance(data.get("history"), list) and isinstance(data.get("next_id"), int) \
-        and all(isinstance(j, dict) and {"id", "token", "kind", "folder", "command", "cwd"} <= set(j)
-                for j in data["jobs"])
+        and isinstance(data.get("history"), list) and isinstance(data.get("next_id"), int)
     if not ok:
         raise RunError(f"{p}: not a queue file of this edgetune (format {FORMAT}); move it aside to start an empty "
                        "queue")
+    for job in data["jobs"]:
+        problem = job_problem(runs_dir, job)
+        if problem:
+            raise RunError(f"{p}: {problem}; nothing in the queue runs: move the file aside to start an empty queue")
+    for h in data["history"]:
+        if not (isinstance(h, dict) and _number(h.get("id")) and all(isinstance(h.get(k), str) for k in
+                ("kind", "folder", "status", "message")) and isinstance(h.get("ended"), (int, float))):
+            raise RunError(f"{p}: an ended job that is not one this edgetune writes ({json.dumps(h)[:80]}); move "
+                           "the file aside to start an empty queue")
     return data
+
+
+TOKEN = re.compile(r"[0-9a-f]{32}")  # a job's token: uuid4().hex
+STATES = ("queued", "started")
+
+
+def _number(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def spool_path(runs_dir: str | os.PathLike, token: str) -> Path:
+    """Where a queued run's settings are kept: in the queue's own folder, named by its token."""
+    return Path(runs_dir).resolve() / SPOOL / f"{token}.yaml"
+
+
+def job_problem(runs_dir: str | os.PathLike, job) -> str | None:
+    """What makes `job` (as read from a queue file) other than a job `add_run` makes, in
+    words; None when it is one."""
+    from edgetune.engine.core.settings import GPUS
+
+    if not isinstance(job, dict):
+        return f"a job that is not one this edgetune writes ({json.dumps(job)[:80]})"
+    who = f"job {job.get('id')!r}"
+    if not _number(job.get("id")):
+        return f"{who}: its number is not a whole number from 1"
+    if not (isinstance(job.get("token"), str) and TOKEN.fullmatch(job["token"])):
+        return f"{who}: its token is not one edgetune makes"
+    if job.get("kind") not in KINDS:
+        return f"{who}: no kind of job {job.get('kind')!r}"
+    try:
+        check_run_name(job.get("folder"))
+    except ConfigError:
+        return f"{who}: folder {job.get('folder')!r} is not a plain run name in the runs folder"
+    spool = str(spool_path(runs_dir, job["token"]))
+    command = job.get("command")
+    forms = (["train", "--config", spool],)
+    if not (isinstance(command, list) and (command in forms or (
+            command[:3] in forms and len(command) == 5 and command[3] == "--gpus" and isinstance(command[4], str)
+            and command[4].isdigit() and GPUS.allows(int(command[4]))))):
+        return f"{who}: its command {json.dumps(command)[:120]} is not one edgetune train --queue makes"
+    if job.get("settings") != spool:
+        return f"{who}: its settings are not the queue's own copy ({spool})"
+    if not (isinstance(job.get("cwd"), str) and os.path.isabs(job["cwd"])):
+        return f"{who}: its working folder {job.get('cwd')!r} is not an absolute path"
+    if job.get("state", "queued") not in STATES:
+        return f"{who}: state {job.get('state')!r} is not one of {', '.join(STATES)}"
+    for key, types in (("method", str), ("steps", int), ("added", (int, float)), ("started", (int, float)),
+                       ("revived", bool), ("ran", bool)):
+        if job.get(key) is not None and not isinstance(job[key], types):
+            return f"{who}: {key} {job[key]!r} is not a {getattr(types, '__name__', 'number')}"
+    return None
+
+
+def _consent(job: dict) -> dict:
+    """What decides what a job runs, for the user's record: its command, folder and settings."""
+    try:
+        settings = hashlib.sha256(Path(job["settings"]).read_bytes()).hexdigest()
+    except OSError:
+        settings = None
+    return {"token": job["token"], "kind": job["kind"], "command": job["command"], "cwd": job["cwd"],
+            "settings": settings}
+
+
+def queued_here(job: dict) -> bool:
+    """Did this machine's user queue `job`, as it is now (engine/core/consent.py)?"""
+    return consent.recorded("queued", _consent(job))
+
+
+def waiting_line(runs_dir: str | os.PathLike, job: dict) -> str | None:
+    """One line for a job that waits for the user's word (not queued by this user, or its
+    settings changed since), naming what it would run; None when it may run."""
+    import shlex
+
+    if queued_here(job):
+        return None
+    code = ""
+    try:
+        from edgetune.engine.core.settings import load_run_config
+
+        found = api.code_it_runs(load_run_config(job["settings"]))
+        code = "".join(f"; it runs {what} ({setting})" for setting, what in found)
+    except (EdgetuneError, OSError):
+        pass
+    return (f"job {job['id']} ({job['folder']}) waits: it was not queued by this user on this machine, or its "
+            f"settings ({job['settings']}) changed since{code}; read them, and if you trust it: edgetune queue "
+            f"confirm {job['id']} --runs-dir {shlex.quote(str(runs_dir))}")
 
 
 @contextlib.contextmanager
@@ -131,15 +237,21 @@ def editing(runs_dir: str | os.PathLike):
     """The queue's contents to change in place; written whole when the block ends without
     an error, all under QUEUE_LOCK."""
     d = Path(runs_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / QUEUE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d / QUEUE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"the queue of {d} cannot be changed: {os_error_line(e)}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         data = read(d)
         before = json.dumps(data)
         yield data
         if json.dumps(data) != before:
-            atomic_write_text(queue_path(d), json.dumps(data, indent=1))
+            try:
+                atomic_write_text(queue_path(d), json.dumps(data, indent=1))
+            except OSError as e:  # the file as it was: written whole or not at all
+                raise RunError(f"the queue of {d} is unchanged: {os_error_line(e)}") from None
     finally:
         os.close(fd)
 
@@ -177,8 +289,12 @@ def add(runs_dir: str | os.PathLike, kind: str, command: list[str], folder: str,
         job = {"id": data["next_id"], "token": token or uuid.uuid4().hex, "kind": kind,
                "folder": _free_name(api.check_run_name(folder), _taken(runs_dir, data)), "command": list(command),
                "cwd": str(Path(cwd).resolve()), "added": time.time(), "state": "queued", **extra}
+        problem = job_problem(runs_dir, job)
+        if problem:
+            raise RunError(f"{queue_path(runs_dir)}: {problem}")
         data["next_id"] += 1
         data["jobs"].append(job)
+        consent.record("queued", _consent(job))  # before the queue file says so: a driver may look at once
     return job
 
 
@@ -194,8 +310,11 @@ def add_run(cfg, gpus: int = 1, cwd: str | os.PathLike | None = None) -> dict:
     name = cfg.run.name or f"{cfg.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     api.check_run_name(name)
     token = uuid.uuid4().hex
-    spool = runs_dir / SPOOL / f"{token}.yaml"
-    atomic_write_text(spool, cfg.to_yaml())
+    spool = spool_path(runs_dir, token)
+    try:
+        atomic_write_text(spool, cfg.to_yaml())
+    except OSError as e:
+        raise RunError(f"nothing was queued: {os_error_line(e)}") from None
     try:
         command = ["train", "--config", str(spool)] + (["--gpus", str(gpus)] if gpus > 1 else [])
         return add(runs_dir, "train", command, name, cwd or os.getcwd(), token=token, settings=str(spool),
@@ -254,10 +373,25 @@ def _record(data: dict, job: dict, status: str, message: str) -> None:
 
 
 def _drop_spool(job: dict) -> None:
-    """The copy of a queued run's settings, made when it was queued, once the job is done."""
+    """The copy of a queued run's settings, made when it was queued, and the user's record
+    of it, once the job is done."""
+    consent.forget("queued", _consent(job))
     spool = job.get("settings")
     if spool and Path(spool).parent.name == SPOOL:
         Path(spool).unlink(missing_ok=True)
+
+
+def confirm(runs_dir: str | os.PathLike, job_id: int) -> dict:
+    """The user's word that a job in the queue (one copied with the runs folder, or whose
+    settings changed since it was queued) may run as it is now."""
+    runs_dir = Path(runs_dir)
+    with editing(runs_dir) as data:
+        job = _find(data, job_id, runs_dir)
+        if not Path(job["settings"]).is_file():
+            raise RunError(f"job {job_id}: its settings {job['settings']} are gone; cancel it (edgetune queue cancel "
+                           f"{job_id} --runs-dir {runs_dir})")
+        consent.record("queued", _consent(job))
+    return job
 
 
 # --------------------------------------------------------------------------- the driver
@@ -295,6 +429,7 @@ class Driver:
         self.runs_dir = Path(runs_dir).resolve()
         self.say = say
         self.fd: int | None = None
+        self.told: set[str] = set()  # the jobs that said they wait for the user's word
 
     def acquire(self) -> bool:
         """Become the queue's driver; False when another process is."""
@@ -327,21 +462,30 @@ class Driver:
             self.release()
 
     def step(self) -> str:
-        """One look at the queue's first job, acting on it: 'empty', 'wait' (it, or
-        another run, still works) or 'next' (look again at once)."""
+        """One look at the queue's first job that may run, acting on it: 'empty' (nothing
+        to do: no job, or only jobs that wait for the user's word), 'wait' (it, or another
+        run, still works) or 'next' (look again at once)."""
         data = read(self.runs_dir)
-        if not data["jobs"]:
+        job = self._next(data["jobs"])
+        if job is None:
             return "empty"
-        job = data["jobs"][0]
         kind = KINDS[job["kind"]]
-        folder = self.runs_dir / job["folder"]
-        if RunDir(folder).queue_job() == job["token"]:  # it started: wait for its end, then record it
+        folder = self._found(job)
+        if folder is not None and folder.parent.name == api.TRASH:  # deleted since it started
+            status = api.Run(folder).status()
+            self._end(job, status if status in ("finished", "stopped") else "deleted", f"its run was moved to "
+                      f"{folder} (edgetune restore {folder.name} --runs-dir {self.runs_dir} brings it back)")
+            return "next"
+        if folder is not None:  # it started: wait for its end, then record it
+            if folder.name != job["folder"]:  # renamed since: the job follows its run
+                self._set(job, folder=folder.name)
+            if not job.get("ran"):
+                self._set(job, ran=True)
             if _busy(self.runs_dir):
                 return "wait"
             if kind.revive is not None and not RunDir(folder).events_path.exists() and not job.get("revived"):
                 self.say(f"job {job['id']}: {folder} appeared but its work never started; starting it")
-                with editing(self.runs_dir) as data:  # once: a worker that dies before its first word is recorded
-                    _find(data, job["id"], self.runs_dir)["revived"] = True
+                self._set(job, revived=True)  # once: a worker that dies before its first word is recorded
                 try:
                     kind.revive(folder, job)
                 except api.RunsFolderBusy:
@@ -354,17 +498,25 @@ class Driver:
                 return "wait"
             self._end(job, *outcome)
             return "next"
+        if job.get("ran"):  # its folder appeared, and is gone since: never a second run of it
+            self._end(job, "deleted", f"its run folder {self.runs_dir / job['folder']} was deleted after it started; "
+                      "it is not started again")
+            return "next"
+        folder = self.runs_dir / job["folder"]
         if folder.exists():  # the name was taken since the job was queued: the job takes another
             with editing(self.runs_dir) as data:
                 j = next((x for x in data["jobs"] if x["id"] == job["id"]), None)  # (None: cancelled meanwhile)
                 if j is not None:
                     j["folder"] = _free_name(job["folder"], _taken(self.runs_dir, data))
             return "next"
+        if not Path(job["settings"]).is_file():
+            self._end(job, "failed", f"its settings {job['settings']} are gone")
+            return "next"
         if _busy(self.runs_dir):  # a run started elsewhere: the queue waits its turn
             return "wait"
         with editing(self.runs_dir) as data:
             j = next((x for x in data["jobs"] if x["id"] == job["id"]), None)
-            if j is None or data["jobs"][0] is not j:  # cancelled or moved meanwhile
+            if j is None or self._next(data["jobs"], quiet=True) is not j:  # cancelled or moved meanwhile
                 return "next"
             j["state"] = "started"
             j["started"] = time.time()
@@ -380,15 +532,54 @@ class Driver:
         except OSError as e:
             p, why = None, f"{job['cwd']}: cannot start the job there ({e.strerror})"
         if RunDir(folder).queue_job() == job["token"]:
+            self._set(job, ran=True)
             return "wait"  # it runs (or ran): the next look records its end
         if p is not None and _busy(self.runs_dir):  # another run took the device first: try again later
-            with editing(self.runs_dir) as data:
-                j = next((x for x in data["jobs"] if x["id"] == job["id"]), None)
-                if j is not None:
-                    j["state"] = "queued"
+            self._set(job, state="queued")
             return "wait"
         self._end(job, "failed", why)
         return "next"
+
+    def _next(self, jobs: list[dict], quiet: bool = False) -> dict | None:
+        """The first job that may run: one this user queued (queued_here), or one that
+        started already (only its end is recorded; nothing of it is started). Each other
+        job says once, in one line, what it waits for."""
+        for job in jobs:
+            if queued_here(job):
+                return job
+            if job.get("state") == "started" and self._found(job) is not None \
+                    and RunDir(self._found(job)).events_path.exists():
+                return job
+            if not quiet and job["token"] not in self.told:
+                self.told.add(job["token"])
+                self.say(waiting_line(self.runs_dir, job))
+        return None
+
+    def _found(self, job: dict) -> Path | None:
+        """The run folder of a job that started: the one holding its token, under the name the
+        queue gave it, or another it was renamed to since, or in the trash; None when no
+        folder holds it."""
+        folder = self.runs_dir / job["folder"]
+        if RunDir(folder).queue_job() == job["token"]:
+            return folder
+        if job.get("state") != "started":
+            return None
+        for where in (self.runs_dir, self.runs_dir / api.TRASH):
+            try:
+                found = [p for p in where.iterdir() if not p.name.startswith(".") and p.is_dir()
+                         and not p.is_symlink() and RunDir(p).queue_job() == job["token"]]
+            except OSError:
+                continue
+            if found:
+                return found[0]
+        return None
+
+    def _set(self, job: dict, **fields) -> None:
+        with editing(self.runs_dir) as data:
+            j = next((x for x in data["jobs"] if x["id"] == job["id"]), None)
+            if j is not None:
+                j.update(fields)
+        job.update(fields)
 
     def _end(self, job: dict, status: str, message: str) -> None:
         with editing(self.runs_dir) as data:

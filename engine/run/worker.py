@@ -35,11 +35,13 @@ from edgetune.engine.core.runfolder import (
     INPUTS_FILE,
     RunDir,
     atomic_write_text,
+    cannot_write,
     changed_input,
     checkpoint_mismatch,
     clean_temporaries,
     disk_full,
     exit_words,
+    inputs_unchecked,
     record_inputs,
 )
 from edgetune.engine.core.settings import cache_dir, from_dict, load_run_config, resume_changes
@@ -234,7 +236,10 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
         if main:
             run.clear_stop()
-            if not (run.path / INPUTS_FILE).is_file():  # what it trains on, checked at each resume and export
+            unchecked = inputs_unchecked(run) if resume else None
+            if unchecked:
+                emit("warning", message=unchecked)
+            if unchecked or not (run.path / INPUTS_FILE).is_file():  # checked at each resume and export
                 record_inputs(run, cfg)
         # A run given more steps keeps its learning-rate schedule's length (engine/run/api.more_steps).
         schedule = dist.broadcast_object(schedule_steps(read_events(run.events_path)) if main else None)
@@ -302,6 +307,11 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
             where = getattr(e, "filename", None) or run.path
             emit("error", message=f"no space left on {where}: free some space, then edgetune resume {run.path}",
                  kind="input")
+            return 2
+        if cannot_write(e):  # the run folder made read-only or unwritable under the run: the user's condition too
+            where = getattr(e, "filename", None) or run.path
+            emit("error", message=f"{where}: cannot write there ({getattr(e, 'strerror', None) or e}); make the run "
+                                  f"folder writable, then edgetune resume {run.path}", kind="input")
             return 2
         first = str(e).splitlines()[0] if str(e) else ""
         emit("error", message=f"internal error: {type(e).__name__}: {first} (traceback in {run.log_path})",

@@ -45,15 +45,31 @@ def receive(f):
 
 def _die_with_parent(parent: int) -> None:
     """Linux: the kernel kills this process when the trainer dies (even by SIGKILL), so a
-    reward stuck in a loop does not outlive its run."""
+    reward stuck in a loop does not outlive its run; and this process is the subreaper of
+    what the function starts (PR_SET_CHILD_SUBREAPER): an orphan of theirs, in a session of
+    its own too, becomes its child, where the trainer finds it (rewards._descendants)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _reap() -> None:
+    """Collect the ended processes this one adopted as their subreaper (a zombie holds its
+    entry until its parent waits for it)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _one_line(e: BaseException) -> str:
@@ -105,6 +121,7 @@ def main() -> int:
         if os.getpid() != me:  # a fork of the function's that returned (or exited) here: it is not the worker
             os._exit(0)
         send(out, answer_)
+        _reap()
     return 0
 
 

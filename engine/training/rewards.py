@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -289,6 +290,7 @@ USER_REWARD_START_TIMEOUT_S = 120.0
 # What the user's function (and what it starts) may print into the run's worker.log, for
 # the whole run; past it one line says the rest is left out.
 USER_REWARD_LOG_CAP_BYTES = 1 << 20
+TOKEN_ENV = "EDGETUNE_REWARD_PROCESS"  # in the environment of a reward process and all it starts
 
 
 class RewardFailing(ConfigError):
@@ -299,10 +301,12 @@ class UserRewardProcess:
     """The user's reward function in a child process (engine/training/reward_worker.py): `call`
     sends one completion and waits at most `timeout` seconds for its score; past that the
     process is killed (a limit the function cannot catch) and the next call starts a new
-    one. Calls are serialised (one pipe). The process leads a process group of its own:
-    whatever the function starts is in it, and ends with it (`close`) or, when it outlives
-    its call, at the end of the step (`end_step`). What they print reaches the log through
-    this process, USER_REWARD_LOG_CAP_BYTES at most."""
+    one; a process that ends before it answers is reported at once (its pidfd), also when a
+    fork of it still holds the pipe. Calls are serialised (one pipe). Whatever the function
+    starts, in a session of its own too, is found (the process is their child subreaper,
+    and they carry its token in their environment) and ends with it (`close`) or, when it
+    outlives its call, at the end of the step (`end_step`). What they print reaches the log
+    through this process, USER_REWARD_LOG_CAP_BYTES at most."""
 
     def __init__(self, file: str, shown: str):
         self.file, self.shown = file, shown
@@ -310,13 +314,21 @@ class UserRewardProcess:
         self.lock = threading.Lock()
         self._procs: list = []  # what the finaliser kills when this object goes away
         self._log_left = [USER_REWARD_LOG_CAP_BYTES]  # shared by every process of this reward
-        weakref.finalize(self, _kill_all, self._procs)
+        self.token = uuid.uuid4().hex  # in the environment of every process it starts (TOKEN_ENV)
+        self.pidfd: int | None = None  # readable once the process has ended (Linux), beside its pipe
+        weakref.finalize(self, _kill_all, self._procs, self.token)
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{TOKEN_ENV: self.token})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgetune.engine.training.reward_worker", self.file, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, process_group=0)
+        try:
+            self.pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
         threading.Thread(target=_forward_capped, args=(self.proc.stderr, self._log_left, self.shown),
                          name="edgetune-reward-log", daemon=True).start()
         self._procs[:] = [self.proc]
@@ -351,12 +363,15 @@ class UserRewardProcess:
         need = HEADER.size
         while len(buf) < need:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            watched = [fd] if self.pidfd is None else [fd, self.pidfd]
+            ready = select.select(watched, [], [], max(left, 0))[0] if left > 0 else []
+            if not ready:
                 self.close()
                 if starting:
                     return "load_error", f"took longer than {timeout:g} s to import"
                 raise TimeoutError(f"took longer than {timeout:g} s")
-            chunk = os.read(fd, need - len(buf))
+            # the process ended: at once, also when a fork of it still holds the pipe open
+            chunk = os.read(fd, need - len(buf)) if fd in ready else b""
             if not chunk:
                 code = self.proc.wait()
                 self.close()
@@ -370,42 +385,66 @@ class UserRewardProcess:
         return pickle.loads(buf[HEADER.size:need])
 
     def close(self) -> None:
-        _kill_all(self._procs)
+        _kill_all(self._procs, self.token)
         self.proc = None
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def end_step(self) -> None:
         """End what the function started and left running (a subprocess, a fork): the
         members of the reward process's group other than itself."""
         with self.lock:
             if self.proc is not None and self.proc.poll() is None:
-                _kill_group(self.proc.pid, spare=self.proc.pid)
+                _kill_descendants(self.proc.pid, self.token)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The processes of a process group (Linux: /proc)."""
-    out = []
+def _descendants(root: int, token: str) -> list[int]:
+    """The live processes a reward process started, however they were started (Linux: /proc):
+    those under it by their parent links (it is their subreaper: an orphan of theirs
+    becomes its child, in a new session too) and any whose environment carries its `token`
+    (one that outlived it, adopted by init since)."""
+    mark = f"{TOKEN_ENV}={token}".encode()
+    parents: dict[int, int] = {}
+    found: set[int] = set()
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(name))
-    return out
-
-
-def _kill_group(pgid: int, spare: int | None = None) -> None:
-    """SIGKILL every member of a process group (but `spare`)."""
-    if spare is None:
+        if not name.isdigit():
+            continue
         try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z":
+            continue
+        parents[int(name)] = int(fields[1])
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.add(int(name))
+        except OSError:
             pass
-        return
-    for pid in _group_members(pgid):
-        if pid != spare:
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    found.discard(root)
+    return sorted(found)
+
+
+def _kill_descendants(root: int, token: str) -> None:
+    """SIGKILL everything a reward process started (not itself), again while some fork
+    more between two looks."""
+    for _ in range(20):
+        pids = _descendants(root, token)
+        if not pids:
+            return
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -440,11 +479,17 @@ def describe(e: Exception) -> str:
     return str(e) if isinstance(e, _RewardError) else f"{type(e).__name__}: {e}"
 
 
-def _kill_all(procs: list) -> None:
-    """Each reward process and what it started (its process group)."""
+def _kill_all(procs: list, token: str) -> None:
+    """Each reward process and what it started: that first (while the process, their
+    subreaper, still holds them), then the process, then what outlived it."""
     for proc in procs:
-        _kill_group(proc.pid)
+        _kill_descendants(proc.pid, token)
+        try:
+            proc.kill()
+        except OSError:
+            pass
         proc.wait()
+        _kill_descendants(proc.pid, token)
         for f in (proc.stdin, proc.stdout):
             if f is not None:
                 f.close()

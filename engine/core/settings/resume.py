@@ -10,6 +10,7 @@ from typing import Any
 
 from edgetune.engine.core.config_files import read_run_yaml
 from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.settings.checks import setting_value
 from edgetune.engine.core.settings.config import Config, declared
 from edgetune.engine.core.settings.fields import brief
@@ -79,7 +80,8 @@ def resume_changes(cfg: Config, trained: dict, config_path: str | os.PathLike = 
         old, new = setting_value(then, key), setting_value(cfg, key)
         if old == new:
             continue
-        if key not in APPLIED_ON_RESUME:
+        more = key == f"{cfg.method}.{RECORDS[cfg.method].length}" and not RECORDS[cfg.method].more_steps
+        if key not in APPLIED_ON_RESUME and not more:  # (more: its step count, which --more-steps raises)
             raise ConfigError(f"{config_path}: {key} is {brief(new)} but the run trained with {brief(old)}, which "
                               f"its checkpoint keeps (a resume would ignore the new value); set it back to "
                               f"{brief(old)} to resume, or start a new run with the new value")
