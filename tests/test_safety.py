@@ -527,3 +527,14 @@ def test_two_starts_in_one_app_process_one_is_refused(tmp_path, tiny_model_dir):
     finally:
         for r in api.list_runs(runs):
             r.kill()
+
+
+def test_a_long_library_reason_is_cut_after_a_whole_sentence_never_mid_name():
+    from edgetune.engine.core.errors import reason_line
+
+    said = ("CUDA graphs cannot capture this step because a tensor was allocated outside the pool. "
+            "Re-running `torch.cuda.graphs.make_graphed_callables` with the same inputs would not help here")
+    assert reason_line(said, 200) == said.split(" Re-running")[0] + " …"
+    cut = reason_line("x " * 30 + "Re-running `torch.cuda.graphs.make_graphed_callables` now", 80)
+    assert "`" not in cut and cut.endswith(" …") and len(cut) <= 82
+    assert reason_line("short\nsecond line") == "short"

@@ -35,6 +35,22 @@ class CheckpointError(RunError):
     """A checkpoint that is missing, truncated, or holds more than tensors and numbers."""
 
 
+def reason_line(text: str, limit: int = 200) -> str:
+    """The first line of a library's message, for a one-line reason: whole when it fits,
+    else cut after its last whole sentence (or word) within `limit` characters, marked "…",
+    never mid-word or inside a `quoted name`."""
+    line = (str(text).strip().splitlines() or [""])[0].strip()
+    if len(line) <= limit:
+        return line
+    head = line[:limit]
+    ends = [head.rfind(mark) + 1 for mark in (". ", "; ", ": ")]
+    cut = max(ends) if max(ends) > limit // 3 else head.rfind(" ")
+    head = head[:cut if cut > 0 else limit].rstrip(" ;:,")
+    if head.count("`") % 2:  # an unclosed `name`: end before it
+        head = head[:head.rfind("`")].rstrip(" ;:,(")
+    return head + " …"
+
+
 def os_error_line(e: OSError) -> str:
     """An OSError as one line naming the file and the condition (a full disk, a read-only
     folder): the user's condition, never a traceback."""

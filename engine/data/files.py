@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.errors import DataError, reason_line
 from edgetune.engine.core.settings import EMBEDDED_PAIRS_DATA, EMBEDDED_RL_DATA, EMBEDDED_SFT_DATA, DataSettings
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -374,7 +374,7 @@ def _read_whole(p: Path, kind: str, shown: str, max_rows: int) -> list[dict]:
             except PermissionError:
                 raise
             except Exception as e:
-                raise DataError(f"cannot read as {kind}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                raise DataError(f"cannot read as {kind}: {type(e).__name__}: {reason_line(str(e))}",
                                 file=shown) from None
     except PermissionError:
         raise DataError("file is not readable (permissions)", file=shown) from None

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.errors import EdgetuneError, RunError, reason_line
 from edgetune.engine.core.threads import worker_env
 
 # --------------------------------------------------------------------------- the worker
@@ -194,7 +194,7 @@ def main() -> int:
             import traceback
 
             traceback.print_exc()
-            result = {"ok": False, "error": f"internal error: {type(e).__name__}: {str(e)[:200]}"}
+            result = {"ok": False, "error": f"internal error: {type(e).__name__}: {reason_line(str(e))}"}
         out.write(json.dumps(result) + "\n")
         out.flush()
     return 0

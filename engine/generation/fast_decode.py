@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgetune.engine.core.errors import reason_line
+
 from edgetune.engine.generation.decoding import Sampler, cache_kw, decode_plain, inner_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -711,7 +713,7 @@ class Decoder:
             graph = self._capture(st)
         except Exception as e:  # a layer that cannot be captured: keep decoding eagerly
             torch.cuda.synchronize()
-            self.info["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.info["graph_error"] = f"{type(e).__name__}: {reason_line(str(e))}"
             self.use_graph = False
             return None
         self.graphs[key][1] = graph

@@ -27,7 +27,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from edgetune.engine.core.errors import EdgetuneError, RunError
+from edgetune.engine.core.errors import EdgetuneError, RunError, reason_line
 from edgetune.engine.core.methods import METHODS as RECORDS
 from edgetune.engine.core.runfolder import atomic_dir, atomic_write_text, disk_full, pid_alive
 from edgetune.engine.core.settings import Config
@@ -399,7 +399,7 @@ def check_finite(path: Path) -> None:
                 raise RunError(f"{path}: tensor {name} holds NaN or infinite values (the run diverged); "
                                "not exported")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        why = reason_line(str(e), 120) or type(e).__name__
         raise RunError(f"{path}: not a readable safetensors file ({why})") from None
 
 

@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from edgetune.engine.core.errors import ModelError
+from edgetune.engine.core.errors import ModelError, reason_line
 from edgetune.engine.core.runfolder import atomic_dir
 from edgetune.engine.core.settings import EMBEDDED_MODEL, LoraSettings, ModelSettings, cache_dir
 
@@ -375,7 +375,7 @@ def _load_cached(cached: Path, kwargs: dict):
     except Exception as e:  # noqa: BLE001 - any failure of our own entry costs a re-quantisation, not the run
         if "out of memory" in str(e).lower():
             raise
-        why = f"does not load ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        why = f"does not load ({type(e).__name__}: {reason_line(str(e))})"
         print(f"warning: quantised base: {quant_cache.drop(cached, why)}", file=sys.stderr, flush=True)
         return None
     print(f"quantised base: loaded from the cache {cached}", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.errors import ConfigError, reason_line
 
 from edgetune.engine.data import prompts
 
@@ -181,7 +181,7 @@ def load_tasks(task: str) -> tuple:
             cfg = tm._entry(name).cfg or {}
             where = " ".join(str(x) for x in (cfg.get("dataset_path"), cfg.get("dataset_name")) if x)
             raise ConfigError(f"{task}: its data could not be loaded ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else ''}); download the dataset {where} "
+                              f"{reason_line(str(e), 160)}); download the dataset {where} "
                               f"while online (HF_HUB_OFFLINE unset), or point a task YAML at local files") from None
     return tm, built
 

@@ -21,6 +21,8 @@ import hashlib
 import re
 import time
 
+from edgetune.engine.core.errors import reason_line
+
 from edgetune.engine.run.api import check_report_to
 
 # Event types whose numbers are curves, and the tag section each goes under.
@@ -172,7 +174,7 @@ class Tracker:
                 except Exception:
                     pass
             if warn:
-                first = (str(e).strip().splitlines() or [""])[0][:200]
+                first = reason_line(str(e))
                 self.emit("warning", message=f"run.report_to {self.backend}: {type(e).__name__}: {first}; "
                                              "tracking stopped, training goes on (events.jsonl has every number)")
 

@@ -22,7 +22,7 @@ import torch
 
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import memory
-from edgetune.engine.core.errors import CheckpointError, ConfigError, RunError
+from edgetune.engine.core.errors import CheckpointError, ConfigError, RunError, reason_line
 from edgetune.engine.core.events import EventWriter
 from edgetune.engine.core.runfolder import RunDir, atomic_dir
 from edgetune.engine.core.settings import SEED, Config
@@ -265,7 +265,7 @@ def read_state(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing") from None
     except Exception as e:  # truncated, damaged, or not made of plain tensors and numbers
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = reason_line(str(e), 160) or type(e).__name__
         raise CheckpointError(f"{f}: unreadable or unsafe ({first})") from None
 
 
@@ -280,7 +280,7 @@ def check_checkpoint(path: Path) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing") from None
     except Exception as e:
-        raise CheckpointError(f"{f}: unreadable ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") \
+        raise CheckpointError(f"{f}: unreadable ({reason_line(str(e), 160) or type(e).__name__})") \
             from None
 
 

@@ -54,7 +54,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
-from edgetune.engine.core.errors import ConfigError
+from edgetune.engine.core.errors import ConfigError, reason_line
 
 from edgetune.engine.training.reward_worker import HEADER, send
 
@@ -267,7 +267,7 @@ def load_user_reward(path: str) -> ScoreOne:
             raise
         except Exception as e:  # noqa: BLE001 - counted here, reported per completion by Reward.score
             failures[0] += 1
-            failures[1] = describe(e).splitlines()[0][:200]
+            failures[1] = reason_line(describe(e))
             if failures[0] >= USER_REWARD_MAX_CONSECUTIVE_FAILURES:
                 raise RewardFailing(f"reward_file {path}: failed on {failures[0]} completions in a row "
                                     f"(last: {failures[1]}); fix it, then edgetune resume the run") from None
