@@ -534,7 +534,8 @@ def test_a_long_library_reason_is_cut_after_a_whole_sentence_never_mid_name():
 
     said = ("CUDA graphs cannot capture this step because a tensor was allocated outside the pool. "
             "Re-running `torch.cuda.graphs.make_graphed_callables` with the same inputs would not help here")
-    assert reason_line(said, 200) == said.split(" Re-running")[0] + " …"
+    assert reason_line(said, 120) == said.split(" Re-running")[0] + " …"
+    assert reason_line(said, 300) == said
     cut = reason_line("x " * 30 + "Re-running `torch.cuda.graphs.make_graphed_callables` now", 80)
     assert "`" not in cut and cut.endswith(" …") and len(cut) <= 82
     assert reason_line("short\nsecond line") == "short"
