@@ -74,6 +74,7 @@ class DataTab:
         except EdgetuneError as e:
             return {self.report: f"### ✗ {e}"}
         result = api.check_data(cfg)
+        self.page.checked(cfg, result)  # Start refuses what this check refused
         rows = panels.preview_frame(result)
         has_lengths = bool(((result.get("report") or {}).get("histogram") or {}).get("counts"))
         return {self.report: panels.data_report_markdown(result),
