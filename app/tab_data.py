@@ -106,5 +106,7 @@ class DataTab:
         path_box = self.page.fields["data.path"]
         self.upload.clear(self.drop_upload, path_box, [path_box, *outputs])
         self.check_btn.click(self.do_check, self.page.form_inputs, outputs)
-        self.upload.upload(self.take_upload, self.upload, [self.page.fields["data.path"]]) \
-            .then(self.do_check, self.page.form_inputs, outputs)
+        kept = self.upload.upload(self.take_upload, self.upload, [self.page.fields["data.path"]])
+        kept.then(self.do_check, self.page.form_inputs, outputs)
+        kept.then(self.page.remember, self.page.form_inputs | {self.page.form_memory},
+                  [self.page.form_memory, self.page.form_note], show_progress="hidden")
