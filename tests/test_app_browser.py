@@ -595,6 +595,7 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         page.goto(url)
         page.wait_for_selector("#tabs")
         _wait(lambda: "old-stopped" in banner(), 30, "the stopped run in the banner")
+        _tab(page, "4 · Train")
         assert "the settings of run old-stopped" in page.locator("#form-origin").inner_text()
 
         # -- a file the Data tab refused: Start says the same line and makes no run folder
@@ -647,9 +648,12 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
             [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart", "--runs-dir",
              str(runs), "--name", "from-the-cli", "--set", f"model.name={tiny_model_dir}", "--set", "model.quant=none",
              "--set", "sft.steps=2000", "--set", "sft.eval_every=0", "--set", "sft.samples=0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            stdout=open(tmp_path / "cli.log", "w"), stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         try:
-            _wait(lambda: "from-the-cli" in banner(), 240, "the page to show the command line's run")
+            try:
+                _wait(lambda: "from-the-cli" in banner(), 240, "the page to show the command line's run")
+            except AssertionError as e:
+                raise AssertionError(f"{e}; the command printed: {(tmp_path / 'cli.log').read_text()[-1500:]}") from None
             _wait(lambda: _enabled(page)["stop"], 30, "Stop on the command line's run")
             page.click("#stop-btn")
             _wait(lambda: _progress(page)["status"] == "stopped", 240, "the command line's run to stop")
@@ -660,10 +664,12 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         _tab(page, "3 · Method")
         page.click("#preset-dpo-quickstart")
         page.wait_for_selector("#preset-info:has-text('dpo-quickstart')")
+        _tab(page, "4 · Train")
         _wait(lambda: "preset dpo-quickstart" in page.locator("#form-origin").inner_text(), 30, "the form's origin")
         page.wait_for_timeout(1000)  # the browser keeps the form
         page.reload()
         page.wait_for_selector("#tabs")
+        _tab(page, "4 · Train")
         _wait(lambda: "kept across the reload" in page.locator("#form-origin").inner_text(), 30, "the kept form")
         assert "preset dpo-quickstart" in page.locator("#form-origin").inner_text()
         _tab(page, "3 · Method")
