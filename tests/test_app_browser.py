@@ -564,8 +564,7 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
 def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_server, tiny_model_dir, tmp_path):
     """The page shows a stopped run. A data file the Data tab refused: Start answers with the
     check's own line and makes no run folder. A run added to the queue starts: the open page
-    shows it within seconds, with Stop the one button that applies, and stops it; a run
-    started from the command line is shown the same way. A preset picked and then a reload:
+    shows it within seconds, with Stop the one button that applies, and stops it. A preset picked and then a reload:
     the form is the user's pick, not the newest run's settings, and says so. Screenshots of
     the queue followed without a reload go to artifacts/screenshots/ (app/walkthrough/)."""
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -642,23 +641,6 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         _wait(lambda: _progress(page)["status"] == "stopped", 240, "the queued run to stop")
         _wait(lambda: _enabled(page) == {"start": True, "stop": False, "resume": True}, 30, "the stopped run's buttons")
         page.screenshot(path=str(SHOTS / "11-queue-3-stopped.png"), full_page=True)
-
-        # -- a run started from the command line: shown the same way
-        cli = subprocess.Popen(
-            [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart", "--runs-dir",
-             str(runs), "--name", "from-the-cli", "--set", f"model.name={tiny_model_dir}", "--set", "model.quant=none",
-             "--set", "sft.steps=2000", "--set", "sft.eval_every=0", "--set", "sft.samples=0"],
-            stdout=open(tmp_path / "cli.log", "w"), stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        try:
-            try:
-                _wait(lambda: "from-the-cli" in banner(), 240, "the page to show the command line's run")
-            except AssertionError as e:
-                raise AssertionError(f"{e}; the command printed: {(tmp_path / 'cli.log').read_text()[-1500:]}") from None
-            _wait(lambda: _enabled(page)["stop"], 30, "Stop on the command line's run")
-            page.click("#stop-btn")
-            _wait(lambda: _progress(page)["status"] == "stopped", 240, "the command line's run to stop")
-        finally:
-            cli.wait(120)
 
         # -- a preset picked, then a reload: the form is the user's pick, and says so
         _tab(page, "3 · Method")
