@@ -80,11 +80,19 @@ def compare_figure(runs: list[tuple[str, list[dict]]], label: str):
     one = Plot(plot.title, plot.y_title, (series,), plot.x_title)
     fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    drawn = 0
-    for name, events in runs:
+    drawn, curves = 0, {}
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+    for k, (name, events) in enumerate(runs):
         frame = plot_frame(events, one)
         if len(frame):
-            ax.plot(frame["step"], frame["value"], marker="o", markersize=3, linewidth=1.5, label=name)
+            # a line style and marker a run, so that equal curves drawn on top of each other
+            # stay visible as two; the legend names the run whose curve this one repeats
+            key = (tuple(frame["step"]), tuple(frame["value"]))
+            same = curves.setdefault(key, name)
+            line, mark = styles[k % len(styles)]
+            ax.plot(frame["step"], frame["value"], line, marker=mark, markersize=3 + 1.5 * (k % 3), linewidth=1.5,
+                    fillstyle="none" if k % 2 else "full",
+                    label=name if same == name else f"{name} (the same curve as {same})")
             drawn += 1
         else:
             ax.plot([], [], " ", label=f"{name}: no {label}")
@@ -322,7 +330,8 @@ def memory_html(mem: dict | None, host_total: int, alive: bool, now: float | Non
         rows.append('<div class="et-mem-note">No CUDA GPU in the worker: training on the CPU.</div>')
     rows.append(_bar("Host RAM (worker)", mem.get("host_rss", 0), host_total))
     stamp = time.strftime("%H:%M:%S", time.localtime(mem.get("time", 0)))
-    state = (f"updated {stamp} ({age:.0f}s ago)" if alive and age < 10
-             else f"last reading {stamp} (worker not running)")
+    # no seconds-ago counter: the panel changes only when the worker writes a reading
+    state = (f"updated {stamp}" if alive and age < 10
+             else f"last reading {stamp}" + ("" if alive else " (worker not running)"))
     return (f'<div class="et-memory" data-time="{mem.get("time", 0)}">{"".join(rows)}'
             f'<div class="et-mem-note">{state}</div></div>')

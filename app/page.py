@@ -63,6 +63,11 @@ def message(text: str, kind: str = "info") -> str:
     return f"{mark}{text}"
 
 
+def form_note(origin: str) -> str:
+    """The line above Start saying whose settings the form holds."""
+    return f"The form holds **{origin}**: Start and Add to queue make a new run from it."
+
+
 def _reaper(workers: list, exits: dict, lock: threading.Lock, every: float = 2.0) -> None:
     """Collect the exit status of the workers this app started, so a finished worker
     does not stay behind as a defunct process until the app exits; `exits` keeps it by
@@ -95,12 +100,16 @@ class Page:
         self._workers: list = []  # runs this app started: reaped when they end
         self._exits: dict[str, int] = {}  # run folder -> its last worker's exit status, once reaped
         self._workers_lock = threading.Lock()
+        self._events: dict[str, tuple] = {}  # run folder -> (events.jsonl's size and time, its events)
+        self._events_lock = threading.Lock()
+        self._refused: dict[str, str] = {}  # data_key -> the line of the Data tab's check that refused it
         threading.Thread(target=_reaper, args=(self._workers, self._exits, self._workers_lock),
                          name="edgetune-reaper", daemon=True).start()
         # Laid out by ui.build_app and the tabs:
         self.attached = self.seen = self.msg_at = None  # gr.State: run folder shown, last drawing, message origin
         self.timer, self.tick_seconds = None, {}  # the live view's gr.Timer and its paces (ui.py)
         self.banner = self.tabs = self.method_radio = None
+        self.form_memory = self.form_note = None  # gr.BrowserState: the form kept in the browser; its origin line
         self.method_cols: dict[str, gr.Column] = {}
         self.model_tab = self.data_tab = self.method_tab = None
         self.train_tab = self.runs_tab = self.chat_tab = self.export_tab = None
@@ -149,7 +158,8 @@ class Page:
     @property
     def form_outputs(self) -> list:
         """What `fill_from()` writes."""
-        return [self.method_radio, *self.fields.values(), *self.method_cols.values()]
+        return [self.method_radio, *self.fields.values(), *self.method_cols.values(), self.form_memory,
+                self.form_note]
 
     def config(self, values: dict):
         """The form's widget values ({component: value}) -> a validated Config (raises
@@ -159,13 +169,42 @@ class Page:
                                        [values[self.fields[k]] for k in keys],
                                        [self.spec_of[k] for k in keys], str(self.runs_dir))
 
-    def fill_from(self, cfg) -> dict:
-        """Every setting's widget (and the method's column) showing `cfg`."""
+    def fill_from(self, cfg, origin: str = "") -> dict:
+        """Every setting's widget (and the method's column) showing `cfg`; with `origin` (a
+        preset, a run), the form kept in the browser as that and the line above Start saying so."""
         keys = list(self.fields)
         values = form.values_from_config(cfg, [self.spec_of[k] for k in keys])
         out = {self.method_radio: BY_KEY[cfg.method].label}
         out.update({self.fields[k]: v for k, v in zip(keys, values)})
         out.update({col: gr.Column(visible=key == cfg.method) for key, col in self.method_cols.items()})
+        if origin:
+            out.update(self.remember(out, origin))
+        return out
+
+    # ------------------------------------------------------------------ what the form holds
+
+    def remember(self, values: dict, origin: str | None = None) -> dict:
+        """The form as it stands kept in the browser (page.form_memory, its localStorage), with
+        where it came from: a reload restores the user's own choice, not a run's. `origin`:
+        a preset or run that just filled the form; None: the user changed a field."""
+        memory = values.get(self.form_memory) or {}
+        if origin is None:
+            was = memory.get("origin") or "the form"
+            origin = was if was.endswith("changed by you") else f"{was}, changed by you"
+        kept = {"method": values[self.method_radio], "origin": origin,
+                "values": {k: values[w] for k, w in self.fields.items()}}
+        return {self.form_memory: kept, self.form_note: form_note(origin)}
+
+    def restore(self, memory: dict) -> dict:
+        """The form as the browser kept it ({} when it kept none that fits this page)."""
+        values = (memory or {}).get("values") or {}
+        label = (memory or {}).get("method")
+        if label not in BY_LABEL or not values:
+            return {}
+        out = {self.method_radio: label}
+        out.update({w: values[k] for k, w in self.fields.items() if k in values})
+        out.update({col: gr.Column(visible=BY_LABEL[label].name == key) for key, col in self.method_cols.items()})
+        out[self.form_note] = form_note(f"{memory.get('origin') or 'your settings'} (kept across the reload)")
         return out
 
     def fill_from_run(self, path: str) -> dict:
@@ -180,7 +219,38 @@ class Page:
             return {}
         cfg.run.name = ""
         cfg.run.runs_dir = str(self.runs_dir)
-        return self.fill_from(cfg)
+        return self.fill_from(cfg, f"the settings of run {run.name}")
+
+    # ------------------------------------------------------------------ the data check
+
+    def data_key(self, cfg) -> str:
+        """What the data check of `cfg` depends on: the method, the data settings, the
+        model (its tokenizer), the seed, and the size and time of each file they name."""
+        data = cfg.to_dict()["data"]
+        files = []
+        for value in data.values():
+            if isinstance(value, str) and value and not value.startswith("embedded:"):
+                try:
+                    st = Path(value).expanduser().stat()
+                except OSError:
+                    continue
+                files.append((value, st.st_size, st.st_mtime_ns))
+        return repr((cfg.method, data, cfg.model.name, cfg.run.seed, files))
+
+    def checked(self, cfg, result: dict) -> None:
+        """The Data tab's check of `cfg`: a refusal is kept, so that Start and Add to queue
+        refuse the same data with the same line (refused())."""
+        with self._workers_lock:
+            if result.get("ok"):
+                self._refused.pop(self.data_key(cfg), None)
+            else:
+                self._refused[self.data_key(cfg)] = result.get("error") or "unknown problem"
+
+    def refused(self, cfg) -> str:
+        """The Data tab's line on this very data ("" when it did not refuse it)."""
+        with self._workers_lock:
+            why = self._refused.get(self.data_key(cfg))
+        return f"This data cannot be used yet (Data tab): {why}" if why else ""
 
     # ------------------------------------------------------------------ runs
 
@@ -200,6 +270,29 @@ class Page:
 
     def run_of(self, path: str):
         return api.open_run(path) if path and Path(path).is_dir() else None
+
+    def events_of(self, run) -> list[dict]:
+        """The run's events, read again only when events.jsonl changed (its size and time):
+        a timer tick on a run that wrote nothing new parses nothing."""
+        try:
+            st = run.dir.events_path.stat()
+            stamp = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            return []
+        with self._events_lock:
+            kept = self._events.get(str(run.path))
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        events = list(run.events())
+        with self._events_lock:
+            self._events[str(run.path)] = (stamp, events)
+        return events
+
+    def live_run(self) -> str:
+        """The folder of a run whose worker lives (the newest such), "" when none: a run
+        started by the queue, the command line or another page (one file read a run)."""
+        alive = [r for r in api.list_runs(self.runs_dir) if r.dir.pid_path.exists() and r.alive()]
+        return str(alive[0].path) if alive else ""
 
     def default_run(self) -> str:
         """The run a fresh page attaches to: the one training, else the newest."""

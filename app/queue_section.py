@@ -16,7 +16,7 @@ from edgetune.engine.core.errors import EdgetuneError
 
 from edgetune.engine.run import api, queue
 
-from .page import message, or_skip
+from .page import message
 
 COLUMNS = ["place", "job", "state", "run", "method", "steps", "queued"]
 ENDED_SHOWN = 5  # the last jobs that ended, under the table
@@ -152,8 +152,11 @@ class QueueSection:
         p = self.page
         said = p.said(values[p.attached])
         try:
+            cfg = p.config(values)
+            if p.refused(cfg):  # the Data tab's line, before the queue keeps the run
+                raise EdgetuneError(p.refused(cfg))
             gpus = values.get(p.train_tab.gpus)
-            job = queue.add_run(p.config(values), gpus=1 if gpus is None else gpus)
+            job = queue.add_run(cfg, gpus=1 if gpus is None else gpus)
         except EdgetuneError as e:
             text = message(str(e), "error")
             return {self.msg: text, p.train_tab.msg: text, p.msg_at: said}
@@ -164,11 +167,9 @@ class QueueSection:
 
     def wire(self, add_btn: gr.Button) -> None:
         p = self.page
-        inputs = [self.seen, p.attached]
         changed = [*self.outputs, self.msg]
         add_btn.click(self.add, p.form_inputs | {p.train_tab.gpus, p.attached},
                       [*changed, p.train_tab.msg, p.msg_at])
         for btn, how in ((self.up_btn, "up"), (self.down_btn, "down"), (self.cancel_btn, "cancel")):
             btn.click(lambda picked, how=how: self.act(picked, how), self.pick, changed)
-        if p.timer is not None:
-            p.timer.tick(or_skip(self.refresh), inputs, self.outputs, show_progress="hidden")
+

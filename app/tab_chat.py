@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
+import time
 
 import gradio as gr
 
@@ -17,11 +19,32 @@ from . import panels
 from .page import message, slider_field
 
 ANSWERING = "Answering: the adapter's side first, then the base's…"
+LOADING = "Answering: the chat worker loads the model first (the first reply waits for it)…"
+# The chat worker holds the model in memory: it ends after this long without a question
+# (the next question starts it again, as the first did).
+IDLE_SECONDS = 600.0
+
+
+def _close_when_idle(tab: "ChatTab", every: float = 30.0) -> None:
+    while True:
+        time.sleep(every)
+        chat = tab.page.chat
+        if chat.proc is None or time.time() - tab.used < IDLE_SECONDS:
+            continue
+        if chat.lock.acquire(blocking=False):  # never under a reply being streamed
+            try:
+                chat.close()
+                tab.loaded = None
+            finally:
+                chat.lock.release()
 
 
 class ChatTab:
     def __init__(self, page):
         self.page = page
+        self.used = time.time()  # the last question's time
+        self.loaded = None  # the model and adapter the chat worker holds (None: it holds none)
+        threading.Thread(target=_close_when_idle, args=(self,), name="edgetune-chat-idle", daemon=True).start()
         self.info = gr.Markdown("", elem_id="chat-info")
         with gr.Row():
             self.base = gr.Chatbot(label="Base model", height=360, elem_id="chat-base")
@@ -89,8 +112,12 @@ class ChatTab:
             return {self.base: hist_base + [user, {"role": "assistant", "content": shown["base"]}],
                     self.tuned: hist_tuned + [user, {"role": "assistant", "content": shown["tuned"]}], **(extra or {})}
 
-        # the question at once, the prompt box ready for the next
-        yield view({self.prompt: "", self.info: ANSWERING if adapter else "Answering: the base model…"})
+        # the question at once, the prompt box ready for the next; the wait for a model to load said
+        self.used = time.time()
+        wanted = (repr(dataclasses.asdict(cfg.model)), adapter)
+        alive = p.chat.proc is not None and p.chat.proc.poll() is None
+        yield view({self.prompt: "", self.info: LOADING if not alive or self.loaded != wanted else
+                    ANSWERING if adapter else "Answering: the base model…"})
         system = (values.get(self.system) or "").strip() or cfg.data.system_prompt
         req = {"model": dataclasses.asdict(cfg.model), "adapter": adapter, "messages": hist_base + [user],
                "tuned_messages": hist_tuned + [user], "max_new_tokens": max_new,
@@ -101,11 +128,13 @@ class ChatTab:
         for reply in p.chat.stream(req):
             if "partial" in reply:
                 shown[reply["partial"]] = reply["text"] or "…"
-                yield view()
+                loading, self.loaded = self.loaded != wanted, wanted
+                yield view({self.info: ANSWERING if adapter else "Answering: the base model…"} if loading else None)
         if not reply.get("ok"):
             yield {self.base: hist_base, self.tuned: hist_tuned, self.prompt: text,
                    self.info: message(reply.get("error", "chat failed"), "error")}
             return
+        self.loaded, self.used = wanted, time.time()
         shown["base"] = reply["base"]
         if reply.get("tuned") is not None:
             shown["tuned"] = reply["tuned"]

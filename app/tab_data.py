@@ -74,6 +74,7 @@ class DataTab:
         except EdgetuneError as e:
             return {self.report: f"### ✗ {e}"}
         result = api.check_data(cfg)
+        self.page.checked(cfg, result)  # Start refuses what this check refused
         rows = panels.preview_frame(result)
         has_lengths = bool(((result.get("report") or {}).get("histogram") or {}).get("counts"))
         return {self.report: panels.data_report_markdown(result),
@@ -105,5 +106,7 @@ class DataTab:
         path_box = self.page.fields["data.path"]
         self.upload.clear(self.drop_upload, path_box, [path_box, *outputs])
         self.check_btn.click(self.do_check, self.page.form_inputs, outputs)
-        self.upload.upload(self.take_upload, self.upload, [self.page.fields["data.path"]]) \
-            .then(self.do_check, self.page.form_inputs, outputs)
+        kept = self.upload.upload(self.take_upload, self.upload, [self.page.fields["data.path"]])
+        kept.then(self.do_check, self.page.form_inputs, outputs)
+        kept.then(self.page.remember, self.page.form_inputs | {self.page.form_memory},
+                  [self.page.form_memory, self.page.form_note], show_progress="hidden")

@@ -22,11 +22,12 @@ from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.run import api, eval_jobs
 from edgetune.engine.run.eval_tasks import LARGE_TASK_PROMPTS, task_list
 
-from .page import message
+from .page import message, or_skip
 
 SCORE_COLUMNS = ["task", "system", "metric", "score", "95% interval"]
 MAX_DIFFERENCES = 100  # items listed where the systems differ (the JSON result has all)
-TICK_SECONDS = 1.0
+TICK_SECONDS = 1.0  # the timer's pace while a job runs
+IDLE_TICK_SECONDS = 5.0  # and while none does: a job started from the command line shows within it
 
 
 def _fmt(x: float, share: bool) -> str:
@@ -170,10 +171,10 @@ class EvalTab:
         self.plot = gr.Plot(show_label=False, elem_id="eval-plot", format="png")
         self.words = gr.Markdown("", elem_id="eval-words")
         self.diffs = gr.Dataframe(pd.DataFrame(), label="Answers where the systems differ", interactive=False,
-                                  elem_id="eval-diffs", wrap=True)
+                                  elem_id="eval-diffs", wrap=True, visible=False)
         self.shown = gr.State("")  # the job folder the tab shows ("" = the newest)
-        self.drawn = gr.State("")  # what the result panels last drew (job and status)
-        self.timer = gr.Timer(TICK_SECONDS)
+        self.drawn = gr.State("")  # what the tab last drew (its progress line, job and status)
+        self.timer = gr.Timer(IDLE_TICK_SECONDS)
 
     def job_of(self, shown: str):
         if shown and (Path(shown) / "request.json").is_file():
@@ -181,18 +182,31 @@ class EvalTab:
         jobs = eval_jobs.list_evals(self.page.runs_dir)
         return jobs[0] if jobs else None
 
-    def draw(self, shown: str, drawn: str) -> dict:
-        """The progress line every tick; the result panels when the job or its status changed."""
+    def draw(self, shown: str, drawn) -> dict:
+        """The progress line when it changed; the result panels when the job or its status
+        changed; the tab's timer every TICK_SECONDS while a job runs, IDLE_TICK_SECONDS
+        otherwise. {} when nothing changed: nothing goes to the browser."""
+        drawn = drawn if isinstance(drawn, dict) else {}  # "": draw everything again
         job = self.job_of(shown)
-        out = {self.status: progress_text(job)}
-        key = f"{job.path}:{job.status()}" if job is not None else ""
-        if key == drawn:
-            return out
-        result = job.result() if job is not None else None
-        names = [j.name for j in eval_jobs.list_evals(self.page.runs_dir)]
-        out.update({self.drawn: key, self.table: scores_frame(result), self.plot: score_figure(result),
-                    self.words: comparisons_text(result), self.diffs: differences_frame(result),
-                    self.select: gr.Dropdown(choices=names, value=job.name if job is not None else None)})
+        status = job.status() if job is not None else ""
+        now = {**drawn, "text": progress_text(job), "key": f"{job.path}:{status}" if job is not None else "",
+               "running": status == "running"}
+        out = {}
+        if now["text"] != drawn.get("text"):
+            out[self.status] = now["text"]
+        if now["key"] != drawn.get("key") or "key" not in drawn:
+            result = job.result() if job is not None else None
+            names = [j.name for j in eval_jobs.list_evals(self.page.runs_dir)]
+            diffs = differences_frame(result)
+            out.update({self.table: scores_frame(result), self.plot: score_figure(result),
+                        self.words: comparisons_text(result),
+                        # hidden where there is none to list (a loss-only task has no answers)
+                        self.diffs: gr.Dataframe(value=diffs, visible=len(diffs) > 0),
+                        self.select: gr.Dropdown(choices=names, value=job.name if job is not None else None)})
+        if now["running"] != drawn.get("running"):
+            out[self.timer] = gr.Timer(value=TICK_SECONDS if now["running"] else IDLE_TICK_SECONDS)
+        if now != drawn:
+            out[self.drawn] = now
         return out
 
     def refresh(self) -> dict:
@@ -228,11 +242,11 @@ class EvalTab:
     def wire(self) -> None:
         p = self.page
         shown = [self.shown, self.drawn]
-        drawn = [self.status, self.drawn, self.table, self.plot, self.words, self.diffs, self.select]
-        self.timer.tick(self.draw, shown, drawn, show_progress="hidden")
+        drawn = [self.status, self.drawn, self.table, self.plot, self.words, self.diffs, self.select, self.timer]
+        self.timer.tick(or_skip(self.draw), shown, drawn, show_progress="hidden")
         self.refresh_btn.click(self.refresh, None, [self.runs])
         inputs = {self.base, self.runs, self.held_out, self.files, self.harness, self.long_ok} | p.form_inputs
         self.start_btn.click(self.do_start, inputs, [self.msg, self.shown, self.drawn]) \
-            .then(self.draw, shown, drawn)
+            .then(or_skip(self.draw), shown, drawn)
         self.stop_btn.click(self.do_stop, self.shown, [self.msg])
-        self.select.input(self.do_select, self.select, [self.shown, self.drawn]).then(self.draw, shown, drawn)
+        self.select.input(self.do_select, self.select, [self.shown, self.drawn]).then(or_skip(self.draw), shown, drawn)

@@ -54,7 +54,7 @@ class MethodTab:
         except EdgetuneError as e:
             return {self.info: message(str(e), "error")}
         desc = form.preset_title(form.all_presets()[name])
-        return {**self.page.fill_from(cfg), self.info: message(f"Loaded preset **{name}**: {desc}", "ok"),
+        return {**self.page.fill_from(cfg, f"preset {name}"), self.info: message(f"Loaded preset **{name}**: {desc}", "ok"),
                 self.page.model_tab.estimate: estimate_text(cfg)}
 
     def show_method(self, label: str) -> dict:

@@ -21,7 +21,9 @@ class RunsTab:
     def __init__(self, page):
         self.page = page
         self.table = gr.Dataframe(panels.runs_frame([]), label=f"Runs in {page.runs_dir}", interactive=False,
-                                  elem_id="runs-table", wrap=True)
+                                  elem_id="runs-table", wrap=True,
+                                  # a long metrics text wraps in its column instead of pushing others off
+                                  column_widths=["16%", "8%", "7%", "7%", "32%", "18%", "12%"])
         # Each run's curves are also TensorBoard event files (run.report_to, engine/run/tracking.py).
         gr.Markdown(f"Compare runs in TensorBoard: `tensorboard --logdir {page.runs_dir}` (one run's curves: "
                     f"`{page.runs_dir}/<run>/tensorboard`)", elem_id="runs-tensorboard")
@@ -54,7 +56,9 @@ class RunsTab:
         self.compare_plot = gr.Plot(show_label=False, elem_id="compare-plot", format="png", visible=False)
 
     def frame(self):
-        return panels.runs_frame(api.summaries(self.page.runs_dir))
+        # newest first by when each run was created (a renamed run keeps its place)
+        runs = sorted(api.summaries(self.page.runs_dir), key=lambda s: s.get("created") or float("inf"), reverse=True)
+        return panels.runs_frame(runs)
 
     def choices(self, selected: str = "") -> gr.Dropdown:
         """The run picker, on `selected` (a run folder) when it is listed, else the newest."""

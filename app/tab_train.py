@@ -8,6 +8,7 @@ app re-attaches to the same run and replays its history.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -28,6 +29,11 @@ from .tab_model import decided_text
 PLOT_EVERY_S = 5.0
 
 
+def _digest(value) -> str:
+    """A short fingerprint of what a part of the page shows: sent again only when it changes."""
+    return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
+
+
 class TrainTab:
     def __init__(self, page):
         self.page = page
@@ -40,6 +46,7 @@ class TrainTab:
             n_gpus = api.gpu_count()  # several visible: the run may train data-parallel on them
             self.gpus = number_field(value=1, minimum=1, maximum=max(n_gpus, 1), precision=0, visible=n_gpus > 1,
                                      label=f"GPUs (of {n_gpus})", elem_id="start-gpus")
+        page.form_note = gr.Markdown("", elem_id="form-origin")  # whose settings the form holds
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
         self.msg = gr.Markdown("", elem_id="train-message")
@@ -73,9 +80,12 @@ class TrainTab:
                 self.resume_btn, *([p.timer] if p.timer is not None else [])]
 
     def draw(self, path: str, last: dict, msg: dict) -> dict:
-        """The Train tab for one run (plots only when its events changed, and while it trains
-        at most every PLOT_EVERY_S), the banner, and what other tabs show of the run (the
-        runs table, the Try-it and Export notes)."""
+        """The Train tab for one run, the banner, and what other tabs show of the run (the
+        runs table, the Try-it and Export notes): each part sent only when what it shows
+        changed (`last` keeps a digest of what was sent), the plots only when their data
+        changed and, while the run trains, at most every PLOT_EVERY_S. A tick on a run that
+        wrote nothing new sends the progress line alone while it trains (its clock), and
+        nothing once it ended."""
         p = self.page
         run = p.run_of(path)
         if run is None:
@@ -85,10 +95,11 @@ class TrainTab:
                     self.memory: live.memory_html(None, p.host_total, False),
                     p.banner: p.banner_text(path), p.seen: {"path": path, "status": "none"},
                     **self.buttons("none"), **self.pace("none")}
-        events = list(run.events())
+        events = p.events_of(run)
         status = run.status(events)
-        if status not in api.ACTIVE and last.get("path") == path and last.get("status") == status \
-                and last.get("n") == len(events) and not msg:
+        same = last.get("path") == path
+        moved = not same or last.get("n") != len(events) or last.get("status") != status
+        if not moved and status not in api.ACTIVE and not msg and not last.get("plot_due"):
             return {}  # an ended run, unchanged since the last tick: nothing to redraw
         try:
             mem = json.loads(run.dir.memory_path.read_text())
@@ -96,33 +107,50 @@ class TrainTab:
             mem = None
         except (OSError, ValueError):  # mid-rename on some filesystems: keep the last reading
             mem = last.get("mem")
-        key = {"path": path, "n": len(events), "status": status}
-        out = {self.progress: live.progress_html(events, status, p.death(run) if status == "crashed" else "",
-                                                 time.time()),
-               self.memory: live.memory_html(mem, p.host_total, run.alive()),
-               p.banner: f"Showing run **{run.name}** · {status}",
-               p.seen: {**key, "mem": mem, "plotted": last.get("plotted", 0.0) if path == last.get("path") else 0.0}}
-        if {k: last.get(k) for k in key} != key:
+        now = time.time()
+        seen = {"path": path, "n": len(events), "status": status, "mem": mem,
+                "sent": dict(last.get("sent") or {}) if same else {},
+                "plotted": last.get("plotted", 0.0) if same else 0.0, "plot_due": last.get("plot_due") and same}
+        out: dict = {}
+
+        def send(component, name: str, value, digest=None) -> None:
+            digest = digest if digest is not None else _digest(value)
+            if seen["sent"].get(name) != digest:
+                seen["sent"][name] = digest
+                out[component] = value
+
+        send(self.progress, "progress", live.progress_html(events, status, p.death(run) if status == "crashed" else "",
+                                                           now))
+        send(self.memory, "memory", live.memory_html(mem, p.host_total, run.alive()))
+        send(p.banner, "banner", f"Showing run **{run.name}** · {status}")
+        if moved or seen["plot_due"]:
             started = next((e for e in reversed(events) if e["type"] == "started"), None)
             name = started.get("method") if started else run.summary()["method"]
             method = BY_KEY.get(name, METHODS[0])  # a damaged config.yaml: the first method
-            now = time.time()
-            if status not in ("running", "starting") or now - out[p.seen]["plotted"] >= PLOT_EVERY_S:
-                frames = live.plot_frames(events, method)
-                stepped = any(e["type"] == "step" for e in events)
-                out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped), visible=True)
-                            if i < len(frames) else gr.Plot(visible=False) for i, plot in enumerate(self.plots)})
-                out[p.seen]["plotted"] = now
-            out[self.logs] = live.log_lines(events)
+            frames = live.plot_frames(events, method)
+            stepped = any(e["type"] == "step" for e in events)
+            digest = _digest([stepped, method.name, *(f.to_json() for f in frames)])
+            if digest != seen["sent"].get("plots"):
+                if status not in ("running", "starting") or now - seen["plotted"] >= PLOT_EVERY_S:
+                    out.update({plot: gr.Plot(value=live.plot_figure(frames[i], method.plots[i], stepped),
+                                              visible=True) if i < len(frames) else gr.Plot(visible=False)
+                                for i, plot in enumerate(self.plots)})
+                    seen["sent"]["plots"], seen["plotted"], seen["plot_due"] = digest, now, False
+                else:
+                    seen["plot_due"] = True  # drawn on a later tick, once PLOT_EVERY_S has passed
+            else:
+                seen["plot_due"] = False
+        if moved:
+            send(self.logs, "logs", live.log_lines(events))
             shown = [live.eval_samples_markdown(events), live.samples_markdown(events) if method.samples else ""]
-            out[self.samples] = "\n\n".join(part for part in shown if part)
-            # The runs table follows every event (its step column moves with the run).
-            out[p.runs_tab.table] = p.runs_tab.frame()
-        if status != last.get("status") or path != last.get("path"):
+            send(self.samples, "samples", "\n\n".join(part for part in shown if part))
+            # The runs table follows the run (its step column moves with it).
+            table = p.runs_tab.frame()
+            send(p.runs_tab.table, "table", table, _digest(table.to_json()))
+        if status != last.get("status") or not same:
             # The Try-it / Export notes follow the run's status (an adapter appears when it stops).
             out[p.chat_tab.info] = p.chat_tab.describe(path)
             out[p.export_tab.info] = p.export_tab.describe(path)
-        if status != last.get("status") or path != last.get("path"):
             out.update(self.buttons(status))
             out.update(self.pace(status))
         # A message belongs to the action that made it: it stays until the next action, and
@@ -131,6 +159,8 @@ class TrainTab:
                 e["type"] in ("finished", "stopped", "error") and e["i"] >= int(msg.get("n") or 0) for e in events)):
             out[self.msg] = ""
             out[p.msg_at] = {}
+        if out or seen != last:
+            out[p.seen] = seen
         return out
 
     def pace(self, status: str) -> dict:
@@ -162,8 +192,11 @@ class TrainTab:
         p = self.page
         path = values[p.attached]
         try:
+            cfg = p.config(values)
+            if p.refused(cfg):  # before any run folder is made
+                raise EdgetuneError(p.refused(cfg))
             gpus = values.get(self.gpus)
-            run = p.adopt(api.start(p.config(values), gpus=1 if gpus is None else gpus))
+            run = p.adopt(api.start(cfg, gpus=1 if gpus is None else gpus))
         except EdgetuneError as e:
             return {self.msg: message(str(e), "error"), p.msg_at: p.said(path)}
         return {self.msg: message(f"Started run **{run.name}** (folder `{run.path}`)", "ok"),

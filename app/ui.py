@@ -19,7 +19,7 @@ import gradio as gr
 
 from edgetune.engine.run import api
 
-from .page import Page, or_skip
+from .page import QUICKSTART, Page, form_note, or_skip
 from .tab_chat import ChatTab
 from .tab_data import DataTab
 from .tab_eval import EvalTab
@@ -32,7 +32,7 @@ from .tab_train import TrainTab
 # The live view's timer: every second while the run shown trains; an idle page (a run that
 # ended, or none) looks every IDLE_TICK_SECONDS only, for a run started elsewhere (the CLI).
 TICK_SECONDS = 1.0
-IDLE_TICK_SECONDS = 5.0
+IDLE_TICK_SECONDS = 3.0
 
 CSS = """
 .et-progress { padding: 10px 12px; border: 1px solid var(--border-color-primary); border-radius: 8px; }
@@ -40,7 +40,7 @@ CSS = """
 .et-progress-values { margin-left: auto; font-family: var(--font-mono); font-size: 0.9em; }
 .et-bar { flex: 1; height: 14px; background: var(--background-fill-secondary); border-radius: 7px; overflow: hidden;
           border: 1px solid var(--border-color-primary); }
-.et-bar-fill { height: 100%; background: var(--color-accent); transition: width 0.5s; }
+.et-bar-fill { height: 100%; background: var(--color-accent); }  /* no transition: nothing moves between updates */
 .et-bar-fill.et-finished { background: #16a34a; } .et-bar-fill.et-failed, .et-bar-fill.et-crashed { background: #dc2626; }
 .et-bar-fill.et-stopped { background: #d97706; }
 .et-progress-text { margin-top: 6px; font-family: var(--font-mono); font-size: 0.9em; }
@@ -58,17 +58,43 @@ CSS = """
 """
 
 
-def fresh_page(page: Page) -> dict:
-    """A page (re)loaded: attach to the active (or newest) run, draw it, fill the form with
-    its settings (a new Start from them gets a fresh name), and open the Train tab while
-    that run trains."""
+def fresh_page(page: Page, memory: dict | None = None) -> dict:
+    """A page (re)loaded: attach to the active (or newest) run, draw it, and open the Train
+    tab while that run trains. The form shows what the browser kept of it (the user's own
+    choice, unsubmitted or not), else the settings of the run shown (a new Start from them
+    gets a fresh name), and the line above Start says which."""
     path = page.default_run()
     out = {page.attached: path, **page.train_tab.draw(path, {}, {}), **page.train_tab.queue.section(),
-           **page.runs_tab.refresh(path), **page.fill_from_run(path)}
+           **page.runs_tab.refresh(path)}
+    out.update(page.restore(memory) or page.fill_from_run(path)
+               or {page.form_note: form_note(f"preset {QUICKSTART}")})
     run = page.run_of(path)
     if run is not None and run.status() in api.ACTIVE:
         out[page.tabs] = gr.Tabs(selected="train")
     return out
+
+
+def tick(page: Page, attached: str, seen: dict, msg_at: dict, queue_seen: str) -> dict:
+    """One tick of the page's timer: the queue section, then the run to show (the page
+    follows a run that started anywhere: the queue, the command line, another page, unless
+    it shows one that trains), then that run's view (TrainTab.draw: only what changed)."""
+    out = page.train_tab.queue.refresh(queue_seen, attached)
+    path = out.get(page.attached, attached)
+    seen = dict(seen or {})
+    before = seen.get("followed")
+    if seen.get("path") == path and seen.get("status") in api.ACTIVE:
+        seen["followed"] = path  # a run this page has shown training is never followed again
+    elif path == attached:
+        live = page.live_run()
+        if live and live != path and live != seen.get("followed"):
+            path = out[page.attached] = live
+            seen["followed"] = live
+    drawn = page.train_tab.draw(path, seen, msg_at)
+    if page.seen in drawn:
+        drawn[page.seen]["followed"] = seen.get("followed")
+    elif seen.get("followed") != before:
+        drawn[page.seen] = seen
+    return {**out, **drawn}
 
 
 def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
@@ -82,6 +108,8 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
         page.msg_at = gr.State({})  # the run and event count at which the Train tab's message was made
         page.timer = gr.Timer(IDLE_TICK_SECONDS)  # draw() sets its pace from the run's state
         page.tick_seconds = {"active": TICK_SECONDS, "idle": IDLE_TICK_SECONDS}
+        # the form as the user left it, kept in the browser's localStorage (Page.remember)
+        page.form_memory = gr.BrowserState({}, storage_key="edgetune-form")
 
         with gr.Row():
             gr.Markdown("## edgetune · LoRA fine-tuning on one GPU")
@@ -110,13 +138,18 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
             tab.wire()
         page.train_tab.wire(train_tab)
 
-        train = page.train_tab
-        page.timer.tick(or_skip(train.draw), train.live_inputs, train.live_outputs, show_progress="hidden")
+        train, queue = page.train_tab, page.train_tab.queue
+        # one request a tick for the Train tab and its queue section; nothing sent while nothing changed
+        page.timer.tick(or_skip(lambda *a: tick(page, *a)), [*train.live_inputs, queue.seen],
+                        list(dict.fromkeys([*train.live_outputs, *queue.outputs])), show_progress="hidden")
+        # a field the user changes: the form kept in the browser, so that a reload restores it
+        gr.on([w.input for w in [page.method_radio, *page.fields.values()]], page.remember,
+              page.form_inputs | {page.form_memory}, [page.form_memory, page.form_note], show_progress="hidden")
 
         demo.load(page.eval_tab.refresh, None, [page.eval_tab.runs])  # the runs to pick, as they are now
-        demo.load(lambda: fresh_page(page), None, [page.attached, *train.live_outputs, page.runs_tab.select,
-                                                    page.runs_tab.compare, *page.train_tab.queue.section_outputs,
-                                                    *page.form_outputs, page.tabs])
+        demo.load(lambda memory: fresh_page(page, memory), page.form_memory,
+                  list(dict.fromkeys([page.attached, *train.live_outputs, page.runs_tab.select, page.runs_tab.compare,
+                                      *queue.section_outputs, *page.form_outputs, page.tabs])))
 
     demo.edgetune_chat = page.chat  # so launch() can stop the chat worker on exit
     demo.edgetune_page = page

@@ -213,7 +213,7 @@ def test_memory_panel_shows_gpu_bars_or_says_cpu():
            "host_rss": 2 * gib}
     html = live.memory_html(mem, 32 * gib, alive=True, now=1001.0)
     for text in ("GPU allocated", "3.00 / 24.0 GiB", "GPU reserved", "GPU peak", "5.00 / 24.0 GiB",
-                 "Host RAM (worker)", "2.00 / 32.0 GiB", "(1s ago)"):
+                 "Host RAM (worker)", "2.00 / 32.0 GiB", "updated "):
         assert text in html
     cpu = live.memory_html({"time": 1000.0, "gpu": {"total": 0}, "host_rss": gib}, 32 * gib, alive=False)
     assert "No CUDA GPU" in cpu and "worker not running" in cpu
@@ -452,7 +452,7 @@ def test_the_form_fills_and_reads_back_by_component(page):
     """A preset fills every setting's widget and the method's column, keyed by component;
     the same dict read back is the preset's config (no list order to keep in step)."""
     cfg = form.preset_config("essa-quickstart", str(page.runs_dir))
-    filled = page.fill_from(cfg)
+    filled = page.fill_from(cfg, "preset essa-quickstart")
     assert set(filled) == set(page.form_outputs) and len(page.fields) == len(page.specs)
     assert filled[page.fields["essa.population"]] == cfg.essa.population
     assert filled[page.method_radio] == BY_KEY["essa"].label
@@ -715,7 +715,7 @@ def test_a_resume_confirmation_stays_until_the_run_ends_again(own_page):
     for _ in range(3):  # ticks while the resumed worker has not written its `started` yet
         out = train.draw(str(run), seen, said)
         assert train.msg not in out
-        seen = out[page.seen]
+        seen = out.get(page.seen, seen)  # an unchanged run: nothing sent, the state included
     _append(run, _ev(7, "started", method="sft", config={"sft": {"steps": 10}}, resumed_from=2))
     (run / "worker.pid").write_text(str(__import__("os").getpid()))
     out = train.draw(str(run), seen, said)
@@ -988,7 +988,7 @@ def test_every_timer_tick_answers_what_gradio_accepts(tmp_path):
     demo = build_app(tmp_path / "runs")
     try:
         ticks = [fn for fn in demo.fns.values() if any(event == "tick" for _, event in fn.targets)]
-        assert len(ticks) >= 3  # the Train tab's live view, the queue section, the Evaluate tab
+        assert len(ticks) >= 2  # the Train tab's live view and its queue section, the Evaluate tab
         for fn in ticks:
             values = {c._id: c.value for c in fn.inputs}
             answers = []
@@ -1032,3 +1032,133 @@ def test_an_ended_pages_event_stream_is_no_traceback_in_the_terminal():
     assert not keep(record(sse_stream))
     assert keep(record(download))
     assert keep(logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "other", None, None))
+
+
+# --------------------------------------------------------------------------- a page cheap to watch, that follows the runs folder
+
+
+def test_a_tick_sends_only_what_changed(own_page):
+    """A training run that wrote nothing new: a tick sends its progress line alone (its
+    clock moves), not the memory panel, logs, plots or runs table; an ended run sends
+    nothing; a new event sends the logs and the table again."""
+    import os
+
+    page, train = own_page, own_page.train_tab
+    run = _hand_run(page, "busy", "sft-quickstart", SFT_EVENTS, alive=True)
+    (run / "memory.json").write_text(json.dumps({"time": 1_700_000_000, "gpu": {}, "host_rss": 2**30}))
+    first = train.draw(str(run), {}, {})
+    assert {train.progress, train.memory, train.logs, page.runs_tab.table, train.plots[0]} <= set(first)
+    again = train.draw(str(run), first[page.seen], {})
+    assert set(again) - {train.progress, page.seen} == set(), set(again)
+    _append(run, _ev(6, "step", step=3, total=10, loss=1.5))
+    moved = train.draw(str(run), (again.get(page.seen) or first[page.seen]), {})
+    assert "step 3/10" in moved[train.logs] and train.memory not in moved and page.runs_tab.table in moved
+    os.remove(run / "worker.pid")
+    _append(run, _ev(7, "stopped", step=3, adapter=None, metrics={}))
+    ended = train.draw(str(run), moved[page.seen], {})
+    assert train.draw(str(run), ended[page.seen], {}) == {}
+
+
+def test_the_page_follows_a_run_started_anywhere(own_page):
+    """The page shows a stopped run; a run starts elsewhere (the command line, the queue):
+    the next tick shows it, with Stop enabled; once the user opens another run while it
+    trains, the page stays on the user's choice."""
+    from edgetune.app.ui import tick
+
+    page, train = own_page, own_page.train_tab
+    old = _hand_run(page, "old", "sft-quickstart", SFT_EVENTS + [_ev(6, "stopped", step=2, adapter=None, metrics={})],
+                    alive=False)
+    first = tick(page, str(old), {}, {}, "")
+    assert "old" in first[page.banner] and first[train.resume_btn].interactive
+    seen = first[page.seen]
+    assert tick(page, str(old), seen, {}, first[train.queue.seen]) == {}  # nothing new: nothing sent
+    new = _hand_run(page, "from-the-cli", "sft-quickstart", SFT_EVENTS, alive=True)
+    out = tick(page, str(old), seen, {}, first[train.queue.seen])
+    assert out[page.attached] == str(new) and "from-the-cli" in out[page.banner]
+    assert _interactive(out, train.start_btn, train.stop_btn, train.resume_btn) == [False, True, False]
+    # the user opens the old run again while the new one trains: the page stays there
+    queued = first[train.queue.seen]
+    shown = tick(page, str(new), out[page.seen], {}, queued)
+    back = tick(page, str(old), shown.get(page.seen, out[page.seen]), {}, queued)
+    assert page.attached not in back and "old" in back[page.banner]
+
+
+def test_a_reload_restores_the_users_own_form_not_the_runs(own_page):
+    """The user picks a preset (the form kept in the browser) while another run trains: a
+    reload shows the user's choice and says so; without a kept form, the run's settings
+    and a line naming the run."""
+    from edgetune.app.ui import fresh_page
+
+    page = own_page
+    _hand_run(page, "dpo-run", "dpo-quickstart", [_ev(0, "started", method="dpo", config={})], alive=True)
+    picked = page.method_tab.apply_preset("sft-quickstart")
+    memory = picked[page.form_memory]
+    assert memory["method"] == BY_KEY["sft"].label and "preset sft-quickstart" in picked[page.form_note]
+    values = {c: v for c, v in picked.items() if c in page.form_inputs}
+    values[page.fields["sft.steps"]] = 7
+    values[page.form_memory] = memory
+    edited = page.remember(values)
+    assert "changed by you" in edited[page.form_note]
+    out = fresh_page(page, edited[page.form_memory])
+    assert out[page.method_radio] == BY_KEY["sft"].label and out[page.fields["sft.steps"]] == 7
+    assert "kept across the reload" in out[page.form_note]
+    plain = fresh_page(page, {})
+    assert plain[page.method_radio] == BY_KEY["dpo"].label and "run dpo-run" in plain[page.form_note]
+
+
+def test_start_and_the_queue_refuse_what_the_data_check_refused(own_page):
+    """The Data tab's check refused the file: Start and Add to queue answer with the same
+    line before any run folder (or queue job) is made; a fixed file is taken again."""
+    from edgetune.engine.run import queue
+
+    page = own_page
+    bad = page.runs_dir.parent / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1?", "completion": "2"}\n{"prompt": "2+2?", "completion": \n')
+    cfg = form.preset_config("sft-quickstart", str(page.runs_dir))
+    cfg.data.path = str(bad)
+    values = {c: v for c, v in page.fill_from(cfg).items() if c in page.form_inputs}
+    values[page.attached] = ""
+    checked = page.data_tab.do_check(values)
+    assert "cannot be used" in checked[page.data_tab.report]
+    line = checked[page.data_tab.report].split("**")[1]
+    started = page.train_tab.do_start(values)
+    assert started[page.train_tab.msg].startswith("✗ ") and line in started[page.train_tab.msg]
+    assert line in page.train_tab.queue.add(values)[page.train_tab.msg]
+    assert [p for p in page.runs_dir.iterdir() if (p / "config.yaml").exists()] == []
+    assert queue.jobs(page.runs_dir) == []
+    bad.write_text('{"prompt": "1+1?", "completion": "2"}\n')  # fixed: no longer the refused file
+    assert not page.refused(page.config(values))
+
+
+def test_the_evaluate_tab_sends_nothing_while_nothing_changes(own_page):
+    from edgetune.app import tab_eval
+
+    tab = own_page.eval_tab
+    first = tab.draw("", "")
+    assert "No evaluation yet" in first[tab.status] and first[tab.timer].value == tab_eval.IDLE_TICK_SECONDS
+    assert first[tab.diffs].visible is False  # no answers to list: no empty table
+    assert tab.draw("", first[tab.drawn]) == {}
+    loss_only = {"tasks": [{"task": "held-out", "metrics": ["loss"], "systems": [
+        {"name": "base", "scores": {"loss": {"estimate": 1.0, "low": 0.9, "high": 1.1}}},
+        {"name": "run", "scores": {"loss": {"estimate": 0.8, "low": 0.7, "high": 0.9}}}]}]}
+    assert len(tab_eval.differences_frame(loss_only)) == 0
+
+
+def test_runs_sort_by_creation_and_equal_curves_stay_visible(own_page):
+    """A renamed run keeps its place in the Runs table (its creation time, not its folder's
+    new time); two equal curves in Compare are drawn in two styles, the second named as
+    the same curve as the first."""
+    page, tab = own_page, own_page.runs_tab
+    _hand_run(page, "older", "sft-quickstart", SFT_EVENTS, alive=False)
+    _hand_run(page, "newer", "sft-quickstart", [dict(e, time=e["time"] + 100) for e in SFT_EVENTS], alive=False)
+    tab.do_rename("older", "older-renamed", "")
+    assert tab.frame()["run"].tolist() == ["newer", "older-renamed"]
+    from edgetune.engine.run import api
+
+    runs = [(n, list(api.open_run(page.runs_dir / n).events())) for n in ("newer", "older-renamed")]
+    runs[1] = ("twin", runs[0][1])
+    fig = live.compare_figure(runs, "train loss")
+    a, b = fig.axes[0].lines[:2]
+    assert list(a.get_ydata()) == list(b.get_ydata())
+    assert (a.get_linestyle(), a.get_marker()) != (b.get_linestyle(), b.get_marker())
+    assert b.get_label() == "twin (the same curve as newer)"

@@ -218,6 +218,12 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         _wait(lambda: _progress(page)["step"] > first["step"], 240, "the progress bar to advance")
         page.wait_for_timeout(1500)  # let the plot redraw
         page.screenshot(path=str(SHOTS / "02-train-running.png"), full_page=True)
+        # the README's picture, taken here so that it shows the page as it is: the live view,
+        # from the progress bar to the recent events (no temporary folder of the test's in it)
+        top, bottom = page.locator("#train-progress").bounding_box(), page.locator("#log-lines").bounding_box()
+        page.screenshot(path=str(ROOT / "app" / "screenshot.png"), full_page=True,
+                        clip={"x": 0, "y": top["y"] - 12, "width": 1400,
+                              "height": bottom["y"] + bottom["height"] - top["y"] + 24})
 
         # while it trains, Stop is the one button that applies
         _wait(lambda: _enabled(page) == {"start": False, "stop": True, "resume": False}, 30, "buttons of a running run")
@@ -553,3 +559,103 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
         browser.close()
     _wait(lambda: not [c for c in psutil.Process(app_proc.pid).children(recursive=True)
                        if c.status() == psutil.STATUS_ZOMBIE], 15, "no defunct evaluation job under the app")
+
+
+def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_server, tiny_model_dir, tmp_path):
+    """The page shows a stopped run. A data file the Data tab refused: Start answers with the
+    check's own line and makes no run folder. A run added to the queue starts: the open page
+    shows it within seconds, with Stop the one button that applies, and stops it. A preset picked and then a reload:
+    the form is the user's pick, not the newest run's settings, and says so. Screenshots of
+    the queue followed without a reload go to artifacts/screenshots/ (app/walkthrough/)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from edgetune.engine.core.settings import resolve
+
+    url, runs, _ = app_server
+    old = runs / "old-stopped"
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text(resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}"]).to_yaml())
+    t0 = time.time() - 600
+    (old / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
+        {"i": 0, "time": t0, "type": "started", "method": "sft", "config": {}, "device": "cpu"},
+        {"i": 1, "time": t0 + 1, "type": "step", "step": 1, "total": 4, "loss": 2.0},
+        {"i": 2, "time": t0 + 2, "type": "stopped", "step": 1, "adapter": None, "metrics": {}}]))
+
+    def folders() -> set:
+        return {p.name for p in runs.iterdir() if (p / "config.yaml").is_file()}
+
+    def banner() -> str:
+        return page.locator("#run-banner").inner_text()
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _wait(lambda: "old-stopped" in banner(), 30, "the stopped run in the banner")
+        _tab(page, "4 · Train")
+        assert "the settings of run old-stopped" in page.locator("#form-origin").inner_text()
+
+        # -- a file the Data tab refused: Start says the same line and makes no run folder
+        bad = tmp_path / "broken.jsonl"
+        bad.write_text('{"prompt": "1+1?", "completion": "2"}\n{"prompt": "2+2?", "completion": \n')
+        _tab(page, "2 · Data")
+        page.locator("#data-upload input[type=file]").set_input_files(str(bad))
+        page.wait_for_selector("#data-report:has-text('cannot be used')", timeout=180_000)
+        line = page.locator("#data-report strong").first.inner_text().strip()
+        _tab(page, "4 · Train")
+        page.click("#start-btn")
+        page.wait_for_selector("#train-message:has-text('✗')")
+        assert line in page.locator("#train-message").inner_text()
+        assert folders() == {"old-stopped"}
+        page.screenshot(path=str(SHOTS / "10-start-refuses-refused-data.png"), full_page=True)
+
+        # -- a run added to the queue: the open page follows it without a reload
+        _tab(page, "3 · Method")
+        page.click("#preset-sft-quickstart")
+        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
+        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
+        for field, value in (("sft-steps", 2000), ("sft-eval_every", 0), ("sft-batch_size", 2), ("sft-samples", 0)):
+            box = page.locator(f"#field-{field} input")
+            box.fill(str(value))
+            box.press("Tab")
+        _tab(page, "1 · Model")
+        model = page.locator("#field-model-name input")
+        model.fill(str(tiny_model_dir))
+        model.press("Enter")
+        page.locator("#field-model-quant input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _tab(page, "4 · Train")
+        page.click("#queue-btn")
+        page.wait_for_selector("#queue-message:has-text('as job 1')")
+        page.mouse.move(5, 5)
+        page.screenshot(path=str(SHOTS / "11-queue-1-added.png"), full_page=True)
+        queued = next(iter(folders() - {"old-stopped"}))
+        _wait(lambda: queued in banner() and "running" in banner(), 240, "the page to show the queued run")
+        _wait(lambda: _enabled(page) == {"start": False, "stop": True, "resume": False}, 30, "Stop alone")
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(SHOTS / "11-queue-2-followed.png"), full_page=True)
+        page.click("#stop-btn")
+        _wait(lambda: _progress(page)["status"] == "stopped", 240, "the queued run to stop")
+        _wait(lambda: _enabled(page) == {"start": True, "stop": False, "resume": True}, 30, "the stopped run's buttons")
+        page.screenshot(path=str(SHOTS / "11-queue-3-stopped.png"), full_page=True)
+
+        # -- a preset picked, then a reload: the form is the user's pick, and says so
+        _tab(page, "3 · Method")
+        page.click("#preset-dpo-quickstart")
+        page.wait_for_selector("#preset-info:has-text('dpo-quickstart')")
+        _tab(page, "4 · Train")
+        _wait(lambda: "preset dpo-quickstart" in page.locator("#form-origin").inner_text(), 30, "the form's origin")
+        page.wait_for_timeout(1000)  # the browser keeps the form
+        page.reload()
+        page.wait_for_selector("#tabs")
+        _tab(page, "4 · Train")
+        _wait(lambda: "kept across the reload" in page.locator("#form-origin").inner_text(), 30, "the kept form")
+        assert "preset dpo-quickstart" in page.locator("#form-origin").inner_text()
+        _tab(page, "3 · Method")
+        _wait(lambda: page.locator("#method-dpo").is_visible(), 30, "the DPO settings after the reload")
+        assert not page.locator("#method-sft").is_visible()
+        assert page.locator("#field-dpo-loss_type input").input_value() == "sigmoid"
+        browser.close()
