@@ -195,8 +195,7 @@ def test_a_refused_more_steps_changes_neither_the_config_nor_the_status(tmp_path
     path = tmp_path / "runs" / "r"
     _finished_run(path, "dpo", 6)
     before = (path / "config.yaml").read_text()
-    monkeypatch.setattr("edgetune.engine.core.settings.RECORDS", {
-        **api.METHODS, "dpo": __import__("dataclasses").replace(api.METHODS["dpo"], length="generations")})
+    monkeypatch.setitem(api.METHODS, "dpo", __import__("dataclasses").replace(api.METHODS["dpo"], length="generations"))
     with pytest.raises(ConfigError, match="dpo.steps is 8 but the run trained with 6"):
         api.resume(path, more=2)  # (a record whose step count the worker would not take)
     assert (path / "config.yaml").read_text() == before and api.Run(path).status() == "finished"

@@ -24,7 +24,6 @@ import sys
 from edgetune.engine.core import settings as S
 from edgetune.engine.core.errors import EdgetuneError, os_error_line
 
-from edgetune.engine.cli import data, estimate, evaluate, export, presets, queue, runs, train, ui
 from edgetune.engine.cli.common import config_from as _config  # a command's settings, as the app's tests read them
 from edgetune.engine.cli.watch import more_steps_text, samples_text, watch
 
@@ -33,6 +32,10 @@ __all__ = ["build_parser", "flag_ranges", "main", "more_steps_text", "samples_te
 
 def build_parser() -> argparse.ArgumentParser:
     """`edgetune`'s commands, each one's flags from its own module, in the order `--help` lists them."""
+    # lazy: each command's module imports the engine, seconds on a loaded machine; main()
+    # answers a Ctrl-C during those imports in one line
+    from edgetune.engine.cli import data, estimate, evaluate, export, presets, queue, runs, train, ui
+
     p = argparse.ArgumentParser(prog="edgetune", description="Fine-tune LoRA adapters on a 4-bit model.")
     sub = p.add_subparsers(dest="cmd", required=True)
     train.add_train_parser(sub)
@@ -92,9 +95,22 @@ def _ctrl_c(signum, frame):
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
     # only where Ctrl-C is Python's own (a background job ignores it; a caller may have its own)
-    ours = a.cmd in ENDS_AT_CTRL_C and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    early: list = []  # a Ctrl-C while the commands' modules load: answered once they have (no work began)
+    if default:
+        signal.signal(signal.SIGINT, lambda *_: early.append(True))
+    try:
+        a = build_parser().parse_args(argv)
+    finally:
+        if default:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    ours = a.cmd in ENDS_AT_CTRL_C and default
+    if early:
+        if a.cmd not in ENDS_AT_CTRL_C:
+            raise KeyboardInterrupt
+        print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
+        return 130
     if ours:
         signal.signal(signal.SIGINT, _ctrl_c)
     try:
