@@ -9,6 +9,7 @@
     edgetune queue [list | run | cancel ID | up ID | down ID | move ID --to N]
     edgetune runs | presets | data FILE | estimate --preset X
     edgetune ui                                       # the Gradio app
+    edgetune serve                                    # the base + adapters, OpenAI-compatible API
 
 Errors in the user's input print one line `error: ...` and exit with status 2; a run
 that fails exits with 1 and its run folder says why.
@@ -852,6 +853,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "localhost, the --host and IP addresses always work, any other name is refused "
                         "(a web page could point its own domain at this port). Repeatable")
     u.set_defaults(fn=cmd_ui)
+
+    from edgetune.engine.run import serve
+
+    serve.add_parser(sub)
     return p
 
 
