@@ -220,6 +220,85 @@ def test_a_run_that_finishes_is_served_without_a_restart_and_a_deleted_one_goes(
     _wait_for(lambda: "fresh" not in server["models"](), 60, "the deleted run to go")
 
 
+# --------------------------------------------------------------------------- the training API
+
+
+def _tiny(model_dir, steps):
+    return [f"model.name={model_dir}", "model.quant=none", "data.max_rows=32", f"sft.steps={steps}",
+            "sft.batch_size=2", "sft.eval_every=0", "run.checkpoint_every=0", "data.eval_fraction=0.25"]
+
+
+def _http(server):
+    import httpx
+
+    return httpx.Client(base_url=f"http://127.0.0.1:{server['port']}", headers={"Authorization": f"Bearer {TOKEN}"},
+                        timeout=300)
+
+
+def test_the_training_api_is_described_and_refuses_in_one_line(server, tmp_path):
+    http = _http(server)
+    spec = http.get("/openapi.json").json()
+    assert {"/api/runs", "/api/runs/{name}/events", "/api/runs/{name}/stop", "/api/runs/{name}/export",
+            "/api/evaluations", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+    assert "sft-quickstart" in [p["name"] for p in http.get("/api/presets").json()]
+    before = http.get("/api/runs").json()
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward(completions, rows):\n    return [0.0 for _ in completions]\n")
+    r = http.post("/api/runs", json={"preset": "fgrpo-quickstart", "set": [f"fgrpo.reward_file={reward}"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "code_not_allowed"
+    r = http.post("/api/runs", json={"preset": "no-such-preset"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("unknown preset 'no-such-preset'")
+    r = http.post("/api/runs", json={"preset": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "preset"
+    assert http.get("/api/runs/nope").json()["error"]["code"] == "run_not_found"
+    assert http.get("/api/runs").json() == before  # nothing started
+    assert httpx_status(server, "/api/runs", token="wrong") == 401
+
+
+def httpx_status(server, path, token):
+    import httpx
+
+    return httpx.get(f"http://127.0.0.1:{server['port']}{path}", headers={"Authorization": f"Bearer {token}"}).status_code
+
+
+@pytest.mark.slow  # a run started, followed and stopped, exported and evaluated, each in its own process
+def test_the_training_api_over_http(server, tiny_model_dir, tmp_path):
+    http = _http(server)
+    r = http.post("/api/runs", json={"preset": "sft-quickstart", "set": _tiny(tiny_model_dir, 500), "name": "api-run"})
+    assert r.status_code == 201 and r.json()["name"] == "api-run", r.text
+    seen = []
+    with http.stream("GET", "/api/runs/api-run/events", params={"follow": "true"}) as events:
+        for line in events.iter_lines():
+            if line.startswith("data: ") and line != "data: {}":
+                seen.append(json.loads(line[6:]))
+                if seen[-1]["type"] == "step" and len([e for e in seen if e["type"] == "step"]) == 1:
+                    assert http.post("/api/runs/api-run/stop").json() == {"name": "api-run", "stopping": True}
+    assert seen[0]["i"] == 0 and seen[-1]["type"] == "stopped" and seen[-1]["step"] < 500
+    assert [e["type"] for e in http.get("/api/runs/api-run/events", params={"start": 1}).json()] == \
+        [e["type"] for e in seen[1:]]
+    listed = {s["name"]: s for s in http.get("/api/runs").json()}
+    assert listed["api-run"]["status"] == "stopped" and listed["api-run"]["has_adapter"]
+    r = http.post("/api/runs/api-run/stop")
+    assert r.status_code == 409 and r.json()["error"]["message"] == "run 'api-run' is stopped, not training"
+
+    r = http.post("/api/runs/api-run/export", json={"out": str(tmp_path / "exported")})
+    assert r.status_code == 200 and (tmp_path / "exported" / "adapter_config.json").is_file(), r.text
+    r = http.post("/api/runs/api-run/export", json={"out": str(tmp_path / "exported")})
+    assert r.status_code == 400 and "exported" in r.json()["error"]["message"]  # never over what is there
+
+    ask = {"runs": ["api-run"], "base": True, "preset": "sft-quickstart", "set": _tiny(tiny_model_dir, 2)}
+    answers = []  # (the stopped run's worker holds the runs folder until its process has exited)
+    _wait_for(lambda: answers.append(http.post("/api/evaluations", json=ask)) or answers[-1].status_code != 400
+              or "one job on the device at a time" not in answers[-1].text, 120, "the run's worker to exit")
+    assert answers[-1].status_code == 201, answers[-1].text
+    name = answers[-1].json()["name"]
+    _wait_for(lambda: http.get(f"/api/evaluations/{name}").json()["status"] != "running", 300, "the evaluation")
+    job = http.get(f"/api/evaluations/{name}").json()
+    assert job["status"] == "finished", job
+    (task,) = job["result"]["tasks"]
+    assert [s["name"] for s in task["systems"]] == ["the base", "api-run"]
+
+
 # --------------------------------------------------------------------------- the decode loop
 
 

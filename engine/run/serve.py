@@ -9,6 +9,7 @@
     POST /v1/completions        a prompt as written
          model, max_tokens (max_completion_tokens), temperature (default 1; 0 = greedy),
          top_p, n, stop, seed, stream (+ stream_options.include_usage)
+    /api/...                    the training API on --runs-dir (engine/run/train_api.py)
     /openapi.json               the description of it all
 
 The base loads once (4-bit unless --quant says otherwise); requests for different adapters
@@ -53,7 +54,8 @@ def resolve_adapter(arg: str, runs_dir: str) -> tuple[str, Path, Path | None]:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("serve", help="serve the base and adapters over an OpenAI-compatible API",
+    s = sub.add_parser("serve", help="serve the base and adapters over an OpenAI-compatible API, and the training "
+                                     "API",
                        description=__doc__.split("\n\n")[0])
     s.add_argument("--base", metavar="MODEL", help="the base model (default: the first --adapter's run's, else the "
                                                    f"embedded {EMBEDDED_MODEL})")
@@ -63,8 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="also serve this run (a name of --runs-dir, a run folder) or adapter folder, by its name "
                         "(repeatable)")
     s.add_argument("--runs-dir", default="runs",
-                   help="serve every finished run here trained on the base, following the folder while serving "
-                        "(default runs/; '' = none)")
+                   help="serve every finished run here trained on the base, following the folder while serving; "
+                        "the training API (/api) starts and reads runs here (default runs/; '' = neither)")
     s.add_argument("--host", default="127.0.0.1", help="the address to serve on (default 127.0.0.1: this machine "
                                                        "only; another needs --auth)")
     s.add_argument("--port", default=8000, help="the port (default 8000)")
@@ -73,9 +75,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests addressed to this host name (localhost, the --host and IP addresses "
                         "always work)")
-    s.add_argument("--allow-code", action="append", default=[], metavar="MODEL",
-                   help="a model whose own Python may run (model.trust_remote_code), as the runs' config.yaml "
-                        "names it")
+    s.add_argument("--allow-code", action="append", default=[], metavar="MODEL_OR_FILE",
+                   help="a model whose own Python may run (model.trust_remote_code), or a reward file that runs "
+                        "started through the training API may run, as their config.yaml names it (repeatable)")
     s.add_argument("--max-rows", default=16, help="choices decoding together in one batch (default 16)")
     s.add_argument("--max-tokens", default=1024, help="the largest max_tokens a request may ask for "
                                                                 "(default 1024)")
@@ -150,7 +152,7 @@ def start(a) -> tuple:
     batcher = Batcher(model, tok, max_rows=limits.max_rows, max_waiting=limits.max_waiting)
     service = Service(batcher, tok, ms.name, fixed, a.runs_dir, tuple(a.allow_code), limits)
     service.refresh(strict=True)
-    app = build_app(service)
+    app = build_app(service, a.runs_dir, tuple(a.allow_code))
     gate = Gate(app, HostCheck(a.host, a.allow_host, command="edgetune serve", what="this server"), a.auth,
                 limits.max_body)
     return service, gate

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from edgetune.engine.core.errors import EdgetuneError
@@ -371,8 +372,9 @@ async def _refuse(send, e: ApiError) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def build_app(service: Service):
-    """The FastAPI app (without the Gate: `serve` puts it in front)."""
+def build_app(service: Service, runs_dir: str = "", allow_code: tuple[str, ...] = ()):
+    """The FastAPI app (without the Gate: `serve` puts it in front); with `runs_dir`, the
+    training API on that folder under /api (engine/run/train_api.py)."""
     from contextlib import asynccontextmanager
 
     from edgetune.engine.generation.batcher import Busy
@@ -392,12 +394,26 @@ def build_app(service: Service):
         task.cancel()
 
     app = FastAPI(title="edgetune", lifespan=lifespan,
-                  description="The base model and its LoRA adapters behind an OpenAI-compatible API (/v1): "
-                              "docs/usage.md.")
+                  description="The base model and its LoRA adapters behind an OpenAI-compatible API (/v1), "
+                              "and the training API (/api): docs/usage.md.")
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EdgetuneError)
+    async def refused(request, e: EdgetuneError):
+        from edgetune.engine.run.api import RunsFolderBusy
+
+        status = getattr(e, "status", 409 if isinstance(e, RunsFolderBusy) else 400)
+        return JSONResponse(ApiError(status, str(e), getattr(e, "code", None)).body(), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return JSONResponse(ApiError(400, f"{where}: {first.get('msg', 'invalid')}", param=where or None).body(),
+                            status_code=400)
 
     @app.get("/v1/models", tags=["inference"])
     def list_models() -> dict:
@@ -444,6 +460,10 @@ def build_app(service: Service):
         """OpenAI's (legacy) completions: the prompt as written."""
         return await complete(request, chat=False)
 
+    if runs_dir:
+        from edgetune.engine.run.train_api import router
+
+        app.include_router(router(runs_dir, allow_code), prefix="/api")
     return app
 
 
