@@ -10,6 +10,7 @@
     edgetune runs | presets | data FILE | estimate --preset X
     edgetune ui                                       # the Gradio app
     edgetune serve                                    # the base + adapters, OpenAI-compatible API
+    edgetune merge RUN_A RUN_B --method ties --out m/ # adapters combined into a new one
 
 Errors in the user's input print one line `error: ...` and exit with status 2; a run
 that fails exits with 1 and its run folder says why.
@@ -854,9 +855,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a web page could point its own domain at this port). Repeatable")
     u.set_defaults(fn=cmd_ui)
 
-    from edgetune.engine.run import serve
+    from edgetune.engine.run import merge, serve
 
     serve.add_parser(sub)
+    merge.add_parser(sub)
     return p
 
 
@@ -888,13 +890,14 @@ def _interrupted(a) -> str:
     return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
             "estimate": "no estimate; nothing was written",
             "eval": "the evaluation stopped; nothing was written",
+            "merge": f"nothing was merged into {getattr(a, 'out', '')}",
             "queue": "the queue stopped; a job that had started goes on (edgetune queue run continues the queue)",
             "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
 
 
 # Commands that end at the first Ctrl-C (train and resume: the first one stops the run
 # gracefully, the second kills its worker; see `watch`).
-ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue")
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue", "merge")
 
 
 def _ctrl_c(signum, frame):
