@@ -31,7 +31,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--tiny", action="store_true", help="a tiny random Llama, few tokens: checks the script")
 ap.add_argument("--streams", default="1,4,16", help="concurrent streams, comma list")
 ap.add_argument("--adapters", type=int, default=4)
-ap.add_argument("--tokens", type=int, default=0, help="new tokens a request (default 32; tiny 6)")
+ap.add_argument("--tokens", type=int, default=0, help="new tokens a request (default 16; tiny 6)")
 ap.add_argument("--quant", default="nf4")
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
 args = ap.parse_known_args()[0]
@@ -123,7 +123,7 @@ def main() -> None:
 
     from edgetune.engine.generation.batcher import Batcher
 
-    tokens = args.tokens or (6 if args.tiny else 32)
+    tokens = args.tokens or (6 if args.tiny else 16)
     root = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     name = tiny_model(root) if args.tiny else EMBEDDED_MODEL
     model, tok, path = load_base(ModelSettings(name=name, quant="none" if args.tiny else args.quant))

@@ -30,6 +30,7 @@ step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -120,6 +121,7 @@ def start(a) -> tuple:
     """(service, app with its gate) for parsed arguments: the base loaded, the adapters in place."""
     from edgetune.engine.core.hosts import HostCheck
     from edgetune.engine.core.settings import Range, typed_number
+    from edgetune.engine.core.threads import torch_threads
 
     from edgetune.engine.models.model import load_base
 
@@ -146,6 +148,10 @@ def start(a) -> tuple:
             raise RunError(f"--adapter {name}: its run sets model.trust_remote_code (the Python that "
                            f"{model.get('name')} ships); if you trust it: --allow-code {model.get('name')}")
         fixed[name] = (folder, model.get("system_prompt", ""))
+    if not os.environ.get("OMP_NUM_THREADS"):  # the threads edgetune's workers take (engine/core/threads.py)
+        import torch
+
+        torch.set_num_threads(torch_threads())
     print(f"serve: loading {ms.name} ({ms.quant}) ...", file=sys.stderr, flush=True)
     model, tok, _ = load_base(ms)
     model.eval()
