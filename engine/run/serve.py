@@ -59,7 +59,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                      "API",
                        description=__doc__.split("\n\n")[0])
     s.add_argument("--base", metavar="MODEL", help="the base model (default: the first --adapter's run's, else the "
-                                                   f"embedded {EMBEDDED_MODEL})")
+                                                   f"{EMBEDDED_MODEL}, the embedded model)")
     s.add_argument("--quant", choices=("nf4", "int8", "none"),
                    help="how the base sits in memory (default: the first --adapter's run's, else nf4)")
     s.add_argument("--adapter", action="append", default=[], metavar="RUN_OR_FOLDER",
