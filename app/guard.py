@@ -1,13 +1,7 @@
 """What the app lets in, checked on the server for every request: an ASGI middleware that
 sits under Gradio's FastAPI app (see main.launch).
 
-- Host: only a name the app is served under (localhost, the --host it binds, a name given
-  with --allow-host) or an IP address. A web page that rebinds its own domain to
-  127.0.0.1 (DNS rebinding) sends its domain as Host, so it is refused; an IP address
-  involves no DNS, so no page can borrow it.
-- Origin: a request that can change something (POST, PUT, PATCH, DELETE, a websocket)
-  sent by a page of another site is refused, so no other page drives the app from the
-  browser of someone who has it open.
+- Host and Origin: engine/core/hosts.py (shared with `edgetune serve`).
 - Uploads: a file part of any multipart request must carry one of the data file types the
   Data tab offers. The browser's file picker filters by type too, but only this check
   holds against a request sent by hand.
@@ -17,48 +11,18 @@ sits under Gradio's FastAPI app (see main.launch).
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-from urllib.parse import urlsplit
 
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.datastructures import Headers
 from starlette.responses import PlainTextResponse
 
-WILDCARDS = ("0.0.0.0", "::", "")  # bound to every interface: the bound host is no name to check against
-STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
+from edgetune.engine.core.hosts import STATE_CHANGING, HostCheck
+
 LOGIN_PATHS = ("/login", "/login/")  # Gradio's login form posts here
-
-
-def host_name(netloc: str) -> str | None:
-    """'Example.COM:7860' -> 'example.com', '[::1]:7860' -> '::1'; None when unreadable."""
-    try:
-        name = urlsplit("//" + netloc).hostname
-    except ValueError:
-        return None
-    return (name or "").rstrip(".") or None
-
-
-def allowed_hosts(bound: str, extra: list[str] | tuple[str, ...] = ()) -> frozenset[str]:
-    """The names a request's Host may carry (IP addresses are always accepted, see
-    host_allowed): localhost, the bound host, and the names the user gave."""
-    names = {"localhost", *(n.lower().rstrip(".") for n in extra)}
-    if bound not in WILDCARDS:
-        names.add(bound.lower().strip("[]"))
-    return frozenset(names)
-
-
-def host_allowed(name: str | None, names: frozenset[str]) -> bool:
-    if not name:
-        return False
-    try:
-        ipaddress.ip_address(name)
-        return True
-    except ValueError:
-        return name in names
 
 
 @dataclass
@@ -137,8 +101,7 @@ class Guard:
     def __init__(self, app, bound: str, allow: tuple[str, ...], upload_types: tuple[str, ...],
                  throttle: LoginThrottle | None = None):
         self.app = app
-        self.hosts = allowed_hosts(bound, allow)
-        self.allow = frozenset(n.lower().rstrip(".") for n in allow)
+        self.check = HostCheck(bound, allow)
         self.upload_types = tuple(t.lower() for t in upload_types)
         self.throttle = throttle
 
@@ -162,20 +125,8 @@ class Guard:
 
     def foreign(self, scope, headers: Headers) -> str | None:
         """Why a request comes from elsewhere, or None."""
-        host = headers.get("host", "")
-        if not host_allowed(host_name(host), self.hosts):
-            return (f"refused: Host '{host}' is not an address of this app (localhost, an IP address, "
-                    "or a name given to `edgetune ui --allow-host`)")
-        origin = headers.get("origin")
-        if origin is not None and (scope["type"] == "websocket" or scope["method"] in STATE_CHANGING):
-            try:
-                netloc = urlsplit(origin).netloc.lower()
-            except ValueError:
-                netloc = ""
-            # The page's own origin, or a name the user allowed (a reverse proxy in front).
-            if not netloc or (netloc != host.lower() and host_name(netloc) not in self.allow):
-                return f"refused: a request from the page of another site ({origin})"
-        return None
+        changes = scope["type"] == "websocket" or scope["method"] in STATE_CHANGING
+        return self.check.foreign(headers.get("host", ""), headers.get("origin"), changes)
 
     @staticmethod
     async def refuse(scope, receive, send, status: int, text: str, headers: dict | None = None) -> None:

@@ -9,6 +9,8 @@
     edgetune queue [list | run | cancel ID | up ID | down ID | move ID --to N]
     edgetune runs | presets | data FILE | estimate --preset X
     edgetune ui                                       # the Gradio app
+    edgetune serve                                    # the base + adapters, OpenAI-compatible API
+    edgetune merge RUN_A RUN_B --method ties --out m/ # adapters combined into a new one
 
 Errors in the user's input print one line `error: ...` and exit with status 2; a run
 that fails exits with 1 and its run folder says why.
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     """`edgetune`'s commands, each one's flags from its own module, in the order `--help` lists them."""
     # lazy: each command's module imports the engine, seconds on a loaded machine; main()
     # answers a Ctrl-C during those imports in one line
+    from edgetune.engine.run import merge, serve  # the commands' own modules, flags beside their code
+
     from edgetune.engine.cli import data, estimate, evaluate, export, presets, queue, runs, train, ui
 
     p = argparse.ArgumentParser(prog="edgetune", description="Fine-tune LoRA adapters on a 4-bit model.")
@@ -51,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parser(sub)
     evaluate.add_parser(sub)
     ui.add_parser(sub)
+    serve.add_parser(sub)
+    merge.add_parser(sub)
     return p
 
 
@@ -78,13 +84,14 @@ def _interrupted(a) -> str:
     return {"data": f"the check of {getattr(a, 'path', '')} stopped; nothing was written",
             "estimate": "no estimate; nothing was written",
             "eval": "the evaluation stopped; nothing was written",
+            "merge": f"nothing was merged into {getattr(a, 'out', '')}",
             "queue": "the queue stopped; a job that had started goes on (edgetune queue run continues the queue)",
             "ui": "the app stopped; runs it started go on training (edgetune runs lists them)"}[a.cmd]
 
 
 # Commands that end at the first Ctrl-C (train and resume: the first one stops the run
 # gracefully, the second kills its worker; see `watch`).
-ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue")
+ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue", "merge")
 
 
 def _ctrl_c(signum, frame):

@@ -74,10 +74,11 @@ def is_block_layout(row_candidate: torch.Tensor, k: int) -> bool:
 
 
 @contextlib.contextmanager
-def batched_lora(modules, stacks, row_candidate, adapter: str = "default"):
+def batched_lora(modules, stacks, row_candidate, adapter: str = "default", scaling: float | None = None):
     """Inside the block, each LoRA module in `modules` ([(name, module)]: the model's
     LoRA layers, in a fixed order) uses per-row factors from `stacks` ([(A, B)] in the same
-    order); `row_candidate` [rows] says which candidate each batch row uses."""
+    order); `row_candidate` [rows] says which candidate each batch row uses. `scaling`: the
+    factor of every module instead of `adapter`'s own (1.0 where the stacks' B carry it)."""
     if len(modules) != len(stacks):
         raise ValueError(f"{len(modules)} LoRA modules but {len(stacks)} stacked factor pairs")
     k = stacks[0][0].shape[0]
@@ -91,7 +92,7 @@ def batched_lora(modules, stacks, row_candidate, adapter: str = "default"):
             if getattr(m, "merged", False) or m.lora_variant.get(adapter) is not None:
                 raise RuntimeError(f"{name}: batched LoRA needs an unmerged plain LoRA layer")
             dev = a.device
-            m._multilora = (a, b, m.scaling[adapter], rows.to(dev), blocks)
+            m._multilora = (a, b, m.scaling[adapter] if scaling is None else scaling, rows.to(dev), blocks)
             # An instance attribute shadows the class's forward; deleting it restores it.
             m.forward = types.MethodType(_batched_forward, m)
             patched.append(m)
