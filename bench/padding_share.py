@@ -32,6 +32,7 @@ its load.
 
     python bench/padding_share.py --tiny              # CPU check: a 2-layer random Llama, seconds
     python bench/padding_share.py --out DIR           # the embedded SmolLM2-135M on the CPU, ~3 minutes
+    python bench/padding_share.py --fgrpo-steps 2 --set fgrpo.max_new_tokens=128 --out DIR   # longer completions
 
 Writes padding_share.json and padding_share.md to --out.
 """
@@ -243,6 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--sft-steps", type=int, default=0, help="SFT optimizer steps counted (0: the preset's sft.steps)")
     p.add_argument("--dpo-steps", type=int, default=0, help="DPO optimizer steps counted (0: the preset's dpo.steps)")
     p.add_argument("--fgrpo-steps", type=int, default=3, help="F-GRPO steps sampled and updated")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting on top of every preset, e.g. fgrpo.max_new_tokens=128")
     p.add_argument("--work", default="", help="folder for the --tiny model and reward (default: a temporary one)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p.parse_args(argv)
@@ -258,8 +261,9 @@ def configs(a, work: Path) -> dict:
         sets = [f"model.name={tiny_model(work / 'tiny-model')}", "model.quant=none", "lora.r=4", "lora.alpha=8"]
     fgrpo_sets = ([f"fgrpo.reward_file={work / 'reward.py'}", "fgrpo.reward=file", "fgrpo.max_new_tokens=8"]
                   if a.tiny else [])
-    return {"sft": resolve("sft-quickstart", overrides=sets), "dpo": resolve("dpo-quickstart", overrides=sets),
-            "fgrpo": resolve("fgrpo-quickstart", overrides=sets + fgrpo_sets)}
+    return {"sft": resolve("sft-quickstart", overrides=sets + a.sets),
+            "dpo": resolve("dpo-quickstart", overrides=sets + a.sets),
+            "fgrpo": resolve("fgrpo-quickstart", overrides=sets + fgrpo_sets + a.sets)}
 
 
 # --------------------------------------------------------------------------- report
