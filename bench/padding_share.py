@@ -31,7 +31,7 @@ would remove from the forward and the backward. The counts do not depend on the 
 its load.
 
     python bench/padding_share.py --tiny              # CPU check: a 2-layer random Llama, seconds
-    python bench/padding_share.py --out DIR           # the embedded SmolLM2-135M on the CPU, ~3 minutes
+    python bench/padding_share.py --out DIR           # the embedded SmolLM2-135M, 3-6 minutes on 2 CPU cores
     python bench/padding_share.py --fgrpo-steps 2 --set fgrpo.max_new_tokens=128 --out DIR   # longer completions
 
 Writes padding_share.json and padding_share.md to --out.
@@ -155,13 +155,15 @@ def check_engine_masks(model, tok, sft_cfg, sft_batch: dict, dpo_cfg, pairs) -> 
     from edgetune.engine.methods.sft import sft
 
     rec = Recorder()
-    sft.accumulate(model, [sft_batch], rec)
+    device = next(model.parameters()).device
+    sft.accumulate(model, [{k: v.to(device) for k, v in sft_batch.items()}], rec)
     model.zero_grad(set_to_none=True)
     if len(rec.masks) != 1 or not torch.equal(rec.masks[0], sft_batch["attention_mask"].bool()):
         raise SystemExit("sft.accumulate handed SEBP other rows than the batch counted here")
     rec = Recorder()
     with torch.enable_grad():
-        dpo.forward_pairs(model, pairs, tok.pad_token_id, "cpu", dpo_cfg.dpo, rec, dpo.Reference(model, False))
+        dpo.forward_pairs(model, pairs, tok.pad_token_id, str(next(model.parameters()).device), dpo_cfg.dpo, rec,
+                          dpo.Reference(model, False))
     if len(rec.masks) != 1 or not torch.equal(rec.masks[0], dpo_batch(pairs, tok.pad_token_id)["attention_mask"].bool()):
         raise SystemExit("dpo.forward_pairs handed SEBP other rows than the batch counted here")
 
@@ -183,7 +185,7 @@ def fgrpo_steps(cfg, model, tok, steps: int, log) -> tuple[list[dict], dict]:
     s = cfg.fgrpo
     data = data_lib.load_rl(cfg.data, cfg.run.seed, tok)
     reward = build_reward(s.reward, s.reward_file)
-    optimizer = make_optimizer(model.parameters(), "auto", s.lr, 0.0, "cpu")
+    optimizer = make_optimizer(model.parameters(), "auto", s.lr, 0.0, str(next(model.parameters()).device))
     scheduler = make_scheduler(optimizer, s.warmup_steps * s.num_iterations, s.steps * s.num_iterations)
     counts, seen = [], {"completions": 0, "truncated": 0, "dropped": 0, "completion_tokens": 0}
     for step in range(steps):
