@@ -512,7 +512,8 @@ def cmd_data(a) -> int:
 
     from edgetune.engine import data as data_lib
 
-    ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
+    ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len, include=a.include,
+                      exclude=a.exclude, chunk_overlap=a.chunk_overlap)
     fmt = data_lib.preview(a.path, a.format, 1)[1]
     tty, shown = sys.stderr.isatty(), []
 
@@ -801,10 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("presets", help="list presets")
     ps.set_defaults(fn=cmd_presets)
 
-    d = sub.add_parser("data", help="validate a data file and print its report")
+    d = sub.add_parser("data", help="validate a data file, or read a folder of documents, and print its report")
     d.add_argument("path")
     d.add_argument("--format", default="auto")
     d.add_argument("--max-seq-len", default=512)
+    d.add_argument("--include", default="", help="documents: more files to read as text (globs, comma-separated)")
+    d.add_argument("--exclude", default="", help="documents: files not to read (globs, comma-separated)")
+    d.add_argument("--chunk-overlap", default=0, help="documents: tokens each chunk repeats from the one before")
     d.add_argument("--model", help="tokenizer of this model (default: the embedded one)")
     d.set_defaults(fn=cmd_data)
 
@@ -863,7 +867,8 @@ def flag_ranges() -> dict:
     return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
             "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
             "job": ("job", S.QUEUE_NUMBER), "to": ("--to", S.QUEUE_NUMBER),
-            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"])}
+            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"]),
+            "chunk_overlap": ("--chunk-overlap", S.declared()["data.chunk_overlap"].metadata["range"])}
 
 
 def _read_numbers(a) -> None:

@@ -272,12 +272,12 @@ def load_sft(ds: DataSettings, tokenizer, seed: int, progress=None) -> SFTData:
     """Read, check and tokenize SFT data; split train/eval; report what happened.
     `progress(rows, bytes_read, bytes_total)` hears how far a long file got (Progress)."""
     reading = Progress(progress)
-    rows, fmt = _rows_and_format(ds.path, ds, ds.max_rows, reading)
+    rows, fmt = rows_and_format(ds.path, ds, ds.max_rows, reading)
     stats = {"total": 0, "dropped": {}, "truncated": 0}
     examples = tokenize_rows(rows, fmt, tokenizer, ds, ds.path, stats, reading)
     eval_file = eval_source(ds)
     if eval_file:
-        eval_rows, eval_fmt = _rows_and_format(eval_file, ds)
+        eval_rows, eval_fmt = rows_and_format(eval_file, ds)
         train, evals = examples, tokenize_rows(eval_rows, eval_fmt, tokenizer, ds, eval_file, stats)
     else:
         train, evals = split_rows(examples, ds.eval_fraction, seed)
@@ -293,7 +293,7 @@ def load_sft(ds: DataSettings, tokenizer, seed: int, progress=None) -> SFTData:
     return SFTData(train, evals, report)
 
 
-def _rows_and_format(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | None = None):
+def rows_and_format(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | None = None):
     """(an iterator over the file's rows, their format from the first row)."""
     rows = iter_rows(path, max_rows, progress)
     first = next(rows)
