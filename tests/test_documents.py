@@ -350,3 +350,44 @@ def test_cli_data_prints_each_file(tmp_path, capsys):
     assert row[0][:4] == ["manual.pdf", "1", "44", "1"] and row[0][5] == "train"  # pages, chars, chunks
     assert [line.strip() for line in out.splitlines() if "scan.pdf" in line] == [
         f"scan.pdf        1          0       0         0  {docs.NEEDS_OCR}"]
+
+
+# --------------------------------------------------------------------------- the app's Data tab
+
+
+def test_the_data_tab_keeps_uploaded_documents_together_and_shows_each_file(tmp_path):
+    from edgetune.engine.core import settings as S
+
+    from edgetune.engine.run.checks import check_data
+
+    from edgetune.app import panels
+    from edgetune.app.ui import build_app
+
+    src = tmp_path / "mine"
+    src.mkdir()
+    write_pdf(src / "manual.pdf", [["The pump has three valves and one red lever."], ["Valve two opens at 9 bar."]])
+    write_pdf(src / "scan.pdf", [[]])
+    write_docx(src / "guide.docx")
+    (src / "page.html").write_text(PAGE)
+    demo = build_app(tmp_path / "runs")
+    try:
+        page = demo.edgetune_page
+        tab, path_box = page.data_tab, page.fields["data.path"]
+        uploaded = sorted(str(p) for p in src.iterdir())
+        folder = tab.take_upload(uploaded)[path_box]
+        assert folder == str(page.uploads / "documents")
+        assert sorted(p.name for p in page.uploads.joinpath("documents").iterdir()) == sorted(p.name for p in src.iterdir())
+        assert tab.take_upload(uploaded[:1])[path_box] == str(page.uploads / "documents-2")  # never into the first
+        assert tab.drop_upload(folder)[path_box] == ""
+    finally:
+        demo.edgetune_chat.close()
+    result = check_data(S.resolve(preset="sft-quickstart", overrides={"data": {"path": folder, "eval_fraction": 0.0,
+                                                                               "max_seq_len": 32}}))
+    assert result["ok"] and result["format"] == "documents"
+    report = panels.data_report_markdown(result)
+    assert f"{result['report']['rows_kept']} of {result['report']['rows_total']} chunks kept" in report
+    assert "| manual.pdf | 2 | 69 | 1 | 21 | train |" in report and "| scan.pdf | 1 | 0 | 0 | 0 | **no text layer" in report
+    frame = panels.preview_frame(result)
+    assert list(frame.columns) == ["row", "file", "where", "split", "tokens", "text"]
+    assert frame.iloc[0]["file"] == "guide.docx" and frame.iloc[0]["text"].startswith("# Installing the pump")
+    assert set(frame["file"]) == {"guide.docx", "manual.pdf", "page.html"}

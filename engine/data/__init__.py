@@ -22,7 +22,7 @@ from __future__ import annotations
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.methods import METHODS as RECORDS
 
-from edgetune.engine.data import sft
+from edgetune.engine.data import documents, sft
 from edgetune.engine.data.documents import load_documents
 from edgetune.engine.data.files import (
     DOCUMENT_TYPES,
@@ -56,7 +56,8 @@ __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE",
            "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
            "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
            "collate", "tokenize_rows", "rl_rows", "bad_rows", "PairData", "PairExample", "load_pairs",
-           "tokenize_pairs", "load_for", "task_rows", "TASK_FORMATS", "DOCUMENT_TYPES", "is_documents"]
+           "tokenize_pairs", "load_for", "task_rows", "TASK_FORMATS", "DOCUMENT_TYPES", "is_documents", "documents",
+           "load_documents"]
 
 
 def load_sft(ds, tokenizer, seed: int, progress=None) -> SFTData:
