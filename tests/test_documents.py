@@ -391,3 +391,64 @@ def test_the_data_tab_keeps_uploaded_documents_together_and_shows_each_file(tmp_
     assert list(frame.columns) == ["row", "file", "where", "split", "tokens", "text"]
     assert frame.iloc[0]["file"] == "guide.docx" and frame.iloc[0]["text"].startswith("# Installing the pump")
     assert set(frame["file"]) == {"guide.docx", "manual.pdf", "page.html"}
+
+
+# --------------------------------------------------------------------------- did it learn them
+
+PARTS = ["flimmer valve", "quandle shaft", "brask gasket", "overt spindle", "nolly coupling"]
+
+
+def manual_folder(folder, n: int = 16) -> None:
+    """Service manuals of invented pumps, one per file, as PDF, Word, HTML and Markdown: the
+    same invented words and the same way of saying things in every one, so the held-out
+    manuals can be learned from the others."""
+    folder.mkdir()
+    for i in range(n):
+        name = f"Zorbex-{100 + 7 * i}"
+        lines = [f"The {name} pump is serviced every {3 + i % 5} weeks."]
+        for j, part in enumerate(PARTS):
+            k = (i + j) % len(PARTS)
+            lines.append(f"Check the {part} of the {name}: it wears after {20 + 5 * k} hours, replace it with "
+                         f"a {PARTS[(j + 1) % len(PARTS)]} from the blue kit.")
+        lines.append(f"Never run the {name} dry; the {PARTS[i % len(PARTS)]} cracks.")
+        kind = ("pdf", "docx", "html", "md")[i % 4]
+        if kind == "pdf":
+            write_pdf(folder / f"{name}.pdf", [lines[:4], lines[4:]])
+        elif kind == "docx":
+            import docx
+
+            d = docx.Document()
+            d.add_heading(f"{name} service manual", 1)
+            for line in lines:
+                d.add_paragraph(line)
+            d.save(str(folder / f"{name}.docx"))
+        elif kind == "html":
+            body = "".join(f"<p>{line}</p>" for line in lines)
+            (folder / f"{name}.html").write_text(f"<html><body><h1>{name} service manual</h1>{body}</body></html>")
+        else:
+            (folder / f"{name}.md").write_text(f"# {name} service manual\n\n" + "\n\n".join(lines) + "\n")
+
+
+@pytest.mark.slow
+def test_cpt_docs_lowers_the_held_out_documents_loss(tmp_path):
+    """The cpt-docs preset, quick-start sized, on a folder of manuals: the held-out manuals'
+    loss under the adapter against the base, chunk by chunk, drops with its interval below 0."""
+    from inline_run import run_inline
+
+    from edgetune.engine.core import settings as S
+
+    from edgetune.engine.methods.sft.sft import train
+
+    manual_folder(tmp_path / "manuals")
+    cfg = S.resolve(preset="cpt-docs", overrides=[
+        f"data.path={tmp_path / 'manuals'}", "data.max_seq_len=96", "data.chunk_overlap=16",
+        "data.eval_fraction=0.25", "sft.steps=30", "sft.batch_size=4", "sft.eval_every=30", "sft.warmup_steps=3",
+        "sft.lr=1e-3", "sft.samples=0", f"run.runs_dir={tmp_path / 'runs'}", "run.checkpoint_every=0"])
+    _, _, events = run_inline(train, cfg, tmp_path / "runs" / "cpt")
+    data = next(e for e in events if e["type"] == "data")["report"]
+    held = {d["file"] for d in data["documents"] if d["split"] == "held out"}
+    assert len(held) == 4 and data["eval_rows"] >= 4
+    [c] = [e for e in events if e["type"] == "comparison"]
+    assert (c["a"], c["b"], c["metric"]) == ("the base", "the adapter", "loss")
+    assert c["difference"] < 0 and c["high"] < 0, c  # the adapter's loss is lower, the interval all below 0
+    assert events[-1]["type"] == "finished"
