@@ -285,6 +285,8 @@ def test_every_bad_file_is_named_in_one_line_and_the_rest_is_read(tok, tmp_path)
 
 
 def test_nothing_readable_is_one_line(tok, tmp_path):
+    with pytest.raises(DataError, match=r"manual\.pdf: file not found"):
+        D.load_sft(DataSettings(path=str(tmp_path / "manual.pdf")), tok, seed=0)
     with pytest.raises(DataError, match="no documents found") as e:
         D.load_sft(DataSettings(path=str(tmp_path)), tok, seed=0)
     (tmp_path / "empty.md").write_bytes(b"")
@@ -336,6 +338,8 @@ def test_a_folder_of_many_files_reports_its_progress(tok, tmp_path, monkeypatch)
     assert len(heard) >= 300 and heard[-1] == (len(data.train), total, total)
     assert [h[1] for h in heard] == sorted(h[1] for h in heard)
     assert len(data.report.documents) == 300
+    few = D.load_sft(DataSettings(path=str(tmp_path), eval_fraction=0.0, max_rows=10), tok, 0)
+    assert len(few.train) == 10 and few.report.notes == ["stopped after 10 chunks (data.max_rows); 290 files not read"]
 
 
 def test_cli_data_prints_each_file(tmp_path, capsys):

@@ -59,6 +59,7 @@ from edgetune.engine.data.files import (
     eval_source,
     is_documents,
     length_stats,
+    resolve_data_path,
     split_rows,
 )
 from edgetune.engine.data.sft import IGNORE, SFTData, SFTExample, rows_and_format, tokenize_rows
@@ -632,7 +633,8 @@ def read_documents(path: str, ds: DataSettings, tok, progress: Progress, ids_see
                    limit_rows: int = 0) -> tuple[list[tuple[Document, list[Chunk], int]], list[Document], list[str]]:
     """Every document of `path` read and chunked, one at a time: ([(document, its chunks,
     its tokens)], the files that gave no text, notes)."""
-    root, found, problems, notes = find_documents(path, ds)
+    resolve_data_path(path)  # a path that is not there: its one line
+    _, found, problems, notes = find_documents(path, ds)
     if not found and not problems:
         raise DataError(f"no documents found (looked for {', '.join(DOCUMENT_TYPES)}"
                         + (f", {ds.include}" if ds.include else "") + ")", file=path)
@@ -645,10 +647,9 @@ def read_documents(path: str, ds: DataSettings, tok, progress: Progress, ids_see
     progress.total, progress.read = sum(sizes), 0
     limit = ds.max_doc_mb << 20
     read, chunks_made = [], 0
-    for (shown, p), size in zip(found, sizes):
+    for n, ((shown, p), size) in enumerate(zip(found, sizes)):
         if limit_rows and chunks_made >= limit_rows:
-            notes.append(f"stopped after {chunks_made} chunks (data.max_rows); "
-                         f"{len(found) - len(read) - len(problems)} files not read")
+            notes.append(f"stopped after {chunks_made} chunks (data.max_rows); {len(found) - n} files not read")
             break
         doc = extract(shown, p, limit)
         if doc.problem:
