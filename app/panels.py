@@ -28,7 +28,8 @@ def data_report_markdown(result: dict) -> str:
                 lines.append("\n_(the first 20 bad rows)_")
         return "\n".join(lines)
     r = result["report"]
-    lines = [f"### ✓ {r['rows_kept']} of {r['rows_total']} rows kept · format **{r['format']}**",
+    unit = "chunks" if r.get("documents") else "rows"
+    lines = [f"### ✓ {r['rows_kept']} of {r['rows_total']} {unit} kept · format **{r['format']}**",
              f"{r['train_rows']} train, {r['eval_rows']} eval"
              + (f" (eval from `{r['eval_file']}`)" if r.get("eval_file") else
                 "" if not r["eval_rows"] else " (held out from this file)")]
@@ -40,6 +41,22 @@ def data_report_markdown(result: dict) -> str:
     if t:
         lines.append(f"- length in {r.get('length_unit', 'tokens')}: min {t['min']}, mean {t['mean']:.1f}, "
                      f"p50 {t['p50']}, p95 {t['p95']}, max {t['max']}")
+    if r.get("documents"):
+        lines.append(documents_markdown(r["documents"]))
+    lines += [f"- {note}" for note in r.get("notes") or []]
+    return "\n".join(lines)
+
+
+def documents_markdown(entries: list[dict]) -> str:
+    """Each file of a documents folder: what was read of it, or why nothing was."""
+    lines = ["\n| file | pages | characters | chunks | tokens | split, or why not read |", "|---|---:|---:|---:|---:|---|"]
+    for e in entries:
+        extra = [f"{n} dropped: {why}" for why, n in (e.get("dropped") or {}).items()] + list(e.get("notes") or [])
+        what = f"**{e['problem']}**" if e["problem"] else e["split"]
+        what += f" ({'; '.join(extra)})" if extra else ""
+        cells = [html.escape(e["file"]), str(e["pages"] or "–"), f"{e['chars']:,}", str(e["chunks"]),
+                 f"{e['tokens']:,}", html.escape(what)]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
 

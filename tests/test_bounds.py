@@ -83,7 +83,8 @@ def test_every_numeric_flag_is_read_within_its_range_or_refused_in_one_line(dest
 # What each flag's command is; the flag is read before anything runs.
 COMMANDS = {"gpus": ["train", "--preset", "sft-quickstart"], "nnodes": ["train", "--preset", "sft-quickstart"],
             "node_rank": ["train", "--preset", "sft-quickstart"], "more_steps": ["resume", "r"],
-            "port": ["ui"], "max_seq_len": ["data", "rows.jsonl"], "to": ["queue", "move", "1"],
+            "port": ["ui"], "max_seq_len": ["data", "rows.jsonl"],
+            "chunk_overlap": ["data", "docs"], "to": ["queue", "move", "1"],
             "job": ["queue", "cancel"]}  # job: a positional argument, the value alone
 
 
@@ -94,8 +95,8 @@ def test_each_numeric_flag_refuses_extremes_in_one_line(dest, tmp_path, monkeypa
     flag, rng = cli.flag_ranges()[dest]
     for value in ("-1", str(2**63), "1e20", "nan", "inf", "9" * 5000, "x" * 100_000, "2.5"):
         given = [value] if dest == "job" else [flag, value]  # job: positional, right after its command
-        args = [*COMMANDS[dest], *given] if dest in ("job", "max_seq_len") else [*COMMANDS[dest], flag, value]
-        if dest != "max_seq_len":
+        args = [*COMMANDS[dest], *given] if dest in ("job", "max_seq_len", "chunk_overlap") else [*COMMANDS[dest], flag, value]
+        if dest not in ("max_seq_len", "chunk_overlap"):
             args += ["--runs-dir", str(tmp_path / "runs")]
         assert cli.main(args) == 2, (flag, value)
         err = capsys.readouterr().err

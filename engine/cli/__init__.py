@@ -66,7 +66,8 @@ def flag_ranges() -> dict:
     return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
             "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
             "job": ("job", S.QUEUE_NUMBER), "to": ("--to", S.QUEUE_NUMBER),
-            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"])}
+            "max_seq_len": ("--max-seq-len", S.declared()["data.max_seq_len"].metadata["range"]),
+            "chunk_overlap": ("--chunk-overlap", S.declared()["data.chunk_overlap"].metadata["range"])}
 
 
 def _read_numbers(a) -> None:

@@ -12,7 +12,8 @@ from edgetune.engine import data as data_lib
 
 
 def cmd_data(a) -> int:
-    ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len)
+    ds = DataSettings(path=a.path, format=a.format, max_seq_len=a.max_seq_len, include=a.include,
+                      exclude=a.exclude, chunk_overlap=a.chunk_overlap)
     tty, shown = sys.stderr.isatty(), []
 
     def progress(rows: int, read: int, total: int) -> None:  # a long file: how far the check got
@@ -36,9 +37,12 @@ def cmd_data(a) -> int:
 
 def add_parser(sub) -> None:
     """`edgetune data`'s flags."""
-    d = sub.add_parser("data", help="validate a data file and print its report")
+    d = sub.add_parser("data", help="validate a data file, or read a folder of documents, and print its report")
     d.add_argument("path")
     d.add_argument("--format", default="auto")
     d.add_argument("--max-seq-len", default=512)
+    d.add_argument("--include", default="", help="documents: more files to read as text (globs, comma-separated)")
+    d.add_argument("--exclude", default="", help="documents: files not to read (globs, comma-separated)")
+    d.add_argument("--chunk-overlap", default=0, help="documents: tokens each chunk repeats from the one before")
     d.add_argument("--model", help="tokenizer of this model (default: the embedded one)")
     d.set_defaults(fn=cmd_data)

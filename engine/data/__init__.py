@@ -9,6 +9,8 @@ Three modules by concern, gathered here (callers import `engine.data`):
     engine/data/rl.py      RL: prompt/answer rows, prompt lengths as the rollouts render them
     engine/data/pairs.py   preference pairs: a prompt, a chosen and a rejected reply, each
                            reply labelled as an SFT row
+    engine/data/documents.py  documents (PDF, Word, HTML, text; a folder of them) read as
+                           text, cut into token chunks that SFT trains on like `text` rows
 
 Every row is checked before any training starts: a bad row is a one-line `DataError`
 naming the file, the row and the problem; `bad_rows` names every bad row, not only the
@@ -20,7 +22,10 @@ from __future__ import annotations
 from edgetune.engine.core.errors import DataError
 from edgetune.engine.core.methods import METHODS as RECORDS
 
+from edgetune.engine.data import documents, sft
+from edgetune.engine.data.documents import load_documents
 from edgetune.engine.data.files import (
+    DOCUMENT_TYPES,
     EMBEDDED,
     EMBEDDED_EVAL,
     EXPECTED_COLUMNS,
@@ -28,6 +33,7 @@ from edgetune.engine.data.files import (
     ValidationReport,
     detect_format,
     format_for,
+    is_documents,
     iter_rows,
     preview,
     read_rows,
@@ -43,7 +49,6 @@ from edgetune.engine.data.sft import (
     SFTData,
     SFTExample,
     collate,
-    load_sft,
     tokenize_rows,
 )
 
@@ -51,7 +56,17 @@ __all__ = ["EMBEDDED", "EMBEDDED_EVAL", "EXPECTED_COLUMNS", "FORMATS", "IGNORE",
            "DROP_LONG_PROMPT", "ValidationReport", "SFTExample", "SFTData", "RLData", "read_rows", "iter_rows",
            "detect_format", "format_for", "preview", "resolve_data_path", "report_dict", "load_sft", "load_rl",
            "collate", "tokenize_rows", "rl_rows", "bad_rows", "PairData", "PairExample", "load_pairs",
-           "tokenize_pairs", "load_for", "task_rows", "TASK_FORMATS"]
+           "tokenize_pairs", "load_for", "task_rows", "TASK_FORMATS", "DOCUMENT_TYPES", "is_documents", "documents",
+           "load_documents"]
+
+
+def load_sft(ds, tokenizer, seed: int, progress=None, lengths_only: bool = False) -> SFTData:
+    """SFT's rows: demonstrations (engine/data/sft.py), or documents (a folder, a .pdf, ...)
+    cut into token chunks (engine/data/documents.py). `lengths_only`: sft.load_sft's (a
+    check of demonstrations; documents are read in bounded blocks already)."""
+    if is_documents(ds.path, ds.include):
+        return load_documents(ds, tokenizer, seed, progress)
+    return sft.load_sft(ds, tokenizer, seed, progress, lengths_only)
 
 
 def load_for(method: str, ds, tokenizer, seed: int, progress=None):

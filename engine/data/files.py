@@ -52,6 +52,12 @@ CHUNK_ROWS = 2048
 # How often a long data check reports how far it got (Progress).
 PROGRESS_EVERY_S = 1.0
 
+# Documents (engine/data/documents.py): read as text and cut into token chunks for SFT.
+DOCUMENT_TYPES = (".txt", ".md", ".markdown", ".rst", ".pdf", ".docx", ".html", ".htm")
+# The files of a folder saved with `datasets` (Dataset / DatasetDict.save_to_disk): a folder
+# with none of them is a folder of documents.
+SAVED_MARKS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
 FORMATS = ("messages", "alpaca", "prompt_completion", "text", "rl", "pairs")
 EXPECTED_COLUMNS = {
     "messages": "messages",
@@ -82,10 +88,15 @@ class ValidationReport:
     eval_rows: int = 0
     eval_file: str = ""  # "" = split off the main file with eval_fraction
     length_unit: str = "tokens"  # RL without a tokenizer measures prompts in characters
+    # Documents only: each file's {file, kind, chars, pages, chunks, tokens, split, dropped,
+    # problem, notes}, and what the folder held that was not read.
+    documents: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
 
     def summary(self) -> str:
+        unit = "chunks" if self.documents else "rows"
         lines = [
-            f"{self.file} ({self.format}): {self.rows_kept} of {self.rows_total} rows kept"
+            f"{self.file} ({self.format}): {self.rows_kept} of {self.rows_total} {unit} kept"
             f" -> {self.train_rows} train, {self.eval_rows} eval"
             + (f" (eval from {self.eval_file})" if self.eval_file else "")
         ]
@@ -99,7 +110,23 @@ class ValidationReport:
                 f"  {self.length_unit}: min {t['min']}, mean {t['mean']:.1f}, p50 {t['p50']},"
                 f" p95 {t['p95']}, max {t['max']}"
             )
+        if self.documents:
+            lines.append(documents_table(self.documents))
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def documents_table(entries: list[dict]) -> str:
+    """One line per file: what was read of it, or why nothing was."""
+    width = min(48, max(len(e["file"]) for e in entries))
+    out = [f"  {'file':{width}}  {'pages':>5}  {'chars':>9}  {'chunks':>6}  {'tokens':>8}  split"]
+    for e in entries:
+        pages = str(e["pages"]) if e["pages"] else "-"
+        what = e["problem"] or e["split"]
+        extra = [f"{n} dropped: {why}" for why, n in e["dropped"].items()] + list(e["notes"])
+        out.append(f"  {e['file']:{width}}  {pages:>5}  {e['chars']:>9,}  {e['chunks']:>6}  {e['tokens']:>8,}  {what}"
+                   + (f" ({'; '.join(extra)})" if extra else ""))
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- reading
@@ -126,6 +153,21 @@ def resolve_data_path(path: str) -> str:
     return str(p)
 
 
+def is_documents(path: str, include: str = "") -> bool:
+    """Whether `path` is documents (engine/data/documents.py) rather than rows: a document
+    file (DOCUMENT_TYPES, or a name `include`'s comma-separated globs match), or a folder
+    that is not a saved dataset."""
+    import fnmatch
+
+    if not path or path.startswith("embedded:"):
+        return False
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return not any((p / mark).is_file() for mark in SAVED_MARKS)
+    return p.name.lower().endswith(DOCUMENT_TYPES) or any(
+        fnmatch.fnmatch(p.name, g.strip()) for g in include.split(",") if g.strip())
+
+
 def _kind(p: Path) -> str:
     if p.is_dir():
         return "saved"
@@ -134,8 +176,11 @@ def _kind(p: Path) -> str:
                          (".tsv", "csv"), (".parquet", "parquet"), (".pq", "parquet")):
         if name.endswith(suffix) or name.endswith(suffix + ".gz"):
             return kind
-    raise DataError("unknown file type (expected .jsonl, .json, .csv, .parquet or a saved dataset folder)",
-                    file=str(p))
+    if name.endswith(DOCUMENT_TYPES):
+        raise DataError("unknown file type for rows: a document trains with SFT only (continued pretraining); "
+                        "this method needs rows (.jsonl, .json, .csv, .parquet)", file=str(p))
+    raise DataError("unknown file type (expected .jsonl, .json, .csv, .parquet, a saved dataset folder, or for "
+                    "SFT documents: " + " ".join(DOCUMENT_TYPES) + " or a folder of them)", file=str(p))
 
 
 def _json_rows_by_hand(p: Path, shown: str) -> list[dict]:
@@ -356,7 +401,8 @@ def _read_whole(p: Path, kind: str, shown: str, max_rows: int) -> list[dict]:
             try:
                 ds = datasets.load_from_disk(str(p))
             except FileNotFoundError:
-                raise DataError("a folder must be a dataset saved with Dataset.save_to_disk", file=shown) from None
+                raise DataError("a folder of rows must be a dataset saved with Dataset.save_to_disk (a folder of "
+                                "documents trains with SFT only)", file=shown) from None
             if isinstance(ds, datasets.DatasetDict):
                 if not ds:
                     raise DataError("the saved dataset has no splits", file=shown)
@@ -405,8 +451,13 @@ def detect_format(rows: list[dict], path: str) -> str:
 
 
 def preview(path: str, fmt: str = "auto", n: int = 20, progress=None) -> tuple[list[dict], str]:
-    """First rows and the detected (or given) format, for the UI's table. `progress` (as
-    Progress's callback) hears how far a long read for them got (a file of blank lines)."""
+    """First rows and the detected (or given) format, for the UI's table; for documents,
+    ([], "documents"): their chunks need the tokenizer (engine/data/documents.preview_chunks).
+    `progress` (as Progress's callback) hears how far a long read for them got (a file of
+    blank lines)."""
+    if is_documents(path):
+        resolve_data_path(path)
+        return [], "documents"
     rows = list(iter_rows(path, n, Progress(progress)))
     return rows, detect_format(rows, path) if fmt == "auto" else fmt
 

@@ -278,13 +278,13 @@ def load_sft(ds: DataSettings, tokenizer, seed: int, progress=None, lengths_only
     `lengths_only`: a check (`edgetune data`): train and eval hold each row's token count,
     not its tokens, so memory stays small whatever the file's size."""
     reading = Progress(progress)
-    rows, fmt = _rows_and_format(ds.path, ds, ds.max_rows, reading)
+    rows, fmt = rows_and_format(ds.path, ds, ds.max_rows, reading)
     stats = {"total": 0, "dropped": {}, "truncated": 0}
     keep = _length if lengths_only else None
     examples = tokenize_rows(rows, fmt, tokenizer, ds, ds.path, stats, reading, keep)
     eval_file = eval_source(ds)
     if eval_file:
-        eval_rows, eval_fmt = _rows_and_format(eval_file, ds)
+        eval_rows, eval_fmt = rows_and_format(eval_file, ds)
         train, evals = examples, tokenize_rows(eval_rows, eval_fmt, tokenizer, ds, eval_file, stats, keep=keep)
     else:
         train, evals = split_rows(examples, ds.eval_fraction, seed)
@@ -304,7 +304,7 @@ def _length(example: SFTExample) -> int:
     return len(example.input_ids)
 
 
-def _rows_and_format(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | None = None):
+def rows_and_format(path: str, ds: DataSettings, max_rows: int = 0, progress: Progress | None = None):
     """(an iterator over the file's rows, their format from the first row)."""
     rows = iter_rows(path, max_rows, progress)
     first = next(rows)

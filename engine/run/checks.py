@@ -7,7 +7,8 @@ reads one JSON answer from stdout. A problem with the user's input comes back as
 {"ok": false, "error": <one line>}, never as a traceback.
 
     check_data(cfg)  -> preview rows, detected format, the ValidationReport, and every
-                        bad row found (row number + problem), not only the first
+                        bad row found (row number + problem), not only the first; for
+                        documents, each file's line and the first chunks
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ def check_data(cfg) -> dict:
     if needs_tokenizer:
         tokenizer = model_lib.load_tokenizer(model_lib.resolve_model_path(cfg.model.name))
     try:
-        report = d.load_for(cfg.method, ds, tokenizer, cfg.run.seed).report
+        data = d.load_for(cfg.method, ds, tokenizer, cfg.run.seed)
+        report = data.report
         out.update(ok=True, report=d.report_dict(report), summary=report.summary())
+        if fmt == d.documents.FORMAT:  # documents: the first chunks, as the model reads them
+            out["preview"] = d.documents.preview_chunks(data, tokenizer)
     except DataError as e:
         out["error"] = str(e)
         try:

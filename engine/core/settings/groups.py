@@ -138,7 +138,8 @@ class DataSettings:
     path: str = setting(
         EMBEDDED_SFT_DATA,
         'JSONL / JSON / CSV / Parquet file, a saved `datasets` folder, or an embedded set '
-        '("embedded:arith-sft", "embedded:arith-rl").')
+        '("embedded:arith-sft", "embedded:arith-rl"). SFT also reads documents: a .txt / .md / .rst / '
+        '.pdf / .docx / .html file or a folder of them, cut into token chunks (docs/data.md).')
     format: str = setting("auto", "auto | messages | alpaca | prompt_completion | text | rl",
                           choices=("auto", "messages", "alpaca", "prompt_completion", "text", "rl", "pairs"))
     eval_fraction: float = setting(
@@ -160,6 +161,22 @@ class DataSettings:
         "",
         "Prepended as a system turn when a row has none; \"\" keeps the template's default.")
     max_rows: int = setting(0, "Upper bound on rows used (0 = all); handy for a quick try.", range=COUNT)
+    include: str = setting(
+        "",
+        "Documents: more files a folder's documents include, read as plain text: comma-separated globs "
+        "(\"*.py, src/**/*.c\"); .txt .md .rst .pdf .docx .html .htm are always read.")
+    exclude: str = setting("", "Documents: files and folders of the folder not read: comma-separated globs "
+                               "(\"drafts/*, *.min.html\").")
+    chunk_overlap: int = setting(
+        0,
+        "Documents: tokens each chunk repeats from the end of the one before, as context (not trained on "
+        "twice); below max_seq_len.",
+        range=Range(0, 2**20))
+    max_doc_mb: int = setting(
+        64,
+        "Documents: the most MiB read of one file; a longer text file is cut there, a longer PDF, Word or "
+        "HTML file is not read (both reported).",
+        range=Range(1, 2**20))
 
 
 @dataclass
