@@ -181,6 +181,8 @@ class Run:
             cfg, problem = {}, problem or str(e)
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        # the figures of the last attempt that measured any (an attempt that failed has none)
+        measured = next((e for e in reversed(events) if e["type"] in TERMINAL and e.get("metrics")), None)
         model = cfg.get("model")
         record = METHODS.get(cfg.get("method")) if isinstance(cfg.get("method"), str) else None
         total = last_step.get("total") if last_step else record.total(cfg) if record else None
@@ -190,7 +192,7 @@ class Run:
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": total,
-            "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
+            "metrics": (measured or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
             "helped": _helped(events),
             "damaged_event_lines": damaged, "problem": bool(problem), "ending": _ending(events),
         }
