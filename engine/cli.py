@@ -22,6 +22,7 @@ import sys
 
 from edgetune.engine.core.errors import EdgetuneError
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.metric_words import metrics_text
 from edgetune.engine.core.units import duration, size
 
 
@@ -145,8 +146,7 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
             bar.set_description_str("training", refresh=False)
             bar.refresh()
         elif t == "eval" and not quiet:
-            tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in ev.items() if k not in ("i", "time", "type")))
+            tqdm.write("eval: " + metrics_text({k: v for k, v in ev.items() if k not in ("i", "time", "type")}))
         elif t == "comparison" and not quiet:
             tqdm.write(f"held-out {ev.get('metric')}: {ev.get('words')}")
         elif t == "warm_start":
@@ -176,9 +176,7 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
         elif t in ("finished", "stopped"):
             bar.close()
             where = f"adapter in {ev['adapter']}" if ev.get("adapter") else "no adapter yet"
-            tqdm.write(f"{t}: {where}; metrics "
-                       + json.dumps({k: round(v, 5) if isinstance(v, float) else v
-                                     for k, v in ev.get("metrics", {}).items()}))
+            tqdm.write(f"{t}: {where}; {metrics_text(ev.get('metrics', {}))}")
             seen["status"] = 0
 
     def kill() -> int:
@@ -451,7 +449,7 @@ def cmd_runs(a) -> int:
     from edgetune.engine.run import api
 
     for s in api.summaries(a.runs_dir):
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
+        metrics = metrics_text(s["metrics"])
         if s["status"] == "damaged":
             print(f"{s['name']:32s} damaged   {s['message']}")
             continue

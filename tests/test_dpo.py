@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.metric_words import metrics_text
 from edgetune.engine.core.settings import DataSettings
 
 from edgetune.engine.methods.dpo.dpo import pair_losses
@@ -232,6 +233,12 @@ def test_a_run_evaluates_and_resumes_with_identical_losses(tiny_model_dir, tmp_p
         assert math.isfinite(steps[1][key])
     assert 0.0 <= evals[-1]["eval_prefers_chosen"] <= 1.0
     assert len({e["loss"] for e in steps.values()}) == 4  # it trains
+    # before training: the base's own preference; the reward figures only with no reference
+    before = {k for k in full[-1]["metrics"] if k.endswith("_start")}
+    assert before == {"eval_loss_start", "eval_prefers_chosen_start"} | (
+        {"eval_accuracy_start", "eval_margin_start"} if loss_type == "orpo" else set())
+    assert metrics_text({"eval_accuracy_start": 0.5, "eval_prefers_chosen_start": 0.25}) == \
+        "eval reward accuracy before 0.5, eval chosen likelier before 0.25"
 
     cut = _run(cfg, tmp_path / "cut", stop_after=2)
     assert cut[-1]["type"] == "stopped" and cut[-1]["step"] == 2

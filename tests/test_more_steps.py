@@ -184,4 +184,4 @@ def test_a_stop_after_a_resume_keeps_the_figures_of_the_earlier_attempts(tiny_mo
         f"eval loss {before['eval_loss']:.4g}" in table
     assert cli.main(["runs", "--runs-dir", str(tmp_path)]) == 0
     line = capsys.readouterr().out.splitlines()[0]
-    assert f"eval_loss_start={before['eval_loss_start']:.4g}" in line and f"eval_loss={before['eval_loss']:.4g}" in line
+    assert f"eval loss before {before['eval_loss_start']:.4g}" in line and f"eval loss {before['eval_loss']:.4g}" in line
