@@ -17,6 +17,7 @@ that fails exits with 1 and its run folder says why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -123,8 +124,9 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
                            + (f" ({threads} CPU thread{'s' if threads != 1 else ''})" if threads else "")
                            + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") and not resuming
                               else ""))
-            show_phase("starting")
         elif t == "phase":
+            if seen.get("post") and seen.get("t0") and ev.get("time"):  # the clock runs on through the evaluations
+                bar.set_postfix({**seen["post"], "elapsed": duration(ev["time"] - seen["t0"])}, refresh=False)
             show_phase(phases.describe(ev) if ev["phase"] != "training" or seen["step"] else "training · first step")
         elif t == "data" and not quiet:
             r = ev["report"]
@@ -142,6 +144,7 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
                 post["gpu"] = size(ev["gpu"]["peak"] or 0)
             post["elapsed"] = duration(ev["time"] - seen["t0"] if seen.get("t0") and ev.get("time") else None)
             post["eta"] = duration(ev.get("eta"))
+            seen["post"] = post
             bar.set_postfix(post, refresh=False)
             bar.set_description_str("training", refresh=False)
             bar.refresh()
@@ -631,6 +634,22 @@ def eval_table(result: dict) -> str:
     return "\n".join(ln.rstrip() for ln in lines)
 
 
+class _Above:
+    """A stream whose lines are written above a tqdm bar (tqdm.write) instead of after it."""
+
+    def __init__(self, bar):
+        self.bar, self.part = bar, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.part = (self.part + text).split("\n")
+        for line in lines:
+            self.bar.write(line, file=sys.__stderr__)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
 def cmd_eval(a) -> int:
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
@@ -658,7 +677,8 @@ def cmd_eval(a) -> int:
         return False
 
     try:
-        result = evaluation.compare(cfg, systems, tasks, progress=tick)
+        with contextlib.redirect_stderr(_Above(bar)):  # the engine's notes above the bar, never glued to it
+            result = evaluation.compare(cfg, systems, tasks, progress=tick)
     finally:
         bar.close()
     print(json.dumps(result, indent=2) if a.json else eval_table(result))
@@ -705,8 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="fgrpo.reward_file / essa.reward_file name a Python file that the run imports and "
                               "calls: it runs with your rights, so use only code you trust.")
     config_args(t)
-    t.add_argument("--name")
-    t.add_argument("--runs-dir")
+    t.add_argument("--name", help="the run's folder name in the runs folder (default: run.name, else the method "
+                                  "and the time)")
+    t.add_argument("--runs-dir", help="the folder runs are kept in (default: run.runs_dir, which is runs)")
     t.add_argument("--detach", action="store_true", help="start and return; follow it later")
     t.add_argument("--gpus", "--nproc", dest="gpus", default=1,
                    help="GPUs of this machine to train on, data-parallel (torchrun, NCCL); on a machine "
@@ -731,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "up, down, move (with --to N) a job that has not started")
     q.add_argument("job", nargs="?", help="the job's number, as list shows it")
     q.add_argument("--to", metavar="N", help="move: the job's new place (1 = next to run)")
-    q.add_argument("--runs-dir", default="runs")
+    q.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     q.add_argument("--all", action="store_true", help="list: also the jobs that ended (the last 50)")
     q.add_argument("--wait", action="store_true", help="run: when the queue is empty, wait for more jobs (until "
                                                         "Ctrl-C)")
@@ -773,21 +794,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
 
     ls = sub.add_parser("runs", help="list runs")
-    ls.add_argument("--runs-dir", default="runs")
+    ls.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     ls.set_defaults(fn=cmd_runs)
 
     rn = sub.add_parser("rename", help="give a run (not a training one) a new name")
     rn.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     rn.add_argument("new_name")
-    rn.add_argument("--runs-dir", default="runs")
+    rn.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     rn.set_defaults(fn=cmd_rename)
     dl = sub.add_parser("delete", help="move a run (not a training one) to <runs-dir>/.trash; restore brings it back")
     dl.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
-    dl.add_argument("--runs-dir", default="runs")
+    dl.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     dl.set_defaults(fn=cmd_delete)
     rs = sub.add_parser("restore", help="bring a run back from <runs-dir>/.trash (no name: list the trash)")
     rs.add_argument("name", nargs="?", default="")
-    rs.add_argument("--runs-dir", default="runs")
+    rs.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     rs.set_defaults(fn=cmd_restore)
 
     ps = sub.add_parser("presets", help="list presets")

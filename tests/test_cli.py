@@ -575,3 +575,12 @@ def test_rename_delete_and_restore_a_run_from_the_command_line(tmp_path, capsys)
     assert (runs / "arith-v1" / "adapter" / "adapter_model.safetensors").is_file()
     assert cli.main(["restore", "nope", "--runs-dir", str(runs)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+def test_every_option_of_train_says_what_it_is(capsys):
+    from edgetune.engine import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--name NAME the run's folder name" in out and "--runs-dir RUNS_DIR the folder runs are kept in" in out

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 from edgetune.engine.core.errors import ConfigError
 
-from edgetune.engine.training.reward_worker import HEADER, send
+from edgetune.engine.training.reward_worker import HEADER, one_line, send
 
 # One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller
 # turns the exception into reward 0 and an error message for that completion.
@@ -106,7 +106,7 @@ class Reward:
                     raise
                 except Exception as e:  # noqa: BLE001 - a bad completion or user code must not end the run
                     v = 0.0
-                    msg = f"{part.name}: {describe(e)}".splitlines()[0][:300]
+                    msg = one_line(f"{part.name}: {describe(e)}")
                     errors[i] = msg if errors[i] is None else f"{errors[i]}; {msg}"
                 values.append(v)
                 totals[i] += weight * v
@@ -266,7 +266,7 @@ def load_user_reward(path: str) -> ScoreOne:
             raise
         except Exception as e:  # noqa: BLE001 - counted here, reported per completion by Reward.score
             failures[0] += 1
-            failures[1] = describe(e).splitlines()[0][:200]
+            failures[1] = one_line(describe(e), 200)
             if failures[0] >= USER_REWARD_MAX_CONSECUTIVE_FAILURES:
                 raise RewardFailing(f"reward_file {path}: failed on {failures[0]} completions in a row "
                                     f"(last: {failures[1]}); fix it, then edgetune resume the run") from None
