@@ -582,10 +582,13 @@ def estimate_table(est: dict) -> str:
 
 
 def cmd_estimate(a) -> int:
+    from edgetune.engine.planning.timing import words as timing_words
+
     from edgetune.engine.run import api
 
-    est = api.estimate(_config(a), gpus=a.gpus)
-    print(json.dumps(est, indent=2) if a.json else estimate_table(est))
+    cfg = _config(a)
+    est = {**api.estimate(cfg, gpus=a.gpus), "time": api.time_estimate(cfg)}
+    print(json.dumps(est, indent=2) if a.json else estimate_table(est) + "\n" + timing_words(est["time"]))
     return 0
 
 

@@ -165,7 +165,11 @@ def test_estimate_prints_a_gib_table_and_json_on_request():
     p = edgetune("estimate", "--preset", "sft-quickstart")
     assert p.returncode == 0, p.stderr
     assert re.search(r"^part\s+GiB$", p.stdout, re.M) and re.search(r"^total\s+\d+\.\d\d$", p.stdout, re.M)
+    # the time before Start, from the data's own rows (no assumption left)
+    assert re.search(r"^time on this machine: about \S+.* \(initial eval .*, training .*, final eval .*; the first "
+                     r"steps correct it\)$", p.stdout, re.M), p.stdout
     raw = json.loads(edgetune("estimate", "--preset", "sft-quickstart", "--json").stdout)
+    assert raw["time"]["assumed"] == [] and raw["time"]["total_s"] > 0
     shown = float(re.search(r"^total\s+(\S+)$", p.stdout, re.M).group(1))
     assert abs(shown - raw["total"] / 2**30) < 0.01
     # the decided values, the same the run records in config.yaml's `effective` block

@@ -76,6 +76,9 @@ def estimate(cfg, data: dict | None = None, device: str | None = None) -> dict:
     device = device or (cfg.model.device if cfg.model.device != "auto"
                         else "cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda" if str(device).startswith("cuda") else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        return {"phases": {"initial_eval": None, "training": None, "final_eval": None}, "total_s": None,
+                "per_step_s": None, "assumed": ["no GPU here to time"], "device": device}
     a = arch_from_config(read_model_config(cfg.model.name))
     assumed: list[str] = []
     report = data or {}
@@ -153,3 +156,16 @@ def refine(est: dict, steps_done: int, seconds_per_step: float, steps_total: int
     known = [v for v in phases.values() if v is not None]
     return {**est, "phases": phases, "per_step_s": round(seconds_per_step, 3),
             "total_s": round(sum(known), 1) if len(known) == len(phases) else None, "refined_after": steps_done}
+
+
+def words(est: dict) -> str:
+    """One line: 'time on this machine: about 9m 40s (initial eval 30s, training 8m 40s,
+    final eval 30s)', with what was assumed."""
+    from edgetune.engine.core.units import duration
+
+    names = {"initial_eval": "initial eval", "training": "training", "final_eval": "final eval"}
+    if est.get("total_s") is None:
+        return "time on this machine: not estimated (" + "; ".join(est.get("assumed") or []) + ")"
+    parts = ", ".join(f"{names[k]} {duration(v)}" for k, v in est["phases"].items() if v)
+    assumed = f"; assumed {', '.join(est['assumed'])}" if est.get("assumed") else ""
+    return f"time on this machine: about {duration(est['total_s'])} ({parts}{assumed}; the first steps correct it)"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
-from edgetune.engine.core.errors import ConfigError, RunError
+from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.methods import METHODS as RECORDS
@@ -685,6 +685,21 @@ def estimate(cfg: Config, gpus: int = 1) -> dict:
     from edgetune.engine.planning.planner import estimate as _estimate
 
     return _estimate(cfg, gpus=typed_number("--gpus", gpus, GPUS))
+
+
+def time_estimate(cfg: Config, data_report: dict | None = None) -> dict:
+    """Seconds of each phase of `cfg`'s run on this machine before it starts
+    (engine/planning/timing.py): the initial evaluation, training, the final evaluation.
+    data_report: check_data's "report" (its rows and mean tokens), read here when None;
+    data that cannot be read leaves an upper bound (rows of data.max_seq_len tokens)."""
+    from edgetune.engine.planning import timing
+
+    if data_report is None:
+        try:
+            data_report = check_data(cfg).get("report")
+        except EdgetuneError:
+            data_report = None
+    return timing.estimate(cfg, data_report if isinstance(data_report, dict) else None)
 
 
 def check_data(cfg: Config) -> dict:
