@@ -8,6 +8,7 @@ import html
 import pandas as pd
 
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.metric_words import metrics_text
 from edgetune.engine.core.units import size
 
 GiB = 2**30
@@ -152,27 +153,13 @@ def effective_markdown(eff: dict, title: str = "Decided for this run", layers: i
 RUN_COLUMNS = ["run", "status", "method", "step", "metrics", "held-out, against the base", "created"]
 
 
-def metric_words(key: str) -> str:
-    """A metric's key in words: eval_loss_start -> 'eval loss before', success_rate_end ->
-    'success rate after' (the held-out figures before and after training)."""
-    for end, words in (("_start", " before"), ("_end", " after"), ("_last", " (latest eval)")):
-        if key.endswith(end):
-            key = key[: -len(end)] + words
-    return key.replace("_", " ")
-
-
-def _metrics_text(metrics: dict) -> str:
-    return ", ".join(f"{metric_words(k)} {v:.4g}" if isinstance(v, float) else f"{metric_words(k)} {v}"
-                     for k, v in metrics.items() if not isinstance(v, (dict, list)))
-
-
 def runs_frame(summaries: list[dict]) -> pd.DataFrame:
     import time
 
     # A damaged run folder's row names its file and the problem where the metrics would be.
     rows = [{"run": s["name"], "status": s["status"], "method": s.get("method") or "",
              "step": f"{s.get('step', 0)}/{s.get('total') or '?'}",
-             "metrics": s.get("message") or "" if s["status"] == "damaged" else _metrics_text(s.get("metrics") or {}),
+             "metrics": s.get("message") or "" if s["status"] == "damaged" else metrics_text(s.get("metrics") or {}),
              "held-out, against the base": s.get("helped") or "",
              "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s.get("created") else ""}
             for s in summaries]

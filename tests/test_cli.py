@@ -165,7 +165,11 @@ def test_estimate_prints_a_gib_table_and_json_on_request():
     p = edgetune("estimate", "--preset", "sft-quickstart")
     assert p.returncode == 0, p.stderr
     assert re.search(r"^part\s+GiB$", p.stdout, re.M) and re.search(r"^total\s+\d+\.\d\d$", p.stdout, re.M)
+    # the time before Start, from the data's own rows (no assumption left)
+    assert re.search(r"^time on this machine: about \S+.* \(initial eval .*, training .*, final eval .*; the first "
+                     r"steps correct it\)$", p.stdout, re.M), p.stdout
     raw = json.loads(edgetune("estimate", "--preset", "sft-quickstart", "--json").stdout)
+    assert raw["time"]["assumed"] == [] and raw["time"]["total_s"] > 0
     shown = float(re.search(r"^total\s+(\S+)$", p.stdout, re.M).group(1))
     assert abs(shown - raw["total"] / 2**30) < 0.01
     # the decided values, the same the run records in config.yaml's `effective` block
@@ -683,3 +687,12 @@ def test_commands_on_a_full_disk_or_a_read_only_runs_folder_fail_in_one_line_and
         assert "no space left on the device" in _one_line_error(capsys), args
     assert state() == before  # the rename: neither the folder nor its config.yaml changed
     assert [j["folder"] for j in queue.jobs(runs)] == ["q"]
+
+
+def test_every_option_of_train_says_what_it_is(capsys):
+    from edgetune.engine import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--name NAME the run's folder name" in out and "--runs-dir RUNS_DIR the folder runs are kept in" in out

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from edgetune.engine.core.errors import DataError
+from edgetune.engine.core.metric_words import metrics_text
 from edgetune.engine.core.settings import DataSettings
 
 from edgetune.engine.methods.dpo.dpo import pair_losses
@@ -232,6 +233,12 @@ def test_a_run_evaluates_and_resumes_with_identical_losses(tiny_model_dir, tmp_p
         assert math.isfinite(steps[1][key])
     assert 0.0 <= evals[-1]["eval_prefers_chosen"] <= 1.0
     assert len({e["loss"] for e in steps.values()}) == 4  # it trains
+    # before training: the base's own preference; the reward figures only with no reference
+    before = {k for k in full[-1]["metrics"] if k.endswith("_start")}
+    assert before == {"eval_loss_start", "eval_prefers_chosen_start"} | (
+        {"eval_accuracy_start", "eval_margin_start"} if loss_type == "orpo" else set())
+    assert metrics_text({"eval_accuracy_start": 0.5, "eval_prefers_chosen_start": 0.25}) == \
+        "eval reward accuracy before 0.5, eval chosen likelier before 0.25"
 
     cut = _run(cfg, tmp_path / "cut", stop_after=2)
     assert cut[-1]["type"] == "stopped" and cut[-1]["step"] == 2
@@ -340,3 +347,41 @@ def test_the_planners_activations_match_what_a_pair_step_saves(tmp_path, embedde
                              "dpo.batch_size=2", f"data.max_seq_len={seq}"])
     predicted = planner.estimate(cfg, device="cpu", detect_gpu=False)["activations"]
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def test_the_held_out_reference_is_computed_once_a_run(tiny_model_dir, tmp_path, monkeypatch):
+    """At the start the policy is the reference: one forward per held-out batch gives both,
+    with the figures of two; later evaluations reuse those reference log-probs (one forward
+    per batch) and give the figures of an evaluation that computes them again."""
+    from edgetune.engine.models import model as model_lib
+
+    from edgetune.engine.methods.dpo import dpo
+
+    from edgetune.engine import data as data_lib
+
+    cfg = dpo_config(tiny_model_dir, tmp_path)
+    model, tok, _ = model_lib.load(cfg)
+    pairs = data_lib.load_pairs(cfg.data, tok, cfg.run.seed).eval
+    batches = -(-len(pairs) // cfg.dpo.batch_size)
+    assert batches >= 2
+    forwards = []
+    real = dpo.labelled_logprobs
+    monkeypatch.setattr(dpo, "labelled_logprobs", lambda *a, **k: forwards.append(1) or real(*a, **k))
+
+    def evaluate(**kw):
+        forwards.clear()
+        out = dpo.evaluate(model, pairs, tok.pad_token_id, "cpu", cfg.dpo, **kw)
+        return out, len(forwards)
+
+    (start, refs), n = evaluate(at_reference=True)
+    assert n == batches and len(refs) == batches
+    (again, refs_again), n = evaluate()
+    assert n == 2 * batches and start == again and all(torch.equal(a, b) for a, b in zip(refs, refs_again))
+    with torch.no_grad():  # the adapter moves: the policy is no longer the reference
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    (later, _), n = evaluate(ref_logps=refs)
+    assert n == batches
+    (fresh, _), n = evaluate()
+    assert n == 2 * batches and later == fresh and later["eval_margin"] != 0

@@ -200,3 +200,35 @@ def test_a_refused_more_steps_changes_neither_the_config_nor_the_status(tmp_path
         api.resume(path, more=2)  # (a record whose step count the worker would not take)
     assert (path / "config.yaml").read_text() == before and api.Run(path).status() == "finished"
     assert read_events(path / "events.jsonl")[-1]["type"] == "finished"
+
+
+def test_a_stop_after_a_resume_keeps_the_figures_of_the_earlier_attempts(tiny_model_dir, tmp_path, capsys):
+    """Stop at step 2 (after its evaluation), resume, stop at step 3 (no evaluation in
+    that attempt): the Runs table and `edgetune runs` still show the loss before training
+    and the latest held-out loss, beside the latest step's loss."""
+    from edgetune.engine.methods.sft import sft
+
+    from edgetune.app.panels import runs_frame
+
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"steps": 6, "eval_every": 2})
+    path = tmp_path / "r"
+    path.mkdir()
+    (path / "config.yaml").write_text(cfg.to_yaml())
+    first = run_inline(sft.train, cfg, path, stop_after=2)[2]
+    assert first[-1]["type"] == "stopped" and first[-1]["step"] == 2
+    before = first[-1]["metrics"]
+    assert set(before) == {"eval_loss_start", "eval_loss", "loss"}
+    run, _, events = run_inline(sft.train, cfg, path, stop_after=3, resume=True)
+    second = events[len(first):]
+    assert [e["type"] for e in second if e["type"] in ("eval", "stopped")] == ["stopped"]  # nothing evaluated
+    assert second[-1]["step"] == 3 and second[-1]["metrics"]["loss"] != before["loss"]
+
+    summary = api.summaries(tmp_path)[0]
+    assert summary["status"] == "stopped" and summary["step"] == 3
+    assert summary["metrics"] == {**before, "loss": second[-1]["metrics"]["loss"]}
+    table = runs_frame([summary]).iloc[0]["metrics"]
+    assert f"eval loss before {before['eval_loss_start']:.4g}" in table and \
+        f"eval loss {before['eval_loss']:.4g}" in table
+    assert cli.main(["runs", "--runs-dir", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert f"eval loss before {before['eval_loss_start']:.4g}" in line and f"eval loss {before['eval_loss']:.4g}" in line

@@ -182,3 +182,34 @@ def test_batched_essa_without_a_known_card_plans_one_candidate(q7b):
     small = sets + ("essa.prompts_per_generation=8",)
     with_card = plan(q7b, *small, gpu_total=141 * GiB, gpu_free=135 * GiB)
     assert 1 < with_card["candidates_per_batch"] <= 48 and with_card["total"] < 141 * GiB
+
+
+def test_the_time_estimate_counts_each_phase_and_the_first_steps_correct_it(tiny_model_dir):
+    """Before Start: each phase's seconds from the model's matmuls at this machine's measured
+    rate; twice the steps, twice the training; no held-out split, no evaluations; after
+    the first steps, training from the measured step time and the evaluations scaled alike."""
+    from edgetune.engine.core.settings import from_dict
+
+    from edgetune.engine.planning import timing
+
+    def cfg(steps, eval_every=0, method="sft"):
+        return from_dict({"method": method, "model": {"name": str(tiny_model_dir), "device": "cpu"},
+                          "data": {"path": "embedded:arith-sft", "max_seq_len": 64},
+                          method: {"steps": steps, "eval_every": eval_every} if method == "sft" else {}})
+
+    report = {"train_rows": 300, "eval_rows": 30, "token_lengths": {"mean": 50.0}}
+    one = timing.estimate(cfg(10), report)
+    two = timing.estimate(cfg(20), report)
+    assert one["assumed"] == [] and one["phases"]["initial_eval"] == 0 == one["phases"]["final_eval"]
+    assert one["phases"]["training"] > 0 and two["phases"]["training"] == pytest.approx(
+        2 * one["phases"]["training"], rel=0.02)
+    evals = timing.estimate(cfg(10, eval_every=10), report)
+    assert evals["phases"]["initial_eval"] > 0 and evals["phases"]["final_eval"] == evals["phases"]["initial_eval"]
+    assert evals["total_s"] == pytest.approx(sum(evals["phases"].values()), abs=0.2)
+    guessed = timing.estimate(cfg(10), None)  # no data report: rows of max_seq_len tokens, an upper bound
+    assert guessed["assumed"] and guessed["phases"]["training"] > one["phases"]["training"]
+    measured = 3 * evals["per_step_s"]
+    later = timing.refine(evals, steps_done=2, seconds_per_step=measured, steps_total=10)
+    assert later["phases"]["training"] == pytest.approx(10 * measured, rel=0.01)
+    assert later["phases"]["final_eval"] == pytest.approx(3 * evals["phases"]["final_eval"], rel=0.05)
+    assert timing.estimate(cfg(4, method="essa"), report)["total_s"] is None  # not modelled: says so

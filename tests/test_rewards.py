@@ -125,3 +125,13 @@ def test_length_penalty_scale_must_be_positive():
     with pytest.raises(ConfigError, match="positive"):
         build_reward("length_penalty:0")
     assert build_reward("length_penalty")(["x" * 256], rows("1"))[0] == [-0.5]
+
+
+def test_a_reward_failures_reason_is_shortened_at_a_word_never_mid_word():
+    from edgetune.engine.training.reward_worker import one_line
+
+    long = "ValueError: could not convert the completion to a number " + "because of its words " * 30
+    short = one_line(long + "\nsecond line", 120)
+    assert len(short) <= 120 and short.endswith(" …") and long.startswith(short[:-2])
+    assert long[len(short) - 2] == " " or long[len(short) - 3] in ",;:"  # cut where a word ends
+    assert one_line("KeyError: 'answer'\nTraceback ...") == "KeyError: 'answer'"

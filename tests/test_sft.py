@@ -59,9 +59,18 @@ def test_a_finished_run_says_whether_its_adapter_beat_the_base(tiny_model_dir, t
     # the adapter's side is the final evaluation's examples, one loss each
     model, tok, _ = eval_model(cfg, str(tmp_path / "r"))
     data = data_lib.load_sft(cfg.data, tok, cfg.run.seed)
-    mine = sft.example_losses(model, data.eval, tok.pad_token_id, 4, "cpu")
+    mine, _ = sft.example_losses(model, data.eval, tok.pad_token_id, 4, "cpu")
     assert len(mine) == c["n"] and abs(sum(mine) / len(mine) - final) < 0.5
     assert api.Run(tmp_path / "r").summary()["helped"] == c["words"]
+    # the base is scored once: the initial evaluation's losses are the comparison's before side
+    phases = [e["phase"] for e in events if e["type"] == "phase"]
+    assert "initial_eval" in phases and "final_eval" in phases and "base_eval" not in phases
+    # a resumed run takes them from its checkpoint
+    first = _run(cfg, tmp_path / "cut", stop_after=4)
+    again = _run(cfg, tmp_path / "cut", resume=True)[len(first):]
+    assert "base_eval" not in [e["phase"] for e in again if e["type"] == "phase"]
+    (resumed,) = [e for e in again if e["type"] == "comparison"]
+    assert resumed["difference"] == pytest.approx(c["difference"], abs=1e-5)
 
 
 def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from edgetune.engine.planning import long_context
+from edgetune.engine.planning.timing import words as timing_words
 
 from edgetune.engine.run import api
 
@@ -14,10 +15,10 @@ from edgetune.engine.cli.tables import estimate_table
 
 def cmd_estimate(a) -> int:
     cfg = config_from(a)
-    est = api.estimate(cfg, gpus=a.gpus)
+    est = {**api.estimate(cfg, gpus=a.gpus), "time": api.time_estimate(cfg)}
     if a.fit_seq_len is not None:  # the longest data.max_seq_len per memory, as set and with each lever
         est["fit_seq_len"] = long_context.fit_rows(cfg, long_context.parse_memories(a.fit_seq_len))
-    print(json.dumps(est, indent=2) if a.json else estimate_table(est) + (
+    print(json.dumps(est, indent=2) if a.json else estimate_table(est) + "\n" + timing_words(est["time"]) + (
         "\n\n" + long_context.fit_text(est["fit_seq_len"], cfg) if "fit_seq_len" in est else ""))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -14,6 +15,22 @@ from edgetune.engine.run.eval_tasks import size_line
 
 from edgetune.engine.cli.common import config_args, config_from, run_arg
 from edgetune.engine.cli.tables import eval_table
+
+
+class _Above:
+    """A stream whose lines are written above a tqdm bar (tqdm.write) instead of after it."""
+
+    def __init__(self, bar):
+        self.bar, self.part = bar, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.part = (self.part + text).split("\n")
+        for line in lines:
+            self.bar.write(line, file=sys.__stderr__)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def cmd_eval(a) -> int:
@@ -45,7 +62,8 @@ def cmd_eval(a) -> int:
         return False
 
     try:
-        result = evaluation.compare(cfg, systems, tasks, progress=tick)
+        with contextlib.redirect_stderr(_Above(bar)):  # the engine's notes above the bar, never glued to it
+            result = evaluation.compare(cfg, systems, tasks, progress=tick)
     finally:
         bar.close()
     print(json.dumps(result, indent=2) if a.json else eval_table(result))

@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
                         "user did not queue here (a copied runs folder's)")
     q.add_argument("job", nargs="?", help="the job's number, as list shows it")
     q.add_argument("--to", metavar="N", help="move: the job's new place (1 = next to run)")
-    q.add_argument("--runs-dir", default="runs")
+    q.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     q.add_argument("--all", action="store_true", help="list: also the jobs that ended (the last 50)")
     q.add_argument("--wait", action="store_true", help="run: when the queue is empty, wait for more jobs (until "
                                                         "Ctrl-C)")

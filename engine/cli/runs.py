@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from edgetune.engine.core.metric_words import metrics_text
+
 from edgetune.engine.run import api
 
 from edgetune.engine.cli.common import run_arg
@@ -9,7 +11,7 @@ from edgetune.engine.cli.common import run_arg
 
 def cmd_runs(a) -> int:
     for s in api.summaries(a.runs_dir):
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["metrics"].items())
+        metrics = metrics_text(s["metrics"])
         if s["status"] == "damaged":
             print(f"{s['name']:32s} damaged   {s['message']}")
             continue
@@ -45,7 +47,7 @@ def cmd_restore(a) -> int:
 def add_runs_parser(sub) -> None:
     """`edgetune runs`."""
     ls = sub.add_parser("runs", help="list runs")
-    ls.add_argument("--runs-dir", default="runs")
+    ls.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     ls.set_defaults(fn=cmd_runs)
 
 
@@ -54,7 +56,7 @@ def add_rename_parser(sub) -> None:
     rn = sub.add_parser("rename", help="give a run (not a training one) a new name")
     rn.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
     rn.add_argument("new_name")
-    rn.add_argument("--runs-dir", default="runs")
+    rn.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     rn.set_defaults(fn=cmd_rename)
 
 
@@ -62,7 +64,7 @@ def add_delete_parser(sub) -> None:
     """`edgetune delete`."""
     dl = sub.add_parser("delete", help="move a run (not a training one) to <runs-dir>/.trash; restore brings it back")
     dl.add_argument("run", help="a run folder, or a run name as `edgetune runs` prints it")
-    dl.add_argument("--runs-dir", default="runs")
+    dl.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     dl.set_defaults(fn=cmd_delete)
 
 
@@ -70,5 +72,5 @@ def add_restore_parser(sub) -> None:
     """`edgetune restore`."""
     rs = sub.add_parser("restore", help="bring a run back from <runs-dir>/.trash (no name: list the trash)")
     rs.add_argument("name", nargs="?", default="")
-    rs.add_argument("--runs-dir", default="runs")
+    rs.add_argument("--runs-dir", default="runs", help="the runs folder (default: runs)")
     rs.set_defaults(fn=cmd_restore)

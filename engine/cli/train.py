@@ -64,8 +64,9 @@ def add_train_parser(sub) -> None:
                        epilog="fgrpo.reward_file / essa.reward_file name a Python file that the run imports and "
                               "calls: it runs with your rights, so use only code you trust.")
     config_args(t)
-    t.add_argument("--name")
-    t.add_argument("--runs-dir")
+    t.add_argument("--name", help="the run's folder name in the runs folder (default: run.name, else the method "
+                                  "and the time)")
+    t.add_argument("--runs-dir", help="the folder runs are kept in (default: run.runs_dir, which is runs)")
     t.add_argument("--detach", action="store_true", help="start and return; follow it later")
     t.add_argument("--gpus", "--nproc", dest="gpus", default=1,
                    help="GPUs of this machine to train on, data-parallel (torchrun, NCCL); on a machine "

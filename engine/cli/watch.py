@@ -3,7 +3,6 @@ worth a line, and Ctrl-C as a graceful stop, then a kill."""
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 
@@ -11,6 +10,7 @@ from tqdm import tqdm
 
 from edgetune.engine.core import phases
 from edgetune.engine.core.methods import METHODS as RECORDS
+from edgetune.engine.core.metric_words import metrics_text
 from edgetune.engine.core.units import duration, size
 
 from edgetune.engine.cli.tables import one_line
@@ -84,8 +84,9 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
                            + (f" ({threads} CPU thread{'s' if threads != 1 else ''})" if threads else "")
                            + (f", resumed from step {ev['resumed_from']}" if ev.get("resumed_from") and not resuming
                               else ""))
-            show_phase("starting")
         elif t == "phase":
+            if seen.get("post") and seen.get("t0") and ev.get("time"):  # the clock runs on through the evaluations
+                bar.set_postfix({**seen["post"], "elapsed": duration(ev["time"] - seen["t0"])}, refresh=False)
             show_phase(phases.describe(ev) if ev["phase"] != "training" or seen["step"] else "training · first step")
         elif t == "data" and not quiet:
             r = ev["report"]
@@ -103,12 +104,12 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
                 post["gpu"] = size(ev["gpu"]["peak"] or 0)
             post["elapsed"] = duration(ev["time"] - seen["t0"] if seen.get("t0") and ev.get("time") else None)
             post["eta"] = duration(ev.get("eta"))
+            seen["post"] = post
             bar.set_postfix(post, refresh=False)
             bar.set_description_str("training", refresh=False)
             bar.refresh()
         elif t == "eval" and not quiet:
-            tqdm.write("eval: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in ev.items() if k not in ("i", "time", "type")))
+            tqdm.write("eval: " + metrics_text({k: v for k, v in ev.items() if k not in ("i", "time", "type")}))
         elif t == "comparison" and not quiet:
             tqdm.write(f"held-out {ev.get('metric')}: {ev.get('words')}")
         elif t == "warm_start":
@@ -138,9 +139,7 @@ def _watch(run, start: int, quiet: bool, resuming: bool) -> int:
         elif t in ("finished", "stopped"):
             bar.close()
             where = f"adapter in {ev['adapter']}" if ev.get("adapter") else "no adapter yet"
-            tqdm.write(f"{t}: {where}; metrics "
-                       + json.dumps({k: round(v, 5) if isinstance(v, float) else v
-                                     for k, v in ev.get("metrics", {}).items()}))
+            tqdm.write(f"{t}: {where}; {metrics_text(ev.get('metrics', {}))}")
             seen["status"] = 0
 
     def kill() -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from edgetune.engine.core.config_files import read_run_yaml
-from edgetune.engine.core.errors import ConfigError, RunError, os_errors_as_run_errors
+from edgetune.engine.core.errors import ConfigError, EdgetuneError, RunError, os_errors_as_run_errors
 from edgetune.engine.core.events import TERMINAL, follow, read_events, scan_events, started_config
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.methods import METHODS as RECORDS
@@ -188,6 +188,8 @@ class Run:
             cfg, problem = {}, problem or str(e)
         last_step = next((e for e in reversed(events) if e["type"] == "step"), None)
         end = next((e for e in reversed(events) if e["type"] in TERMINAL), None)
+        # the figures of the last attempt that measured any (an attempt that failed has none)
+        measured = next((e for e in reversed(events) if e["type"] in TERMINAL and e.get("metrics")), None)
         model = cfg.get("model")
         record = METHODS.get(cfg.get("method")) if isinstance(cfg.get("method"), str) else None
         total = last_step.get("total") if last_step else record.total(cfg) if record else None
@@ -197,7 +199,7 @@ class Run:
             "model": model.get("name") if isinstance(model, dict) else None,
             "created": events[0]["time"] if events else None,
             "step": last_step["step"] if last_step else 0, "total": total,
-            "metrics": (end or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
+            "metrics": (measured or {}).get("metrics", {}), "message": problem or (end or {}).get("message"),
             "helped": _helped(events),
             "damaged_event_lines": damaged, "problem": bool(problem), "ending": _ending(events),
         }
@@ -692,6 +694,21 @@ def longest_sequence(cfg: Config, gpu_total: int | None = None) -> list[dict]:
     if not RECORDS[cfg.method].offload:
         return []
     return long_context.fit_rows(cfg, (gpu_total / 2**30,) if gpu_total else long_context.FIT_MEMORIES_GIB)
+
+
+def time_estimate(cfg: Config, data_report: dict | None = None) -> dict:
+    """Seconds of each phase of `cfg`'s run on this machine before it starts
+    (engine/planning/timing.py): the initial evaluation, training, the final evaluation.
+    data_report: check_data's "report" (its rows and mean tokens), read here when None;
+    data that cannot be read leaves an upper bound (rows of data.max_seq_len tokens)."""
+    from edgetune.engine.planning import timing
+
+    if data_report is None:
+        try:
+            data_report = check_data(cfg).get("report")
+        except EdgetuneError:
+            data_report = None
+    return timing.estimate(cfg, data_report if isinstance(data_report, dict) else None)
 
 
 def check_data(cfg: Config) -> dict:

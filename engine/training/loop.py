@@ -23,7 +23,7 @@ import torch
 from edgetune.engine.core import distributed as dist
 from edgetune.engine.core import memory
 from edgetune.engine.core.errors import CheckpointError, ConfigError, RunError, reason_line
-from edgetune.engine.core.events import EventWriter
+from edgetune.engine.core.events import EventWriter, read_events
 from edgetune.engine.core.runfolder import RunDir, atomic_dir
 from edgetune.engine.core.settings import SEED, Config
 
@@ -333,16 +333,27 @@ def load_checkpoint(path: Path, model, optimizer=None, scheduler=None) -> dict:
 
 def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics: dict,
            stopped: bool, t0: float) -> dict:
-    """Write the final adapter, then the terminal event (`stopped` or `finished`)."""
+    """Write the final adapter, then the terminal event (`stopped` or `finished`). A resumed
+    run's metrics keep what its earlier attempts measured (the figures before training, the
+    latest evaluation) where this attempt did not measure them again."""
     from edgetune.engine.models import fsdp
     from edgetune.engine.models.export import write_adapter
 
+    if ctx.resume is not None:
+        metrics = {**earlier_metrics(ctx.run), **metrics}
     weights = fsdp.adapter_state(model)  # a sharded base's adapter, gathered whole (every rank)
     if dist.is_main():
         write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics, state_dict=weights)
     fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
     ctx.emit("stopped" if stopped else "finished", **fields)
     return metrics
+
+
+def earlier_metrics(run: RunDir) -> dict:
+    """The metrics of the run's last `stopped` or `finished` event (its earlier attempts'),
+    or {}."""
+    ended = [e for e in read_events(run.events_path) if e["type"] in ("stopped", "finished")]
+    return dict(ended[-1].get("metrics") or {}) if ended else {}
 
 
 def check_finite(step: int, values: dict[str, float], advice: str, unit: str = "step") -> None:

@@ -73,7 +73,17 @@ def _reap() -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return one_line(f"{type(e).__name__}: {e}")
+
+
+def one_line(text: str, width: int = 300) -> str:
+    """The first line of `text`, shortened at a word boundary with " …" when longer than
+    `width` (a reason is never cut mid-word)."""
+    line = (text.strip().splitlines() or [""])[0]
+    if len(line) <= width:
+        return line
+    cut = line[: width - 2].rsplit(" ", 1)[0] if " " in line[: width - 2] else line[: width - 2]
+    return cut.rstrip(" ,;:") + " …"
 
 
 def load(path: str):

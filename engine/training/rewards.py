@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 from edgetune.engine.core.errors import ConfigError, reason_line
 
-from edgetune.engine.training.reward_worker import HEADER, send
+from edgetune.engine.training.reward_worker import HEADER, one_line, send
 
 # One row's score: (completion, row, truncated) -> float. Raising is allowed: the caller
 # turns the exception into reward 0 and an error message for that completion.
@@ -107,7 +107,7 @@ class Reward:
                     raise
                 except Exception as e:  # noqa: BLE001 - a bad completion or user code must not end the run
                     v = 0.0
-                    msg = f"{part.name}: {describe(e)}".splitlines()[0][:300]
+                    msg = one_line(f"{part.name}: {describe(e)}")
                     errors[i] = msg if errors[i] is None else f"{errors[i]}; {msg}"
                 values.append(v)
                 totals[i] += weight * v

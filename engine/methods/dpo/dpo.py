@@ -89,8 +89,13 @@ def train(ctx: RunContext) -> dict:
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
     start_step = 0
+    # The reference policy's log-probs of the held-out replies (each batch's chosen then
+    # rejected rows): the reference never changes, so they are computed once a run (by the
+    # initial evaluation, where the policy is the reference) and kept in the checkpoints.
+    ref_logps = None
     if ctx.resume is not None:
-        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
+        state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
+        start_step, ref_logps = state["step"], state.get("reference_logps")
 
     pad_id = tok.pad_token_id
     metrics: dict = {}
@@ -98,15 +103,23 @@ def train(ctx: RunContext) -> dict:
     n_eval = -(-len(data.eval) // s.batch_size)
 
     def held_out(step: int, phase: str | None, sebp) -> None:
+        nonlocal ref_logps
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop) if phase else None
         with sebp.lifted():  # the model's own forwards
-            m = evaluate(model, data.eval, pad_id, device, s, tick, reference)
-            if m is None:  # stopped during the evaluation
+            out = evaluate(model, data.eval, pad_id, device, s, tick, reference, ref_logps, at_reference=step == 0)
+            if out is None:  # stopped during the evaluation
                 return
-            metrics.update({(k + "_start" if step == 0 else k): v for k, v in m.items()})
+            m, ref_logps = out
+            # at the start the policy is the reference: every reward is 0, so the reward
+            # accuracy and margin are 0 by definition and no figure of the base
+            metrics.update({(k + "_start" if step == 0 else k): v for k, v in m.items()
+                            if not (step == 0 and k in AT_REFERENCE and s.loss_type not in REFERENCE_FREE)})
             ctx.emit("eval", step=step, **m)
             if picks and dist.is_main():
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
+
+    def kept() -> dict:  # what a checkpoint carries beyond the training state
+        return {"reference_logps": ref_logps} if ref_logps is not None else {}
 
     with sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:  # the patch comes off however the loop ends
         if start_step == 0 and data.eval and s.eval_every:
@@ -139,8 +152,8 @@ def train(ctx: RunContext) -> dict:
             if data.eval and every(s.eval_every, step) or final:
                 held_out(step, "final_eval" if final else None, sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
-                save_checkpoint(ctx, step, model, optimizer, scheduler)
-        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
+                save_checkpoint(ctx, step, model, optimizer, scheduler, **kept())
+        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, **kept())
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
@@ -199,22 +212,26 @@ class Reference:
                     p.copy_(w)
 
 
-def forward_pairs(model, pairs, pad_id: int, device: str, s, sebp=None, reference: Reference | None = None) -> dict:
+def forward_pairs(model, pairs, pad_id: int, device: str, s, sebp=None, reference: Reference | None = None,
+                  ref: torch.Tensor | None = None, is_reference: bool = False) -> dict:
     """Log-probs of a micro-batch's chosen and rejected rows, in one forward (and, for the
-    losses that have one, the reference policy's under no_grad)."""
+    losses that have one, the reference policy's under no_grad, unless `ref` gives them or
+    the policy `is_reference`, as at the start of a run, when its own forward gives them)."""
     rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     batch = {k: v.to(device) for k, v in data_lib.collate(rows, pad_id).items()}
     if sebp is not None and torch.is_grad_enabled():
         sebp.set_active_rows(batch["attention_mask"].bool())
-    ref = None
-    if s.loss_type not in REFERENCE_FREE:  # first: swapping weights after the policy's forward would spoil its backward
+    if ref is None and not is_reference and s.loss_type not in REFERENCE_FREE:  # first: swapping weights after the policy's forward would spoil its backward
         with torch.no_grad(), (reference or Reference(model, False)).policy(), model_lib.autocast(model):
             ref = labelled_logprobs(model, batch)[0]
     with model_lib.autocast(model):
         logps, counts = labelled_logprobs(model, batch)
     b = len(pairs)
+    if ref is None and is_reference:
+        ref = logps.detach()
     out = {"pc": logps[:b], "pr": logps[b:], "nc": counts[:b], "nr": counts[b:]}
-    if ref is not None:
+    if ref is not None and s.loss_type not in REFERENCE_FREE:
+        ref = ref.to(logps.device)
         out.update(rc=ref[:b], rr=ref[b:])
     return out
 
@@ -245,19 +262,36 @@ def accumulate(model, micro: list[list], pad_id: int, device: str, s, sebp=None,
     return {"loss": out["loss"], **{k: out[k] / max(n_pairs, 1) for k in sums if k != "loss"}}
 
 
+# The held-out figures that are 0 by definition while the policy is the reference (at the
+# start of a run of a loss with a reference): every reward is 0 there.
+AT_REFERENCE = ("eval_accuracy", "eval_margin")
+
+
 @torch.no_grad()
-def evaluate(model, pairs, pad_id: int, device: str, s, tick=None, reference=None) -> dict | None:
-    """Held-out loss, preference accuracy (the chosen reply's reward above the rejected one's:
-    ties, as at the start where every reward is 0, do not count), margin, and the share of
-    pairs whose chosen reply the model itself finds likelier (the base's own preference at
-    the start); means over the pairs. None when `tick(batches_done)` asks to stop."""
+def evaluate(model, pairs, pad_id: int, device: str, s, tick=None, reference=None, ref_logps=None,
+             at_reference: bool = False) -> tuple[dict, list | None] | None:
+    """Held-out figures, means over the pairs (docs/methods.md names them): the loss; the
+    reward accuracy (the share of pairs whose chosen reply's reward is above the rejected
+    one's; ties, as at the start where every reward is 0, do not count); the reward margin;
+    and the share of pairs whose chosen reply the model itself finds likelier (a higher
+    summed log-probability; the base's own preference at the start).
+
+    `ref_logps`: the reference's log-probs of each batch's rows, as a previous call returned
+    them (None: computed here); `at_reference`: the policy is the reference (the start of a
+    run), so one forward gives both. Returns (figures, the reference's log-probs), or None
+    when `tick(batches_done)` asks to stop."""
     was_training = model.training
     model.eval()
     sums = {"eval_loss": 0.0, "eval_accuracy": 0.0, "eval_margin": 0.0, "eval_prefers_chosen": 0.0}
     chosen_tokens = 0
+    with_reference = s.loss_type not in REFERENCE_FREE
+    refs = []
     for b, i in enumerate(range(0, len(pairs), s.batch_size)):
         part = pairs[i : i + s.batch_size]
-        f = forward_pairs(model, part, pad_id, device, s, reference=reference)
+        given = ref_logps[b] if ref_logps is not None and b < len(ref_logps) else None
+        f = forward_pairs(model, part, pad_id, device, s, reference=reference, ref=given, is_reference=at_reference)
+        if with_reference:
+            refs.append(torch.cat([f["rc"], f["rr"]]).float().cpu())
         loss, cr, rr = pair_losses(s.loss_type, s.beta, s.simpo_gamma, f["pc"], f["pr"], f["nc"], f["nr"],
                                    f.get("rc"), f.get("rr"))
         sums["eval_loss"] += float(loss.sum())
@@ -276,4 +310,4 @@ def evaluate(model, pairs, pad_id: int, device: str, s, tick=None, reference=Non
     out = {k: v / n for k, v in sums.items() if k != "nll"}
     if "nll" in sums:
         out["eval_loss"] += sums["nll"] / max(chosen_tokens, 1)
-    return out
+    return out, refs if with_reference else None

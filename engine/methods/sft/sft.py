@@ -118,19 +118,29 @@ def train(ctx: RunContext) -> dict:
     optimizer = make_optimizer(model.parameters(), eff.optimizer, s.lr, s.weight_decay, device)
     scheduler = make_scheduler(optimizer, s.warmup_steps, ctx.schedule_steps or s.steps)
     start_step = 0
+    # Each held-out demonstration's loss with the adapter off (the before-training figures):
+    # measured once a run, by the initial evaluation when the adapter starts at zero (the
+    # model at step 0 is the base), kept in the checkpoints for a resumed run's comparison.
+    base_losses = None
     if ctx.resume is not None:
-        start_step = load_checkpoint(ctx.resume, model, optimizer, scheduler)["step"]
+        state = load_checkpoint(ctx.resume, model, optimizer, scheduler)
+        start_step, base_losses = state["step"], state.get("base_losses")
 
     pad_id = tok.pad_token_id
     collate = collate_packed if s.packing else data_lib.collate  # packed: one row, no padding
     metrics: dict = {}
     n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
+    compared = data.eval[: n_eval * s.batch_size]  # the held-out demonstrations each evaluation scores
+    fresh = not cfg.lora.init_from  # the adapter starts at zero: the model at step 0 is the base
 
     picks = sample_prompts(data.eval, s.samples) if s.samples else []
 
-    def held_out(phase: str) -> float | None:
+    def held_out(phase: str) -> tuple[list[float], list[int]] | None:
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop)
-        return evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches, tick)
+        return example_losses(model, compared, pad_id, s.batch_size, device, tick)
+
+    def kept() -> dict:  # what a checkpoint carries beyond the training state
+        return {"base_losses": base_losses} if base_losses is not None else {}
 
     def show_samples(step: int, sebp) -> None:
         if picks and dist.is_main():  # one process writes the events
@@ -140,15 +150,17 @@ def train(ctx: RunContext) -> dict:
     # the patches come off however the loop ends; SEBP's wraps the fused forwards
     with lora_fused.enabled(model, s.fused_lora) as fused, sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:
         if start_step == 0 and data.eval and s.eval_every:
-            loss0 = held_out("initial_eval")
-            if loss0 is not None:  # None: stopped during the evaluation
+            scored = held_out("initial_eval")
+            if scored is not None:  # None: stopped during the evaluation
+                loss0 = mean_loss(*scored)
+                base_losses = scored[0] if fresh else None
                 metrics["eval_loss_start"] = loss0
                 ctx.emit("eval", step=0, eval_loss=loss0)
                 show_samples(0, sebp)
 
         progress = start_training(ctx, s.steps, start_step)
         model.train()
-        step, stopped = start_step, False
+        step, stopped, end_losses = start_step, False, None
         while step < s.steps:
             if ctx.should_stop():
                 stopped = True
@@ -176,30 +188,37 @@ def train(ctx: RunContext) -> dict:
                          grad_norm=grad_norm, tokens_per_s=round(tokens / (time.time() - t_step), 1))
             final = bool(data.eval and s.eval_every and step == s.steps)
             if data.eval and every(s.eval_every, step) or final:
-                loss = held_out("final_eval") if final else evaluate(model, data.eval, pad_id, s.batch_size, device,
-                                                                     s.eval_batches)
+                if final:
+                    scored = held_out("final_eval")
+                    loss = None if scored is None else mean_loss(*scored)
+                    end_losses = None if scored is None else scored[0]
+                else:
+                    loss = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
                 if loss is not None:
                     metrics["eval_loss"] = loss
                     ctx.emit("eval", step=step, eval_loss=loss)
                     show_samples(step, sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
-                save_checkpoint(ctx, step, model, optimizer, scheduler)
-        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler)
-    if data.eval and s.eval_every and not stopped:  # did it help: the adapter against the base, demonstration by demonstration
-        before_after(ctx, model, data.eval[: n_eval * s.batch_size], pad_id, s.batch_size, device, step)
+                save_checkpoint(ctx, step, model, optimizer, scheduler, **kept())
+        save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, **kept())
+    if end_losses is not None and not stopped:  # did it help: the adapter against the base, demonstration by demonstration
+        before_after(ctx, model, compared, pad_id, s.batch_size, device, step, end_losses, base_losses)
     model.eval()
     phases.emit(ctx.emit, "export")
     return finish(ctx, model, tok, base_path, step, metrics, stopped, t0)
 
 
-def before_after(ctx, model, examples, pad_id: int, batch_size: int, device: str, step: int) -> None:
-    """The held-out demonstrations' loss with the adapter and with it switched off, compared
-    pair by pair (paired bootstrap, lower is better): a `comparison` event."""
-    tick = phases.counter(ctx.emit, "base_eval", -(-len(examples) // batch_size), "batches", ctx.should_stop)
-    end = example_losses(model, examples, pad_id, batch_size, device)
-    with model.disable_adapter():
-        start = example_losses(model, examples, pad_id, batch_size, device, tick)
-    if start is not None and end is not None:
+def before_after(ctx, model, examples, pad_id: int, batch_size: int, device: str, step: int, end: list[float],
+                 start: list[float] | None) -> None:
+    """The held-out demonstrations' loss with the adapter (`end`, the final evaluation's) and
+    with it switched off (`start`, the initial evaluation's; measured here when the run
+    has none), compared pair by pair (paired bootstrap, lower is better): a `comparison` event."""
+    if start is None:
+        tick = phases.counter(ctx.emit, "base_eval", -(-len(examples) // batch_size), "batches", ctx.should_stop)
+        with model.disable_adapter():
+            scored = example_losses(model, examples, pad_id, batch_size, device, tick)
+        start = None if scored is None else scored[0]
+    if start is not None:
         ctx.emit("comparison", step=step, **stats.compare_losses(start, end, stats.BASE, stats.ADAPTER, "loss",
                                                                  "demonstrations"))
 
@@ -252,22 +271,30 @@ def eval_batches(n_examples: int, batch_size: int, max_batches: int = 0) -> int:
 
 
 @torch.no_grad()
-def example_losses(model, examples, pad_id: int, batch_size: int, device: str, tick=None) -> list[float] | None:
-    """Each example's mean token loss (its labelled tokens); `tick(batches_done)` after each
-    batch, and None when it returns True."""
+def example_losses(model, examples, pad_id: int, batch_size: int, device: str,
+                   tick=None) -> tuple[list[float], list[int]] | None:
+    """Each example's mean token loss (its labelled tokens) and its number of labelled
+    tokens; `tick(batches_done)` after each batch, and None when it returns True."""
     was_training = model.training
     model.eval()
-    out: list[float] = []
+    out: tuple[list[float], list[int]] | None = ([], [])
     for b, s in enumerate(range(0, len(examples), batch_size)):
         batch = {k: v.to(device) for k, v in data_lib.collate(examples[s : s + batch_size], pad_id).items()}
         with model_lib.autocast(model):
             sums, counts = labelled_logprobs(model, batch)
-        out += (-sums / counts.clamp(min=1)).float().tolist()
+        out[0].extend((-sums.float() / counts.clamp(min=1)).tolist())
+        out[1].extend(counts.tolist())
         if tick is not None and tick(b + 1):
             out = None
             break
     model.train(was_training)
     return out
+
+
+def mean_loss(losses: list[float], tokens: list[int]) -> float:
+    """The token-weighted mean of example_losses' result: the loss over all their labelled
+    tokens, as `evaluate` computes it."""
+    return sum(x * n for x, n in zip(losses, tokens)) / max(sum(tokens), 1)
 
 
 @torch.no_grad()
