@@ -156,12 +156,12 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         # a long setting help is whole, folded to a few lines until the pointer is on it
         from edgetune.app.form import field_specs
 
-        packing = next(s for s in field_specs() if s.key == "sft.packing")
-        info = page.locator("#field-sft-packing .info-text")
-        assert info.text_content().strip() == packing.help.strip()
+        longest = max((s for s in field_specs() if s.group == "sft"), key=lambda s: len(s.help))
+        info = page.locator(f"#{longest.elem_id} .info-text")
+        assert info.text_content().strip() == longest.help.strip()
         folded = info.evaluate("e => [e.clientHeight, e.scrollHeight]")
-        assert folded[0] < folded[1], folded
-        page.locator("#field-sft-packing").hover()
+        assert folded[0] < folded[1], (longest.key, folded)
+        page.locator(f"#{longest.elem_id}").hover()
         page.wait_for_timeout(300)
         assert info.evaluate("e => e.clientHeight") >= folded[1]
         for field, value in (("sft-steps", STEPS), ("sft-eval_every", 8), ("sft-batch_size", 2),
