@@ -174,8 +174,9 @@ METHODS = {m.name: m for m in (
            plots=(
                Plot("Loss", "loss", (Series("step", "loss", "preference loss"),
                                      Series("eval", "eval_loss", "eval preference loss"))),
-               Plot("Preference accuracy", "share of pairs",
-                    (Series("step", "accuracy", "chosen wins"), Series("eval", "eval_accuracy", "eval chosen wins"))),
+               Plot("Reward accuracy", "share of pairs",
+                    (Series("step", "accuracy", "reward accuracy"),
+                     Series("eval", "eval_accuracy", "eval reward accuracy"))),
                Plot("Reward margin", "margin", (Series("step", "margin", "margin"),
                                                 Series("eval", "eval_margin", "eval margin"))),
            ),
