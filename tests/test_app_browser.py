@@ -544,15 +544,21 @@ def test_the_evaluate_tab_compares_a_run_with_the_base_across_a_reload_and_stops
             answer = " / ".join(part.strip() for part in gen["systems"][0]["answers"][i].splitlines() if part.strip())
             assert answer[-20:] in shown, (answer, shown)
 
-        # a second job, stopped while its model loads: it ends without a result
+        # a second job, on a task of many prompts (minutes, so that it is still running when the
+        # Stop comes, however fast the machine), stopped while it runs: it ends without a result
+        many = tmp_path / "many.jsonl"
+        many.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(1, 900)))
+        page.locator("#eval-files textarea").fill(str(many))
         page.click("#eval-start-btn")
         _wait(lambda: "Started evaluation" in msg() or "✗" in msg(), 60, "the start's message")
         assert "Started evaluation" in msg(), msg()
-        _wait(lambda: "loading the model" in page.locator("#eval-status").inner_text()
-              or "%" in page.locator("#eval-status").inner_text() or "/" in page.locator("#eval-status").inner_text(),
-              60, "the second job to start")
+        second = page.locator("#eval-message strong").inner_text()
+        _wait(lambda: second in page.locator("#eval-status").inner_text()
+              and "running" in page.locator("#eval-status").inner_text(), 60, "the second job to start")
         page.click("#eval-stop-btn")
+        _wait(lambda: "Stopping" in msg(), 30, "the stop's message")
         _wait(lambda: "stopped" in page.locator("#eval-status").inner_text(), 60, "the stop")
+        assert not (runs / ".evaluations" / second / "result.json").exists()
         # the first result, picked again from the saved evaluations
         page.locator("#eval-select input").click()
         page.get_by_role("option", name=job, exact=True).click()
@@ -634,7 +640,8 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         page.wait_for_selector("#queue-message:has-text('as job 1')")
         page.mouse.move(5, 5)
         page.screenshot(path=str(SHOTS / "11-queue-1-added.png"), full_page=True)
-        queued = next(iter(folders() - {"old-stopped"}))
+        # the queue's runner makes the run's folder as it starts the job
+        queued = _wait(lambda: next(iter(folders() - {"old-stopped"}), None), 120, "the queued run's folder")
         _wait(lambda: queued in banner() and "running" in banner(), 240, "the page to show the queued run")
         _wait(lambda: _enabled(page) == {"start": False, "stop": True, "resume": False}, 30, "Stop alone")
         page.wait_for_timeout(1500)

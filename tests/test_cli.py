@@ -283,16 +283,27 @@ def test_ctrl_c_once_stops_gracefully_twice_kills(tmp_path, tiny_model_dir):
     assert read_events(tmp_path / "runs" / "once" / "events.jsonl")[-1]["type"] == "stopped"
     assert "stopped: adapter in" in out + err
 
-    twice = start("twice")
-    _wait_for(lambda: stepping("twice", twice), 240, "a first step")
-    twice.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    t0 = time.time()
-    twice.send_signal(signal.SIGINT)
-    twice.communicate(timeout=60)
-    assert twice.returncode == 130 and time.time() - t0 < 20
-    last = read_events(tmp_path / "runs" / "twice" / "events.jsonl")[-1]
-    assert last["type"] in ("error", "stopped")  # killed, unless the stop finished first
+    # The second Ctrl-C once the CLI has said it is stopping. A tiny model's graceful stop may
+    # still end first (the CLI then says so, exits 0 and kills nothing): try again, up to 3 runs.
+    for attempt in range(3):
+        twice = start(f"twice{attempt}")
+        _wait_for(lambda: stepping(f"twice{attempt}", twice), 240, "a first step")
+        twice.send_signal(signal.SIGINT)
+        err = ""
+        while "Ctrl-C again to kill" not in err and twice.poll() is None:
+            err += twice.stderr.readline()
+        t0 = time.time()
+        twice.send_signal(signal.SIGINT)
+        err += twice.communicate(timeout=60)[1]
+        if twice.returncode == 0 and "nothing was killed" in err:
+            continue
+        assert twice.returncode == 130 and time.time() - t0 < 20, err[-2000:]
+        assert "killing the worker" in err
+        last = read_events(tmp_path / "runs" / f"twice{attempt}" / "events.jsonl")[-1]
+        assert last["type"] in ("error", "stopped")  # killed, unless the stop finished as the kill came
+        break
+    else:
+        raise AssertionError("the graceful stop ended before the second Ctrl-C in 3 runs")
 
 
 def test_sigterm_to_the_cli_stops_its_run_as_ctrl_c_does(tmp_path, tiny_model_dir):

@@ -105,7 +105,7 @@ def test_sft_two_ranks_equal_one_process(tiny_model_dir, tmp_path, sft_reference
     ref_events, ref_adapter = sft_reference
     run = api.start(sft_cfg(tiny_model_dir, tmp_path), name="two", gpus=2)
     events = finish(run)
-    assert events[-1]["type"] == "finished", events[-1]
+    assert events[-1]["type"] == "finished", events[-1].get("message")
     started = next(e for e in events if e["type"] == "started")
     assert started["world_size"] == 2
     ours = steps(events)
@@ -203,7 +203,7 @@ def test_stop_on_two_ranks_then_resume_on_one(tiny_model_dir, tmp_path):
     assert 1 <= cut < 40 and run.dir.last_checkpoint()[0] == cut
     again = api.resume(run.path, gpus=1)
     events = finish(again)
-    assert events[-1]["type"] == "finished", events[-1]
+    assert events[-1]["type"] == "finished", events[-1].get("message")
     resumed = [e for e in events if e["type"] == "started"][-1]
     assert resumed["resumed_from"] == cut and "world_size" not in resumed
     assert_same_steps({k: v for k, v in steps(events[resumed["i"]:]).items()}, steps(ref_events))
@@ -406,7 +406,7 @@ def test_dpo_two_ranks_equal_one_process(tiny_model_dir, tmp_path):
     _, _, ref_events = run_inline(dpo.train, cfg, tmp_path / "one")
     run = api.start(dpo_config(tiny_model_dir, tmp_path, dpo={"eval_every": 0}), name="two", gpus=2)
     events = finish(run)
-    assert events[-1]["type"] == "finished", events[-1]
+    assert events[-1]["type"] == "finished", events[-1].get("message")
     assert next(e for e in events if e["type"] == "started")["world_size"] == 2
     ours = steps(events)
     assert sorted(ours) == [1, 2, 3, 4]

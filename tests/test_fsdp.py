@@ -53,7 +53,7 @@ def test_sft_sharded_on_two_ranks_equals_one_process_and_resumes_on_one(tiny_mod
 
     run = api.start(fsdp_cfg(tiny_model_dir, tmp_path), name="two", gpus=2)
     events = finish(run)
-    assert events[-1]["type"] == "finished", events[-1]
+    assert events[-1]["type"] == "finished", events[-1].get("message")
     assert next(e for e in events if e["type"] == "started")["world_size"] == 2
     assert sorted(steps(events)) == [1, 2, 3, 4]
     assert_same_steps(steps(events), steps(ref))
