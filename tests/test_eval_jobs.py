@@ -74,6 +74,41 @@ def test_a_stopped_job_ends_without_a_result_and_a_bad_one_says_why(tiny_model_d
     assert [j.status() for j in eval_jobs.list_evals(runs)] == ["failed", "stopped"]
 
 
+def test_a_stop_that_a_library_turns_into_another_error_is_still_a_stop(tmp_path, monkeypatch):
+    """The stop's SIGTERM may land inside an import (the model loading), where the library's
+    half-imported module then fails with another error (numpy: a RecursionError): the job
+    says stopped, not failed; an error with no stop asked says failed."""
+    import signal
+
+    from edgetune.engine.run import evaluation
+
+    def compare(*_, **__):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise RecursionError("maximum recursion depth exceeded") from None
+
+    monkeypatch.setattr(evaluation, "compare", compare)
+    monkeypatch.setattr(eval_jobs, "_STOP_ASKED", [])
+    cfg = _cfg("unused-model", tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for name in ("stopped", "failed"):
+            path = tmp_path / name
+            path.mkdir()
+            (path / "config.yaml").write_text(cfg.to_yaml())
+            (path / "request.json").write_text(json.dumps({"base": True, "adapters": [], "tasks": ["held-out"]}))
+            if name == "failed":  # no stop asked (a job is one process): the same error is its failure
+                eval_jobs._STOP_ASKED.clear()
+                monkeypatch.setattr(evaluation, "compare", lambda *_, **__: (_ for _ in ()).throw(RecursionError("deep")))
+            assert eval_jobs._run(path) == (130 if name == "stopped" else 1)
+            assert eval_jobs.EvalJob(path).status() == name
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (tmp_path / "failed" / "error.txt").read_text().startswith("RecursionError: deep")
+
+
 def test_a_large_task_file_says_its_size_before_it_starts_and_the_app_asks(tiny_model_dir, tmp_path, capsys):
     from edgetune.engine.core.errors import EdgetuneError
 

@@ -203,7 +203,8 @@ def test_the_time_estimate_counts_each_phase_and_the_first_steps_correct_it(tiny
     assert one["assumed"] == [] and one["phases"]["initial_eval"] == 0 == one["phases"]["final_eval"]
     assert one["phases"]["training"] > 0 and two["phases"]["training"] == pytest.approx(
         2 * one["phases"]["training"], rel=0.02)
-    evals = timing.estimate(cfg(10, eval_every=10), report)
+    # a held-out split large enough that its evaluation is well above the phases' 0.1 s rounding
+    evals = timing.estimate(cfg(10, eval_every=10), {**report, "eval_rows": 3000})
     assert evals["phases"]["initial_eval"] > 0 and evals["phases"]["final_eval"] == evals["phases"]["initial_eval"]
     assert evals["total_s"] == pytest.approx(sum(evals["phases"].values()), abs=0.2)
     guessed = timing.estimate(cfg(100_000), None)  # no data report: rows of max_seq_len tokens, an upper bound

@@ -36,8 +36,11 @@ def matmul_rate(device: str, rows: int, hidden: int, intermediate: int, seconds:
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     # measured at a bounded shape: a 7B layer over a long row would take minutes to time on a
-    # CPU, and a larger product runs at least as many FLOP/s (so the estimate errs long)
-    rows, hidden, intermediate = min(rows, 512), min(hidden, 2048), min(intermediate, 8192)
+    # CPU, and a larger product runs at least as many FLOP/s (so the estimate errs long). The
+    # rows rounded up to a power of two: estimates that differ a little in their rows' lengths
+    # share one measurement, so that they compare as their token counts do, not as two timings' noise.
+    rows = min(1 << max(0, rows - 1).bit_length(), 512)
+    hidden, intermediate = min(hidden, 2048), min(intermediate, 8192)
     key = (device, str(dtype), rows, hidden, intermediate)
     if key not in _RATES:
         x = torch.randn(rows, hidden, dtype=dtype, device=device)

@@ -211,7 +211,11 @@ def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
     return EvalJob(path, proc)
 
 
+_STOP_ASKED: list = []  # set by the SIGTERM of a stop
+
+
 def _stopped(*_):
+    _STOP_ASKED.append(True)
     raise KeyboardInterrupt
 
 
@@ -249,10 +253,15 @@ def _run(path: Path) -> int:
     except KeyboardInterrupt:
         atomic_write_text(path / "stopped", "")
         return 130
-    except EdgetuneError as e:
-        atomic_write_text(path / "error.txt", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return 2
     except Exception as e:  # noqa: BLE001 - the page shows one line; worker.log has the traceback
+        # A stop that lands inside a library's import (the model loading) may come out as
+        # another error (numpy's half-imported module: a RecursionError): still a stop.
+        if _STOP_ASKED:
+            atomic_write_text(path / "stopped", "")
+            return 130
+        if isinstance(e, EdgetuneError):
+            atomic_write_text(path / "error.txt", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return 2
         import traceback
 
         traceback.print_exc()
