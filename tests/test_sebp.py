@@ -1,6 +1,6 @@
 """SEBP: the sparse backward must equal the dense backward with padding rows' dY zeroed.
 
-Triton kernels run under TRITON_INTERPRET=1 (set before triton is imported); the
+Triton kernels run under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it before triton is imported); the
 whole-model tests use the pure-PyTorch path of the same math, which is itself checked
 against the Triton path per layer.
 """
@@ -9,8 +9,6 @@ import contextlib
 import json
 import os
 import types
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
