@@ -24,6 +24,7 @@ METHODS = {
     "fgrpo": ["method=fgrpo"],
     "essa sequential": ["method=essa", "essa.warm_start=/w", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"],
     "sft SEBP on": ["method=sft", "sft.sebp=on"],
+    "sft fused LoRA off": ["method=sft", "sft.fused_lora=off"],
     "essa batched": ["method=essa", "essa.warm_start=/w", "essa.evaluation=batched", "essa.population=32",
                      "essa.prompts_per_generation=16", "data.max_seq_len=128",
                      "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"],
@@ -32,16 +33,18 @@ METHODS = {
 # What each configuration decides (device, model-independent part); K is checked separately.
 EXPECTED = {
     ("cpu", "sft"): dict(dtype="fp32", autocast=False, attn_implementation="sdpa", liger=False, sebp=False,
-                         optimizer="adamw", fused_optimizer=False, packing=False),
+                         optimizer="adamw", fused_optimizer=False, packing=False, fused_lora=False, nf4_kernel="off"),
     ("cuda", "sft"): dict(dtype="bf16", autocast=True, attn_implementation="sdpa", liger=LIGER, sebp=False,
-                          optimizer="adamw", fused_optimizer=True, packing=False),
+                          optimizer="adamw", fused_optimizer=True, packing=False, fused_lora=True, nf4_kernel="auto"),
+    ("cuda", "sft fused LoRA off"): dict(fused_lora=False),  # auto is on with CUDA; asking for off is honoured
     ("cpu", "sft packed"): dict(attn_implementation="sdpa", packing=True),
     ("cuda", "sft packed"): dict(attn_implementation="flex_attention", packing=True, liger=LIGER),
     ("cpu", "sft 8-bit, no SEBP"): dict(optimizer="paged_adamw_8bit", fused_optimizer=False, sebp=False),
     ("cuda", "sft 8-bit, no SEBP"): dict(optimizer="paged_adamw_8bit", fused_optimizer=False, sebp=False),
     ("cuda", "sft SEBP on"): dict(sebp=True),  # auto is off; asking for it is honoured
     ("cpu", "fgrpo"): dict(dtype="fp32", sebp=False, liger=False, optimizer="adamw"),
-    ("cuda", "fgrpo"): dict(dtype="bf16", sebp=False, liger=False, optimizer="adamw", fused_optimizer=True),
+    ("cuda", "fgrpo"): dict(dtype="bf16", sebp=False, liger=False, optimizer="adamw", fused_optimizer=True,
+                            fused_lora=False),  # an SFT lever
     ("cpu", "essa sequential"): dict(candidates_per_batch=1, optimizer="none", sebp=False),
     ("cuda", "essa sequential"): dict(candidates_per_batch=1, dtype="bf16", liger=False),
     ("cpu", "essa batched"): dict(candidates_per_batch=32),  # the whole population on a CPU

@@ -253,12 +253,13 @@ def test_base_path_with_the_nf4_kernel(nf4_model, monkeypatch):
     free(one)
     assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="off", rows=64) == "mixed"
     assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="on", rows=64) == "kernel"  # no copy
-    # auto is off until a GPU run shows the kernel faster ...
-    assert not effective.NF4_KERNEL_AUTO
-    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "mixed"
-    # ... then: the kernel instead of bitsandbytes, a copy only where it fits and is faster
-    monkeypatch.setattr(effective, "NF4_KERNEL_AUTO", True)
+    # auto (measured faster than bitsandbytes on a GPU): the kernel instead of bitsandbytes, a
+    # copy only where it fits and is faster; before that measurement, bitsandbytes and the copy
+    assert effective.NF4_KERNEL_AUTO
     assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "mixed_kernel"
+    monkeypatch.setattr(effective, "NF4_KERNEL_AUTO", False)
+    assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=64) == "mixed"
+    monkeypatch.setattr(effective, "NF4_KERNEL_AUTO", True)
     assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=256) == "mixed"  # past its tiles
     monkeypatch.setattr(effective, "COPY_OVER_KERNEL_FROM_ROWS", 32)
     assert fd.base_path(nf4_model, cuda, None, reserve, nf4_kernel="auto", rows=16) == "kernel"

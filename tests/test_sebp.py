@@ -7,16 +7,15 @@ against the Triton path per layer.
 
 import contextlib
 import json
-import os
 import types
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import pytest
+import torch
+from torch import nn
 
-from edgetune.kernels import sebp  # noqa: E402
+from edgetune.kernels import sebp
 
-from edgetune.engine.training.lm_loss import causal_lm_loss  # noqa: E402
+from edgetune.engine.training.lm_loss import causal_lm_loss
 
 torch.set_num_threads(1)
 BACKENDS = ["triton", "torch", "runs"]

@@ -61,6 +61,7 @@ class Effective:
     attn_implementation: str
     liger: bool  # Liger-Kernel's RMSNorm / SwiGLU / RoPE in the SFT step
     sebp: bool  # the sparse backward in SFT and F-GRPO's update
+    fused_lora: bool  # LoRA's branch inside the base layer's GEMMs in the SFT step (kernels/lora_fused.py)
     optimizer: str  # adamw | adamw_8bit | paged_adamw_8bit
     fused_optimizer: bool  # AdamW as one fused kernel (CUDA)
     packing: bool  # SFT rows laid end to end (engine/data/packing.py)
@@ -107,13 +108,20 @@ def attention(asked: str, packing: bool, device: str, model_type: str = "") -> s
 SEBP_AUTO = False
 
 
-# The NF4 decode matmul (kernels/nf4_matmul.py) under `model.nf4_kernel: auto`: built and
-# proven exact on the CPU, not yet timed on a GPU, so auto leaves it off until
-# bench/rollouts.py shows it faster (bench/README.md). Once it does, these say where it wins:
-NF4_KERNEL_AUTO = False
+# Fused LoRA (kernels/lora_fused.py) under `sft.fused_lora: auto`: on CUDA. bench/sft_speed.py
+# on an H100 measured the 7B step faster with it, padded (under SEBP) and packed
+# (bench/README.md#sft-step-7b-nf4-qlora); on the CPU it is not measured: off.
+FUSED_LORA_AUTO = True
+
+
+# The NF4 decode matmul (kernels/nf4_matmul.py) under `model.nf4_kernel: auto`: on, for the
+# layers without a bf16 copy. bench/rollouts.py on an H100 (7B, 64 rows a decode) measured it
+# faster than bitsandbytes, alone and beside a copy of half the layers, and the copy faster
+# than the kernel (bench/README.md#rollouts-generation-for-f-grpo-and-essa).
+NF4_KERNEL_AUTO = True
 NF4_KERNEL_MAX_ROWS = 128  # the decode batches it is tiled for; more rows: bitsandbytes / the copy
 # From how many rows a bf16 copy of a layer (where the free memory holds it) decodes faster
-# than the kernel on its codes; until measured, a copy that fits is kept (the fastest measured).
+# than the kernel on its codes: measured at 64 rows; below that, not measured, the copy is kept.
 COPY_OVER_KERNEL_FROM_ROWS = 1
 
 
@@ -295,6 +303,7 @@ def decide(cfg, device: str, arch=None, gpu_free: int | None = None,
         attn_implementation=attention(m.attn_implementation, packing, device, arch.model_type if arch else ""),
         liger=liger_applies(m.liger, device, cfg.method, arch),
         sebp=_switch(method_settings.sebp, SEBP_AUTO and cuda) if method_settings else False,
+        fused_lora=_switch(getattr(method_settings, "fused_lora", "off"), FUSED_LORA_AUTO and cuda),
         optimizer=optimizer, fused_optimizer=cuda and optimizer == "adamw", packing=packing,
         loss_chunk_rows=LOSS_CHUNK_ROWS,
         candidates_per_batch=essa_candidates_per_batch(cfg, device, arch, dtype, gpu_free, prompt_tokens),

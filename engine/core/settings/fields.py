@@ -148,11 +148,12 @@ SEBP_KERNELS = ("auto", "indexed", "gather", "runs")
 
 def sebp_kernel_field() -> Any:
     return setting(
-        "auto",
-        "How SEBP's backward reads the active rows (kernels/sebp.py). auto = per kind of layer, the faster of "
-        "indexed and gather, measured on its first backward; indexed = Triton GEMMs reading the rows by index in "
-        "their loads; gather = copies of the rows, then cuBLAS; runs = cuBLAS on each run of consecutive rows "
-        "in place (no copies, nothing compiled or tuned per row count). Speeds: bench/README.md.",
+        "runs",
+        "How SEBP's backward reads the active rows (kernels/sebp.py). runs = cuBLAS on each run of consecutive "
+        "rows in place (no copies, nothing compiled or tuned per row count; the fastest measured: "
+        "bench/README.md); auto = per kind of layer, the faster of indexed and gather, measured on its first "
+        "backward; indexed = Triton GEMMs reading the rows by index in their loads; gather = copies of the "
+        "rows, then cuBLAS.",
         section="speed", choices=SEBP_KERNELS)
 
 

@@ -87,12 +87,12 @@ class ModelSettings:
         "GPU for the model families Liger knows; on | off.",
         choices=AUTO_ON_OFF)
     nf4_kernel: str = setting(
-        "off",
+        "auto",
         "Rollouts (F-GRPO, ESSA, evaluation) of an NF4 base through our Triton matmul on the 4-bit "
         "weights (kernels/nf4_matmul.py) instead of bitsandbytes, which dequantises every weight at "
-        "every decode step: on = for every layer, no bf16 copy; auto = where it is faster "
-        "(engine/planning/effective.py); off = bitsandbytes, with the bf16 copy where it fits. "
-        "CUDA only; not yet timed on a GPU (bench/README.md).",
+        "every decode step: auto = the bf16 copy for the layers it fits, the kernel for the others "
+        "(each measured faster than bitsandbytes: bench/README.md); on = the kernel for every layer, "
+        "no copy; off = bitsandbytes, with the bf16 copy where it fits. CUDA only.",
         choices=AUTO_ON_OFF)
     quant_cache: bool = setting(
         True,

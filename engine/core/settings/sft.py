@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgetune.engine.core.settings.fields import (
+    AUTO_ON_OFF,
     COUNT,
     EVERY,
     ROWS,
@@ -46,12 +47,13 @@ class SFTSettings:
     samples: int = samples_field(" (at most a few tokens past the reference's length)")
     sebp: str = sebp_field("")
     sebp_kernel: str = sebp_kernel_field()
-    fused_lora: bool = setting(
-        False,
+    fused_lora: str = setting(
+        "auto",
         "LoRA's branch inside the GEMMs (kernels/lora_fused.py): the scaled rank-r product accumulates into the "
         "base layer's output (and the backward's dX) in the GEMM itself, instead of separate multiply and add "
-        "passes over the whole output. Same result to rounding. Speeds: bench/README.md.",
-        section="speed")
+        "passes over the whole output. Same result to rounding. auto = on a CUDA GPU (measured faster there: "
+        "bench/README.md), off on the CPU; on | off.",
+        section="speed", choices=AUTO_ON_OFF)
     packing: bool = setting(
         False,
         "Padding-free batches (engine/data/packing.py): a micro-batch's rows laid end to end in one row, "

@@ -26,7 +26,7 @@ Memory/speed trade-offs, each a setting:
   padding tokens in every linear layer's backward (`auto` is off); `sft.sebp_kernel` picks how its
   backward reads those rows.
 - `sft.fused_lora`: LoRA's scaled branch accumulated into the base GEMM's output inside the GEMM
-  (kernels/lora_fused.py), forward and backward; off by default.
+  (kernels/lora_fused.py), forward and backward; `auto` is on with CUDA.
 
 Determinism: the order of examples is a pure function of (seed, micro-batch index), and
 checkpoints hold optimizer, scheduler and RNG state, so a resumed run continues with the
@@ -148,7 +148,7 @@ def train(ctx: RunContext) -> dict:
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
     # the patches come off however the loop ends; SEBP's wraps the fused forwards
-    with lora_fused.enabled(model, s.fused_lora) as fused, sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:
+    with lora_fused.enabled(model, eff.fused_lora) as fused, sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:
         if start_step == 0 and data.eval and s.eval_every:
             scored = held_out("initial_eval")
             if scored is not None:  # None: stopped during the evaluation
