@@ -668,3 +668,41 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         assert not page.locator("#method-sft").is_visible()
         assert page.locator("#field-dpo-loss_type input").input_value() == "sigmoid"
         browser.close()
+
+
+def test_the_data_tab_takes_a_folders_documents_and_shows_each_file(app_server, tmp_path):
+    """A folder's documents (a PDF, a scanned PDF with no text, a .docx, an HTML page) picked
+    together on the Data tab: they are kept together in a new folder of the runs folder's
+    uploads, data.path names it, and the report lists each file (the scan named as needing
+    OCR) with a preview of the chunks and the file each came from."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from test_documents import PAGE, write_docx, write_pdf
+
+    url, runs, _ = app_server
+    src = tmp_path / "manuals"
+    src.mkdir()
+    write_pdf(src / "manual.pdf", [["The pump has three valves and one red lever."], ["Valve two opens at 9 bar."]])
+    write_pdf(src / "scan.pdf", [[]])
+    write_docx(src / "guide.docx")
+    (src / "page.html").write_text(PAGE)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _tab(page, "2 · Data")
+        page.locator("#data-upload input[type=file]").set_input_files(sorted(str(f) for f in src.iterdir()))
+        page.wait_for_selector("#data-report:has-text('chunks kept')", timeout=180_000)
+        report = page.locator("#data-report").inner_text()
+        for needle in ("format documents", "manual.pdf", "guide.docx", "page.html", "scan.pdf", "no text layer"):
+            assert needle in report, (needle, report)
+        preview = page.locator("#data-preview").inner_text()
+        assert "guide.docx" in preview and "Installing the pump" in preview
+        page.screenshot(path=str(SHOTS / "02-data-documents.png"), full_page=True)
+        kept = runs / ".uploads" / "documents"
+        _wait(lambda: page.locator("#field-data-path input, #field-data-path textarea").first.input_value()
+              == str(kept), 30, "data.path naming the kept folder")
+        browser.close()
+    assert sorted(f.name for f in kept.iterdir()) == sorted(f.name for f in src.iterdir())
+    assert all((kept / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
