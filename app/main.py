@@ -91,4 +91,5 @@ def launch(host: str = "127.0.0.1", port: int = 7860, runs_dir: str = "runs", bl
     finally:
         if block:
             demo.edgetune_chat.close()
+            demo.edgetune_serve.close()
     return demo

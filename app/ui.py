@@ -27,6 +27,7 @@ from .tab_export import ExportTab
 from .tab_method import MethodTab
 from .tab_model import ModelTab
 from .tab_runs import RunsTab
+from .tab_serve import ServeTab
 from .tab_train import TrainTab
 
 # The live view's timer: every second while the run shown trains; an idle page (a run that
@@ -132,9 +133,11 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                 page.export_tab = ExportTab(page)
             with gr.Tab("8 · Evaluate", id="evaluate", elem_id="tab-evaluate"):
                 page.eval_tab = EvalTab(page)
+            with gr.Tab("9 · Serve", id="serve", elem_id="tab-serve"):
+                page.serve_tab = ServeTab(page)
 
         for tab in (page.model_tab, page.data_tab, page.method_tab, page.runs_tab, page.chat_tab, page.export_tab,
-                    page.eval_tab):
+                    page.eval_tab, page.serve_tab):
             tab.wire()
         page.train_tab.wire(train_tab)
 
@@ -152,5 +155,6 @@ def build_app(runs_dir: str | Path = "runs") -> gr.Blocks:
                                       *queue.section_outputs, *page.form_outputs, page.tabs])))
 
     demo.edgetune_chat = page.chat  # so launch() can stop the chat worker on exit
+    demo.edgetune_serve = page.serve_tab  # and the server this app started
     demo.edgetune_page = page
     return demo

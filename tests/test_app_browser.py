@@ -706,3 +706,68 @@ def test_the_data_tab_takes_a_folders_documents_and_shows_each_file(app_server, 
         browser.close()
     assert sorted(f.name for f in kept.iterdir()) == sorted(f.name for f in src.iterdir())
     assert all((kept / f.name).read_bytes() == f.read_bytes() for f in src.iterdir())
+
+
+def test_the_serve_tab_serves_the_base_and_a_finished_run_and_stops(app_server, tiny_model_dir):
+    """The Serve tab starts `edgetune serve` on the Model tab's base: the page shows the
+    endpoint and the models (the base and the runs folder's finished run, by its name), an
+    OpenAI client gets a completion from the run's adapter there, a reload finds the same
+    server, and Stop ends it."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    openai = pytest.importorskip("openai")
+
+    url, runs, _ = app_server
+    train = subprocess.run(
+        [sys.executable, "-m", "edgetune.engine.cli", "train", "--preset", "sft-quickstart", "--runs-dir", str(runs),
+         "--name", "tiny", "--set", f"model.name={tiny_model_dir}", "--set", "model.quant=none",
+         "--set", "sft.steps=2", "--set", "sft.eval_every=0", "--set", "sft.samples=0"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert train.returncode == 0, train.stderr[-2000:]
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}/v1"
+
+    def status() -> str:
+        return page.locator("#serve-status").inner_text()
+
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _tab(page, "1 · Model")
+        model = page.locator("#field-model-name input")
+        model.fill(str(tiny_model_dir))
+        model.press("Enter")
+        page.locator("#field-model-quant input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _tab(page, "9 · Serve")
+        _wait(lambda: "Not serving" in status(), 30, "the tab's first draw")
+        box = page.locator("#serve-port input")
+        box.fill(str(port))
+        box.press("Tab")
+        page.click("#serve-start-btn")
+        _wait(lambda: "Started the server" in page.locator("#serve-message").inner_text()
+              or "✗" in page.locator("#serve-message").inner_text(), 60, "the start's message")
+        assert "Started the server" in page.locator("#serve-message").inner_text()
+        _wait(lambda: "Serving at" in status(), 240, "the server to answer")
+        shown = status()
+        assert endpoint in shown and "tiny" in shown and str(tiny_model_dir) in shown, shown
+        page.screenshot(path=str(SHOTS / "09-serve.png"), full_page=True)
+        client = openai.OpenAI(base_url=endpoint, api_key="none")
+        assert {m.id for m in client.models.list()} == {str(tiny_model_dir), "tiny"}
+        reply = client.completions.create(model="tiny", prompt="1 + 1 =", max_tokens=3, temperature=0)
+        assert reply.choices[0].text and 1 <= reply.usage.completion_tokens <= 3
+        page.click("#serve-start-btn")  # a second server on the same runs folder: refused in one line
+        _wait(lambda: "already serving at" in page.locator("#serve-message").inner_text(), 30, "the refusal")
+        page.reload()  # the page finds the running server again
+        page.wait_for_selector("#tabs")
+        _tab(page, "9 · Serve")
+        _wait(lambda: "Serving at" in status() and endpoint in status(), 30, "the server after the reload")
+        page.click("#serve-stop-btn")
+        _wait(lambda: "Stopped the server" in page.locator("#serve-message").inner_text(), 30, "the stop's message")
+        _wait(lambda: "Not serving" in status(), 30, "the stopped server")
+        browser.close()
+    with pytest.raises(openai.APIConnectionError):
+        openai.OpenAI(base_url=endpoint, api_key="none", max_retries=0).models.list()

@@ -358,3 +358,26 @@ def test_a_cancelled_job_leaves_the_batch(batcher):
     job.cancelled = True
     _wait_for(lambda: not batcher.rows, 60, "the row to leave")
     assert not done.is_set() and len([e for e in events if e["type"] == "text"]) < 1000
+
+
+def test_the_apps_server_trusts_no_planted_pid_file_and_refuses_bad_input_in_one_line(tmp_path):
+    """engine/run/serve_process: a pid file copied in with a runs folder names a process that
+    is not this server on that port (here: the test itself): not running, nothing signalled,
+    no port used; a port out of range or an unknown quantisation is one line."""
+    import os
+
+    from edgetune.engine.core.errors import EdgetuneError
+    from edgetune.engine.core.runfolder import process_start
+
+    from edgetune.engine.run import serve_process
+
+    folder = tmp_path / "runs" / serve_process.SERVE_DIR
+    folder.mkdir(parents=True)
+    (folder / "pid").write_text(f"{os.getpid()} {process_start(os.getpid())} 8000")
+    server = serve_process.Server(tmp_path / "runs")
+    assert server.pid() is None and not server.alive() and server.port() is None and server.models() is None
+    server.stop()  # signals nothing: this test goes on
+    with pytest.raises(EdgetuneError, match="^port must be"):
+        serve_process.start(tmp_path / "runs", "m", "nf4", 80)
+    with pytest.raises(EdgetuneError, match="^quant: one of nf4, int8, none"):
+        serve_process.start(tmp_path / "runs", "m", "fp8", 8000)
