@@ -103,6 +103,7 @@ class Page:
         self._events: dict[str, tuple] = {}  # run folder -> (events.jsonl's size and time, its events)
         self._events_lock = threading.Lock()
         self._refused: dict[str, str] = {}  # data_key -> the line of the Data tab's check that refused it
+        self._reports: dict[str, dict] = {}  # data_key -> the report of the Data tab's check that passed it
         threading.Thread(target=_reaper, args=(self._workers, self._exits, self._workers_lock),
                          name="edgetune-reaper", daemon=True).start()
         # Laid out by ui.build_app and the tabs:
@@ -243,8 +244,15 @@ class Page:
         with self._workers_lock:
             if result.get("ok"):
                 self._refused.pop(self.data_key(cfg), None)
+                self._reports[self.data_key(cfg)] = result.get("report") or {}
             else:
                 self._refused[self.data_key(cfg)] = result.get("error") or "unknown problem"
+                self._reports.pop(self.data_key(cfg), None)
+
+    def report(self, cfg) -> dict | None:
+        """The Data tab's report on this very data (its rows and lengths), None when unchecked."""
+        with self._workers_lock:
+            return self._reports.get(self.data_key(cfg))
 
     def refused(self, cfg) -> str:
         """The Data tab's line on this very data ("" when it did not refuse it)."""

@@ -49,6 +49,22 @@ def decided_text(cfg) -> str:
                                      cfg.method) if eff else ""
 
 
+def time_text(cfg, report: dict | None) -> str:
+    """The run's time on this machine, phase by phase, before Start (api.time_estimate):
+    from the Data tab's report of this very data when it was checked there, else rows of
+    data.max_seq_len tokens (an upper bound, said so). The machine's matmul rate is timed
+    once, in a process of its own (this one never loads torch)."""
+    from edgetune.engine.planning import timing
+
+    try:
+        est = api.time_estimate(cfg, report if report is not None else {})
+    except (EdgetuneError, OSError) as e:
+        return f"_The run's time is not known yet: {e}_"
+    line = timing.words(est)
+    hint = "" if report is not None else " Check the data on the Data tab to count its own rows."
+    return f"**{line[0].upper()}{line[1:]}.**{hint}"
+
+
 class ModelTab:
     def __init__(self, page):
         self.page = page

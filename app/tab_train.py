@@ -22,7 +22,7 @@ from . import form, live
 from .methods import BY_KEY, MAX_PLOTS, METHODS
 from .page import message, number_field, or_skip
 from .queue_section import QueueSection
-from .tab_model import decided_text
+from .tab_model import decided_text, time_text
 
 # While a run trains, its plots are redrawn at most this often (each is a PNG drawn on the
 # server: about 100 ms); the progress, logs and runs table follow every event.
@@ -49,6 +49,7 @@ class TrainTab:
         page.form_note = gr.Markdown("", elem_id="form-origin")  # whose settings the form holds
         # Filled when the tab is shown: what Start would decide for the form's `auto` settings.
         self.decided = gr.Markdown("", elem_id="train-decided")
+        self.time = gr.Markdown("", elem_id="train-time")  # the run's time on this machine, before Start
         self.msg = gr.Markdown("", elem_id="train-message")
         self.progress = gr.HTML(live.progress_html([], "none"), elem_id="train-progress")
         with gr.Row():
@@ -185,8 +186,9 @@ class TrainTab:
         try:
             cfg = self.page.config(values)
         except EdgetuneError as e:
-            return {self.decided: message(f"Settings problem: {e}", "error")}
-        return {self.decided: decided_text(cfg) + f"\n\nThe same run from a terminal: `{form.cli_command(cfg)}`"}
+            return {self.decided: message(f"Settings problem: {e}", "error"), self.time: ""}
+        return {self.decided: decided_text(cfg) + f"\n\nThe same run from a terminal: `{form.cli_command(cfg)}`",
+                self.time: time_text(cfg, self.page.report(cfg))}
 
     def do_start(self, values: dict) -> dict:
         p = self.page
@@ -231,7 +233,7 @@ class TrainTab:
 
     def wire(self, tab: gr.Tab) -> None:
         p = self.page
-        tab.select(self.show_decided, p.form_inputs, [self.decided], show_progress="hidden")
+        tab.select(self.show_decided, p.form_inputs, [self.decided, self.time], show_progress="hidden")
         acted = [self.msg, p.attached, p.msg_at]
         self.start_btn.click(self.do_start, p.form_inputs | {p.attached, self.gpus}, acted) \
             .then(or_skip(self.draw), self.live_inputs, self.live_outputs) \

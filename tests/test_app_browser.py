@@ -182,6 +182,12 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         # before Start, the tab says what the run would decide for its `auto` settings
         page.wait_for_selector("#train-decided:has-text('Start would use')")
         assert "device cpu" in page.locator("#train-decided").inner_text()
+        # and how long it would take on this machine, phase by phase (it used to say nothing
+        # before the first steps): the base's evaluation before training, once, and the final one
+        page.wait_for_selector("#train-time:has-text('Time on this machine')", timeout=120_000)
+        said_time = page.locator("#train-time").inner_text()
+        for phase in ("initial eval", "training", "final eval"):
+            assert phase in said_time, said_time
         page.click("#start-btn")
         page.mouse.move(5, 5)  # no hover colour on the buttons in the screenshots
         page.wait_for_selector("#train-message:has-text('Started run')")
@@ -381,7 +387,8 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
 
 def test_a_dpo_quick_start_runs_from_the_page(app_server):
     """The preference method from the page: its preset fills the DPO fields, Start trains it,
-    and the run ends with its preference metrics in the run's events."""
+    and the run ends with its preference metrics in the run's events and, in words, in the
+    Runs table."""
     sync_api = pytest.importorskip("playwright.sync_api")
     from edgetune.engine.core.events import read_events
 
@@ -409,6 +416,13 @@ def test_a_dpo_quick_start_runs_from_the_page(app_server):
         page.click("#start-btn")
         page.wait_for_selector("#train-message:has-text('Started run')")
         _wait(lambda: _progress(page)["status"] == "finished", 600, "the DPO run to finish")
+        # its figures in the Runs table named for what they count (a bare "accuracy" beside
+        # "prefers chosen" used to contradict itself), as the CLI and the docs name them
+        _tab(page, "5 · Runs")
+        page.click("#refresh-runs-btn")
+        _wait(lambda: "finished" in page.locator("#runs-table").inner_text(), 30, "the finished run in the table")
+        table = page.locator("#runs-table").inner_text()
+        assert re.search(r"reward accuracy [\d.]+", table) and "reward margin" in table, table
         browser.close()
     run = next(p for p in runs.iterdir() if (p / "events.jsonl").is_file())
     events = read_events(run / "events.jsonl")
@@ -771,3 +785,57 @@ def test_the_serve_tab_serves_the_base_and_a_finished_run_and_stops(app_server, 
         browser.close()
     with pytest.raises(openai.APIConnectionError):
         openai.OpenAI(base_url=endpoint, api_key="none", max_retries=0).models.list()
+
+
+def test_a_runs_figures_stay_across_stop_resume_stop_in_the_runs_table(app_server, tiny_model_dir):
+    """Started, stopped, resumed and stopped again from the page: the Runs table still shows
+    the held-out loss before training and the latest one (a stop after a resume used to drop
+    them), and the run's own record keeps the first start's figure."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from edgetune.engine.run import api
+
+    url, runs, _ = app_server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("#tabs")
+        _tab(page, "3 · Method")
+        page.click("#preset-sft-quickstart")
+        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
+        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
+        for field, value in (("sft-steps", 2000), ("sft-eval_every", 1), ("sft-eval_batches", 1),
+                             ("sft-batch_size", 2), ("sft-samples", 0)):
+            box = page.locator(f"#field-{field} input")
+            box.fill(str(value))
+            box.press("Tab")
+        _tab(page, "1 · Model")
+        model = page.locator("#field-model-name input")
+        model.fill(str(tiny_model_dir))
+        model.press("Enter")
+        page.locator("#field-model-quant input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _tab(page, "4 · Train")
+        page.click("#start-btn")
+        page.wait_for_selector("#train-message:has-text('Started run')")
+        for attempt in ("first", "resumed"):
+            at = _progress(page)["step"] if attempt == "resumed" else 0
+            _wait(lambda at=at: _progress(page)["status"] == "running" and _progress(page)["step"] >= at + 2, 300,
+                  f"the {attempt} run's steps")
+            page.click("#stop-btn")
+            _wait(lambda: _progress(page)["status"] == "stopped", 240, f"the {attempt} run to stop")
+            if attempt == "first":
+                _wait(lambda: _enabled(page)["resume"], 30, "Resume")
+                page.click("#resume-btn")
+                _wait(lambda: _progress(page)["status"] == "running", 120, "the resumed run")
+        _tab(page, "5 · Runs")
+        page.click("#refresh-runs-btn")
+        _wait(lambda: "stopped" in page.locator("#runs-table").inner_text(), 30, "the stopped run in the table")
+        table = page.locator("#runs-table").inner_text()
+        assert re.search(r"eval loss before [\d.]+, .*eval loss [\d.]+", table), table
+        browser.close()
+    (run,) = api.list_runs(runs)
+    metrics = run.summary()["metrics"]
+    assert {"eval_loss_start", "eval_loss"} <= set(metrics), metrics

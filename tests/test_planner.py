@@ -215,3 +215,28 @@ def test_the_time_estimate_counts_each_phase_and_the_first_steps_correct_it(tiny
     # (phases are rounded to 0.1 s: a small evaluation's tripling is compared to that)
     assert later["phases"]["final_eval"] == pytest.approx(3 * evals["phases"]["final_eval"], rel=0.05, abs=0.15)
     assert timing.estimate(cfg(4, method="essa"), report)["total_s"] is None  # not modelled: says so
+
+
+def test_the_apps_time_estimate_times_the_machine_without_loading_torch():
+    """The page's line before Start (app/tab_model.time_text): the matmul rate timed once in a
+    process of its own, the app's process still without torch; from the Data tab's report
+    when there is one, else an upper bound that says so."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from edgetune.engine.core.settings import resolve
+from edgetune.app.tab_model import time_text
+cfg = resolve(preset="sft-quickstart")
+bound = time_text(cfg, None)
+own = time_text(cfg, {"train_rows": 40, "eval_rows": 10, "token_lengths": {"mean": 20.0}})
+assert "torch" not in sys.modules
+print(bound); print(own)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bound, own = out.stdout.strip().splitlines()
+    assert bound.startswith("**Time on this machine: about") and "assumed rows of data.max_seq_len" in bound
+    assert "Check the data on the Data tab" in bound
+    assert "initial eval" in own and "final eval" in own and "assumed rows" not in own

@@ -20,42 +20,69 @@ the estimate is a floor that the first steps correct (`refine`).
 
 from __future__ import annotations
 
+import sys
 import time
 
 from edgetune.engine.core.arch import Arch, arch_from_config, read_model_config
+from edgetune.engine.core.errors import RunError
 from edgetune.engine.core.methods import METHODS
 from edgetune.engine.core.settings import DPO_REFERENCE_FREE
 
-_RATES: dict = {}  # (device, dtype name, rows, hidden, intermediate) -> FLOP/s measured in this process
+_RATES: dict = {}  # (device, rows, hidden, intermediate) -> FLOP/s measured for this process
 
 
 def matmul_rate(device: str, rows: int, hidden: int, intermediate: int, seconds: float = 0.2) -> float:
     """FLOP/s of [rows, hidden] x [hidden, intermediate] on `device` ("cpu" or "cuda") in the
-    dtype a run computes in there, timed for about `seconds` once per process."""
-    import torch
-
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype a run computes in there, timed for about `seconds` once per process. A process
+    that has not loaded torch (the app's) has it timed in a child process, once, and keeps
+    the figure: it never loads torch itself."""
     # measured at a bounded shape: a 7B layer over a long row would take minutes to time on a
     # CPU, and a larger product runs at least as many FLOP/s (so the estimate errs long). The
     # rows rounded up to a power of two: estimates that differ a little in their rows' lengths
     # share one measurement, so that they compare as their token counts do, not as two timings' noise.
     rows = min(1 << max(0, rows - 1).bit_length(), 512)
     hidden, intermediate = min(hidden, 2048), min(intermediate, 8192)
-    key = (device, str(dtype), rows, hidden, intermediate)
+    key = (device, rows, hidden, intermediate)
     if key not in _RATES:
-        x = torch.randn(rows, hidden, dtype=dtype, device=device)
-        w = torch.randn(intermediate, hidden, dtype=dtype, device=device)
-        torch.nn.functional.linear(x, w)  # warm-up
-        n, t0 = 0, time.perf_counter()
-        while True:
-            torch.nn.functional.linear(x, w)
-            n += 1
-            if device != "cpu":
-                torch.cuda.synchronize()
-            if time.perf_counter() - t0 >= seconds:
-                break
-        _RATES[key] = 2 * rows * hidden * intermediate * n / (time.perf_counter() - t0)
+        _RATES[key] = _time_matmul(*key, seconds) if "torch" in sys.modules else _time_matmul_apart(*key, seconds)
     return _RATES[key]
+
+
+def _time_matmul_apart(device: str, rows: int, hidden: int, intermediate: int, seconds: float) -> float:
+    import subprocess
+
+    from edgetune.engine.core.threads import worker_env
+
+    cmd = [sys.executable, "-m", "edgetune.engine.planning.timing", device, str(rows), str(hidden),
+           str(intermediate), str(seconds)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=worker_env(),
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RunError(f"this machine's matmul rate could not be timed: {e}") from None
+    try:
+        return float(out.stdout.split()[-1])
+    except (ValueError, IndexError):
+        why = (out.stderr.strip().splitlines() or ["no figure printed"])[-1]
+        raise RunError(f"this machine's matmul rate could not be timed: {why}") from None
+
+
+def _time_matmul(device: str, rows: int, hidden: int, intermediate: int, seconds: float) -> float:
+    import torch
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    w = torch.randn(intermediate, hidden, dtype=dtype, device=device)
+    torch.nn.functional.linear(x, w)  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while True:
+        torch.nn.functional.linear(x, w)
+        n += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        if time.perf_counter() - t0 >= seconds:
+            break
+    return 2 * rows * hidden * intermediate * n / (time.perf_counter() - t0)
 
 
 def linear_weights(a: Arch) -> int:
@@ -69,6 +96,15 @@ def _forward_flops(a: Arch, tokens: float, head_tokens: float) -> float:
     return 2 * linear_weights(a) * tokens + 2 * a.hidden * a.vocab * head_tokens
 
 
+def _has_gpu() -> bool:
+    """A CUDA GPU here: torch's answer where torch is loaded, nvidia-smi's elsewhere (the app)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.is_available()
+    from edgetune.engine.planning.planner import gpu_memory
+
+    return gpu_memory() is not None
+
+
 def estimate(cfg, data: dict | None = None, device: str | None = None) -> dict:
     """Seconds of each phase of `cfg`'s run on this machine, before it starts.
 
@@ -77,12 +113,9 @@ def estimate(cfg, data: dict | None = None, device: str | None = None) -> dict:
     data.eval_fraction held out) and each row data.max_seq_len tokens long, an upper bound.
     Returns {"phases": {phase: seconds or None}, "total_s", "assumed": [what was assumed],
     "per_step_s"}; a phase the model does not cover is None (ESSA's search)."""
-    import torch
-
-    device = device or (cfg.model.device if cfg.model.device != "auto"
-                        else "cuda" if torch.cuda.is_available() else "cpu")
+    device = device or (cfg.model.device if cfg.model.device != "auto" else "cuda" if _has_gpu() else "cpu")
     device = "cuda" if str(device).startswith("cuda") else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not _has_gpu():
         return {"phases": {"initial_eval": None, "training": None, "final_eval": None}, "total_s": None,
                 "per_step_s": None, "assumed": ["no GPU here to time"], "device": device}
     a = arch_from_config(read_model_config(cfg.model.name))
@@ -175,3 +208,7 @@ def words(est: dict) -> str:
     parts = ", ".join(f"{names[k]} {duration(v)}" for k, v in est["phases"].items() if v)
     assumed = f"; assumed {', '.join(est['assumed'])}" if est.get("assumed") else ""
     return f"time on this machine: about {duration(est['total_s'])} ({parts}{assumed}; the first steps correct it)"
+
+
+if __name__ == "__main__":  # the figure for a process without torch: DEVICE ROWS HIDDEN INTERMEDIATE SECONDS
+    print(_time_matmul(sys.argv[1], *(int(x) for x in sys.argv[2:5]), float(sys.argv[5])))
