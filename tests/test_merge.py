@@ -2,6 +2,7 @@
 a folder that records where it came from, loads in PEFT and is served by the decode loop."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,26 @@ def test_merge_refuses_in_one_line(parts, tiny_model_dir, tmp_path):
     assert p.returncode == 2 and p.stderr.startswith("error: merge --method linear: ") and \
         p.stderr.rstrip().endswith("; svd takes adapters of any ranks and layers"), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "y").exists()
+
+
+def test_a_merged_adapter_is_evaluated_against_its_parts(parts, tiny_model_dir, tmp_path):
+    """`edgetune eval --adapter merged/ --adapter a/ --adapter b/ --base`: the merged folder is
+    graded beside its parts and the base on the same task, each in the table by its name,
+    with the paired comparisons."""
+    import shutil
+
+    for name in ("a", "b"):  # the folders where the user works, named as typed
+        shutil.copytree(parts[name], tmp_path / name)
+    p = edgetune("merge", "a", "b", "--method", "linear", "--base", tiny_model_dir, "--quant", "none",
+                 "--out", "merged", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
+                                                 + "\n" for i in range(1, 5)))
+    p = edgetune("eval", "--preset", "fgrpo-quickstart", "--base", "--adapter", "merged", "--adapter", "a",
+                 "--adapter", "b", "--task", "sums.jsonl", "--set", f"model.name={tiny_model_dir}",
+                 "--set", "model.quant=none", "--set", "fgrpo.max_new_tokens=4", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    table = [ln.split()[0] for ln in p.stdout.splitlines() if re.match(r"^(the base|merged|a|b)\s+\d", ln)]
+    assert table == ["the", "merged", "a", "b"], p.stdout
+    for pair in ("merged vs the base, success_rate", "a vs merged, success_rate", "b vs merged, success_rate"):
+        assert pair in p.stdout, (pair, p.stdout)
