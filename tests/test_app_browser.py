@@ -111,6 +111,30 @@ def _wait(cond, timeout: float, what: str, poll: float = 0.5):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _preset(page, preset: str, method: str, fields) -> None:
+    """On the Method tab: the preset picked, then some of its method's advanced settings set."""
+    _tab(page, "3 · Method")
+    page.click(f"#preset-{preset}")
+    page.wait_for_selector(f"#preset-info:has-text('{preset}')")
+    page.locator(f"#advanced-{method}").get_by_text(f"Advanced {method} settings").click()
+    for field, value in fields:
+        box = page.locator(f"#field-{method}-{field} input")
+        box.fill(str(value))
+        box.press("Tab")
+
+
+def _model(page, model_dir=None) -> None:
+    """On the Model tab: the model folder (if given) and its weights unquantised (model.quant none)."""
+    _tab(page, "1 · Model")
+    if model_dir is not None:
+        model = page.locator("#field-model-name input")
+        model.fill(str(model_dir))
+        model.press("Enter")
+    page.locator("#field-model-quant input").click()
+    page.get_by_role("option", name="none", exact=True).click()
+    _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+
+
 def _enabled(page) -> dict:
     return {name: page.locator(f"#{name}-btn").is_enabled() for name in ("start", "stop", "resume")}
 
@@ -172,10 +196,7 @@ def test_train_reload_stop_download_and_bad_data(app_server, tmp_path, embedded_
         page.screenshot(path=str(SHOTS / "01-method-preset.png"), full_page=True)
         # fp32 weights: bitsandbytes' NF4 path costs more CPU (measured single-threaded: a step
         # x1.2, a decoded token x1.7); NF4 training is tested on the tiny model in test_sft
-        _tab(page, "1 · Model")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _model(page)
 
         # -- start: the progress bar and the memory panel move
         _tab(page, "4 · Train")
@@ -408,10 +429,7 @@ def test_a_dpo_quick_start_runs_from_the_page(app_server):
             box = page.locator(f"#field-{field} input")
             box.fill(str(value))
             box.press("Tab")
-        _tab(page, "1 · Model")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _model(page)
         _tab(page, "4 · Train")
         page.click("#start-btn")
         page.wait_for_selector("#train-message:has-text('Started run')")
@@ -448,21 +466,8 @@ def test_runs_added_to_the_queue_run_one_after_another(app_server, tiny_model_di
         page.set_default_timeout(60_000)
         page.goto(url)
         page.wait_for_selector("#tabs")
-        _tab(page, "3 · Method")
-        page.click("#preset-sft-quickstart")
-        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
-        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
-        for field, value in (("sft-steps", 2), ("sft-eval_every", 0), ("sft-batch_size", 2), ("sft-samples", 0)):
-            box = page.locator(f"#field-{field} input")
-            box.fill(str(value))
-            box.press("Tab")
-        _tab(page, "1 · Model")
-        model = page.locator("#field-model-name input")
-        model.fill(str(tiny_model_dir))
-        model.press("Enter")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _preset(page, "sft-quickstart", "sft", (("steps", 2), ("eval_every", 0), ("batch_size", 2), ("samples", 0)))
+        _model(page, tiny_model_dir)
         _tab(page, "4 · Train")
         page.wait_for_selector("#queue-note:has-text('The queue is empty')")
         for n in (1, 2, 3):
@@ -634,21 +639,8 @@ def test_the_page_follows_the_runs_folder_and_start_refuses_refused_data(app_ser
         page.screenshot(path=str(SHOTS / "10-start-refuses-refused-data.png"), full_page=True)
 
         # -- a run added to the queue: the open page follows it without a reload
-        _tab(page, "3 · Method")
-        page.click("#preset-sft-quickstart")
-        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
-        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
-        for field, value in (("sft-steps", 2000), ("sft-eval_every", 0), ("sft-batch_size", 2), ("sft-samples", 0)):
-            box = page.locator(f"#field-{field} input")
-            box.fill(str(value))
-            box.press("Tab")
-        _tab(page, "1 · Model")
-        model = page.locator("#field-model-name input")
-        model.fill(str(tiny_model_dir))
-        model.press("Enter")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _preset(page, "sft-quickstart", "sft", (("steps", 2000), ("eval_every", 0), ("batch_size", 2), ("samples", 0)))
+        _model(page, tiny_model_dir)
         _tab(page, "4 · Train")
         page.click("#queue-btn")
         page.wait_for_selector("#queue-message:has-text('as job 1')")
@@ -749,13 +741,7 @@ def test_the_serve_tab_serves_the_base_and_a_finished_run_and_stops(app_server, 
         page.set_default_timeout(60_000)
         page.goto(url)
         page.wait_for_selector("#tabs")
-        _tab(page, "1 · Model")
-        model = page.locator("#field-model-name input")
-        model.fill(str(tiny_model_dir))
-        model.press("Enter")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _model(page, tiny_model_dir)
         _tab(page, "9 · Serve")
         _wait(lambda: "Not serving" in status(), 30, "the tab's first draw")
         box = page.locator("#serve-port input")
@@ -801,22 +787,9 @@ def test_a_runs_figures_stay_across_stop_resume_stop_in_the_runs_table(app_serve
         page.set_default_timeout(60_000)
         page.goto(url)
         page.wait_for_selector("#tabs")
-        _tab(page, "3 · Method")
-        page.click("#preset-sft-quickstart")
-        page.wait_for_selector("#preset-info:has-text('sft-quickstart')")
-        page.locator("#advanced-sft").get_by_text("Advanced sft settings").click()
-        for field, value in (("sft-steps", 2000), ("sft-eval_every", 1), ("sft-eval_batches", 1),
-                             ("sft-batch_size", 2), ("sft-samples", 0)):
-            box = page.locator(f"#field-{field} input")
-            box.fill(str(value))
-            box.press("Tab")
-        _tab(page, "1 · Model")
-        model = page.locator("#field-model-name input")
-        model.fill(str(tiny_model_dir))
-        model.press("Enter")
-        page.locator("#field-model-quant input").click()
-        page.get_by_role("option", name="none", exact=True).click()
-        _wait(lambda: page.locator("#field-model-quant input").input_value() == "none", 30, "model.quant none")
+        _preset(page, "sft-quickstart", "sft", (("steps", 2000), ("eval_every", 1), ("eval_batches", 1),
+                             ("batch_size", 2), ("samples", 0)))
+        _model(page, tiny_model_dir)
         _tab(page, "4 · Train")
         page.click("#start-btn")
         page.wait_for_selector("#train-message:has-text('Started run')")
