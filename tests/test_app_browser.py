@@ -682,15 +682,10 @@ def test_the_data_tab_takes_a_folders_documents_and_shows_each_file(app_server, 
     uploads, data.path names it, and the report lists each file (the scan named as needing
     OCR) with a preview of the chunks and the file each came from."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    from test_documents import PAGE, write_docx, write_pdf
+    from test_documents import uploaded_documents
 
     url, runs, _ = app_server
-    src = tmp_path / "manuals"
-    src.mkdir()
-    write_pdf(src / "manual.pdf", [["The pump has three valves and one red lever."], ["Valve two opens at 9 bar."]])
-    write_pdf(src / "scan.pdf", [[]])
-    write_docx(src / "guide.docx")
-    (src / "page.html").write_text(PAGE)
+    src = uploaded_documents(tmp_path / "manuals")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

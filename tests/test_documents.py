@@ -72,6 +72,17 @@ PAGE = """<!DOCTYPE html><html><head><title>Lever guide</title><style>p {color: 
 <footer>(c) ACME, all rights reserved</footer></body></html>"""
 
 
+def uploaded_documents(src):
+    """A folder of what a user uploads together: a PDF, a scanned PDF with no text layer, a
+    .docx and an HTML page."""
+    src.mkdir()
+    write_pdf(src / "manual.pdf", [["The pump has three valves and one red lever."], ["Valve two opens at 9 bar."]])
+    write_pdf(src / "scan.pdf", [[]])
+    write_docx(src / "guide.docx")
+    (src / "page.html").write_text(PAGE)
+    return src
+
+
 def read(path, name=None):
     return docs.extract(name or path.name, path, 64 << 20)
 
@@ -367,12 +378,7 @@ def test_the_data_tab_keeps_uploaded_documents_together_and_shows_each_file(tmp_
     from edgetune.app import panels
     from edgetune.app.ui import build_app
 
-    src = tmp_path / "mine"
-    src.mkdir()
-    write_pdf(src / "manual.pdf", [["The pump has three valves and one red lever."], ["Valve two opens at 9 bar."]])
-    write_pdf(src / "scan.pdf", [[]])
-    write_docx(src / "guide.docx")
-    (src / "page.html").write_text(PAGE)
+    src = uploaded_documents(tmp_path / "mine")
     demo = build_app(tmp_path / "runs")
     try:
         page = demo.edgetune_page
