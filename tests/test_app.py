@@ -844,6 +844,7 @@ def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, prese
     import shlex
 
     from edgetune.engine import cli
+    from edgetune.engine.cli.common import config_from
 
     cfg = S.resolve(preset=preset, overrides={**changes, "run": {**changes.get("run", {}),
                                                                   "runs_dir": str(tmp_path / "my runs")}})
@@ -851,7 +852,7 @@ def test_the_cli_command_the_train_tab_shows_starts_the_same_run(tmp_path, prese
     words = shlex.split(command)
     assert words[:4] == ["edgetune", "train", "--preset", preset]
     assert words.count("--set") == sum(len(v) for k, v in changes.items() if k != "run")
-    back = cli._config(cli.build_parser().parse_args(words[1:]))
+    back = config_from(cli.build_parser().parse_args(words[1:]))
     assert back.to_dict() == cfg.to_dict()
 
 

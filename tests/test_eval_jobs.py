@@ -90,7 +90,6 @@ def test_a_stop_that_a_library_turns_into_another_error_is_still_a_stop(tmp_path
             raise RecursionError("maximum recursion depth exceeded") from None
 
     monkeypatch.setattr(evaluation, "compare", compare)
-    monkeypatch.setattr(eval_jobs, "_STOP_ASKED", [])
     cfg = _cfg("unused-model", tmp_path)
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -100,7 +99,6 @@ def test_a_stop_that_a_library_turns_into_another_error_is_still_a_stop(tmp_path
             (path / "config.yaml").write_text(cfg.to_yaml())
             (path / "request.json").write_text(json.dumps({"base": True, "adapters": [], "tasks": ["held-out"]}))
             if name == "failed":  # no stop asked (a job is one process): the same error is its failure
-                eval_jobs._STOP_ASKED.clear()
                 monkeypatch.setattr(evaluation, "compare", lambda *_, **__: (_ for _ in ()).throw(RecursionError("deep")))
             assert eval_jobs._run(path) == (130 if name == "stopped" else 1)
             assert eval_jobs.EvalJob(path).status() == name

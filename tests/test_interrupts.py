@@ -133,15 +133,54 @@ def test_ctrl_c_during_a_data_check_is_one_line(tmp_path):
     assert "Traceback" not in err and all(ln.startswith("checking") for ln in err.splitlines()[:-1])
 
 
-def test_ctrl_c_while_an_evaluation_starts_up_is_one_line(tmp_path):
-    """Ctrl-C in the middle of the imports and the model's load (torch, transformers)."""
+@pytest.mark.parametrize("after_s", [0.2, 0.8, 1.5, 2.5])
+def test_ctrl_c_while_an_evaluation_starts_up_is_one_line(tmp_path, after_s):
+    """Ctrl-C in the middle of the imports and the model's load (torch, transformers): while
+    the command's own modules load, while the libraries' do (a KeyboardInterrupt that leaves
+    a dataclass's exec()'d methods, which Python would otherwise answer at exit by killing
+    its own process with SIGINT), while the model loads."""
     proc = _start("eval", "--preset", "fgrpo-quickstart", "--adapter", "", cwd=tmp_path)
-    time.sleep(1.5)
+    time.sleep(after_s)
     assert proc.poll() is None
     rc, out, err = _interrupt(proc)
     assert rc == 130 and "Traceback" not in err, err[-3000:]
     assert err.splitlines()[-1] == "interrupted: the evaluation stopped; nothing was written"
     assert not list(tmp_path.iterdir())
+
+
+def _burn(cpu_s: float) -> None:
+    t0 = time.process_time()
+    while time.process_time() - t0 < cpu_s:
+        sum(range(1000))
+
+
+def test_a_stop_that_a_library_swallows_is_raised_again_but_never_inside_the_cleanup():
+    """The first KeyboardInterrupt can be lost (raised in a `__del__`, Python only prints it;
+    a library turns it into an error it catches) and the work would go on: it is raised
+    again while the work goes on, but not inside the `finally` that cleans up after it."""
+    from edgetune.engine.core import interrupts
+
+    before = signal.getsignal(signal.SIGUSR1)
+    cleaned = []
+    try:
+        interrupts.install(signal.SIGUSR1)
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                try:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    time.sleep(5)  # the stop lands here
+                except KeyboardInterrupt:
+                    pass  # and is swallowed
+                assert interrupts.asked()
+                _burn(20)  # the work goes on, and is stopped again within half a second of CPU
+            finally:
+                _burn(2 * interrupts.AGAIN_EVERY_S + 0.5)  # the cleanup runs to its end
+                cleaned.append(True)
+        assert cleaned == [True]
+    finally:
+        interrupts.ended(signal.SIGUSR1, before)
+    assert not interrupts.asked()
+    _burn(2 * interrupts.AGAIN_EVERY_S + 0.5)  # after the end, nothing more is raised
 
 
 def test_ctrl_c_ends_the_app_in_one_line(tmp_path):
@@ -172,7 +211,7 @@ def test_ctrl_c_just_after_a_run_finished_kills_nothing_and_says_it_finished(tmp
 
     from edgetune.engine.run import api
 
-    from edgetune.engine import cli
+    from edgetune.engine.cli.watch import watch
 
     path = tmp_path / "runs" / "r"
     path.mkdir(parents=True)
@@ -188,7 +227,7 @@ def test_ctrl_c_just_after_a_run_finished_kills_nothing_and_says_it_finished(tmp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run, "wait", ctrl_c)
-    assert cli.watch(run, quiet=True) == 0
+    assert watch(run, quiet=True) == 0
     err = capsys.readouterr().err
     assert "the run had finished already; nothing was killed" in err and "killed;" not in err
     assert read_events(path / "events.jsonl")[-1]["type"] == "finished" and run.status() == "finished"

@@ -16,6 +16,7 @@ from edgetune.engine.run import api
 
 from edgetune.app import live
 from edgetune.engine import cli
+from edgetune.engine.cli.watch import more_steps_text, samples_text
 
 
 def _sft(cfg, path, **kw):
@@ -42,7 +43,7 @@ def test_sft_evaluations_show_greedy_samples_in_the_app_and_the_cli(tiny_model_d
     assert md.startswith("**Held-out samples at step 4**") and md.count("\n| ") == 3  # header + 2 rows
     assert all(live._cell(x["reference"], 300) in md for x in last)
     assert "samples at step 4: 2 held-out completions" in live.log_lines(events)
-    text = cli.samples_text(samples[-1])
+    text = samples_text(samples[-1])
     assert text.splitlines()[0].startswith("samples at step 4") and len(text.splitlines()) == 3
     assert repr(last[0]["reference"]) in text
 
@@ -86,7 +87,7 @@ def test_finished_run_trains_more_steps_from_its_final_checkpoint(tiny_model_dir
     more = read_events(path / "events.jsonl")[-1]
     assert {k: more[k] for k in ("type", "setting", "from", "to", "schedule")} == \
         {"type": "more_steps", "setting": "sft.steps", "from": 3, "to": 5, "schedule": 3}
-    assert cli.more_steps_text(more).startswith("more steps: sft.steps 3 → 5")
+    assert more_steps_text(more).startswith("more steps: sft.steps 3 → 5")
     assert "more steps: sft.steps 3 → 5 (learning rate flat past step 3)" in live.log_lines([more])
 
     sigterm = signal.getsignal(signal.SIGTERM)  # the worker sets its own

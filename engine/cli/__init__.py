@@ -23,13 +23,11 @@ import os
 import signal
 import sys
 
-from edgetune.engine.core import settings as S
-from edgetune.engine.core.errors import EdgetuneError, os_error_line
+# Nothing here imports more than the standard library: a Ctrl-C while the commands' modules
+# load is answered in one line by main(), which can only do so once this module has loaded.
+from edgetune.engine.core import interrupts
 
-from edgetune.engine.cli.common import config_from as _config  # a command's settings, as the app's tests read them
-from edgetune.engine.cli.watch import more_steps_text, samples_text, watch
-
-__all__ = ["build_parser", "flag_ranges", "main", "more_steps_text", "samples_text", "watch", "_config"]
+__all__ = ["build_parser", "flag_ranges", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 def flag_ranges() -> dict:
     """The numeric flags that are not settings: their dest -> (the flag, its Range). A
     setting's own flag (--max-seq-len) takes the setting's range."""
+    from edgetune.engine.core import settings as S
+
     return {"gpus": ("--gpus", S.GPUS), "nnodes": ("--nnodes", S.NODES), "node_rank": ("--node-rank", S.NODE_RANK),
             "more_steps": ("--more-steps", S.MORE_STEPS), "port": ("--port", S.PORT),
             "job": ("job", S.QUEUE_NUMBER), "to": ("--to", S.QUEUE_NUMBER),
@@ -72,6 +72,8 @@ def flag_ranges() -> dict:
 
 def _read_numbers(a) -> None:
     """Each numeric flag given, as an int within its range, or the one-line refusal."""
+    from edgetune.engine.core import settings as S
+
     for dest, (flag, rng) in flag_ranges().items():
         if getattr(a, dest, None) is not None:
             setattr(a, dest, S.typed_number(flag, getattr(a, dest), rng))
@@ -95,13 +97,6 @@ def _interrupted(a) -> str:
 ENDS_AT_CTRL_C = ("export", "data", "estimate", "eval", "ui", "queue", "merge")
 
 
-def _ctrl_c(signum, frame):
-    """The first Ctrl-C: the command stops where it is and removes what it had half written
-    (its `finally` blocks run); a second one, while it does, ends the process at once."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     # only where Ctrl-C is Python's own (a background job ignores it; a caller may have its own)
     default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -119,30 +114,37 @@ def main(argv=None) -> int:
             raise KeyboardInterrupt
         print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
         return 130
-    if ours:
-        signal.signal(signal.SIGINT, _ctrl_c)
+    if ours:  # the first Ctrl-C: the command stops where it is and removes what it had half
+        # written (its `finally` blocks run); a second one, while it does, ends the process at once
+        interrupts.install(signal.SIGINT)
+    from edgetune.engine.core.errors import EdgetuneError, os_error_line
+
     try:
         _read_numbers(a)
         return a.fn(a)
-    except KeyboardInterrupt:
-        if a.cmd not in ENDS_AT_CTRL_C:
-            raise
-        if ours:  # the command has ended: a Ctrl-C from here to the exit changes nothing
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            ours = False
-        print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
-        return 130
-    except EdgetuneError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        # the reader left (`edgetune estimate --json | head -1`): stop quietly, as cat does;
-        # stdout goes to /dev/null so that flushing it at exit raises nothing either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
-    except OSError as e:  # a full disk, a read-only folder: the user's condition, in one line
-        print(f"error: {os_error_line(e)}", file=sys.stderr)
-        return 2
+    except (KeyboardInterrupt, Exception) as e:
+        # a Ctrl-C may come out as another error, which a library turned it into (an import's
+        # RecursionError, torch's RuntimeError): the command stopped all the same
+        if isinstance(e, KeyboardInterrupt) or (ours and interrupts.asked()):
+            if a.cmd not in ENDS_AT_CTRL_C:
+                raise
+            if ours:  # the command has ended: a Ctrl-C from here to the exit changes nothing
+                interrupts.ended(signal.SIGINT)
+                ours = False
+            print(f"{chr(10) if sys.stderr.isatty() else ''}interrupted: {_interrupted(a)}", file=sys.stderr)
+            return 130
+        if isinstance(e, EdgetuneError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, BrokenPipeError):
+            # the reader left (`edgetune estimate --json | head -1`): stop quietly, as cat does;
+            # stdout goes to /dev/null so that flushing it at exit raises nothing either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by the pipe
+        if isinstance(e, OSError):  # a full disk, a read-only folder: the user's condition, in one line
+            print(f"error: {os_error_line(e)}", file=sys.stderr)
+            return 2
+        raise
     finally:
         if ours:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            interrupts.ended(signal.SIGINT, signal.default_int_handler)

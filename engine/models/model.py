@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from edgetune.engine.core import interrupts
 from edgetune.engine.core.errors import ModelError, reason_line
 from edgetune.engine.core.runfolder import atomic_dir
 from edgetune.engine.core.settings import EMBEDDED_MODEL, LoraSettings, ModelSettings, cache_dir
@@ -373,7 +374,8 @@ def _load_cached(cached: Path, kwargs: dict):
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of our own entry costs a re-quantisation, not the run
-        if "out of memory" in str(e).lower():
+        # a stop asked while it loads may come out as another error (torch's RuntimeError): the entry is fine
+        if "out of memory" in str(e).lower() or interrupts.asked():
             raise
         why = f"does not load ({type(e).__name__}: {reason_line(str(e))})"
         print(f"warning: quantised base: {quant_cache.drop(cached, why)}", file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from edgetune.engine.core import interrupts
 from edgetune.engine.core.errors import EdgetuneError, RunError
 from edgetune.engine.core.runfolder import atomic_write_text, lock_runs_folder, open_append, our_process, process_start
 from edgetune.engine.core.threads import worker_env
@@ -211,14 +212,6 @@ def _start(cfg, base, adapters, tasks, runs_dir, fd: int) -> EvalJob:
     return EvalJob(path, proc)
 
 
-_STOP_ASKED: list = []  # set by the SIGTERM of a stop
-
-
-def _stopped(*_):
-    _STOP_ASKED.append(True)
-    raise KeyboardInterrupt
-
-
 def run(path: str | os.PathLike, lock_fd: int | None = None) -> int:
     """The worker: grade, write progress as it goes and the result at the end. `lock_fd`:
     the runs folder's lock it inherited, let go as soon as the job has ended (before the
@@ -231,7 +224,7 @@ def run(path: str | os.PathLike, lock_fd: int | None = None) -> int:
 
 
 def _run(path: Path) -> int:
-    signal.signal(signal.SIGTERM, _stopped)
+    interrupts.install(signal.SIGTERM, second=signal.SIG_IGN)  # a stop: KeyboardInterrupt; a second one: the same stop
     atomic_write_text(path / "progress.json", json.dumps({"loading": True}))  # a stop from here on is heard
     try:
         from edgetune.engine.core.settings import load_run_config
@@ -256,7 +249,7 @@ def _run(path: Path) -> int:
     except Exception as e:  # noqa: BLE001 - the page shows one line; worker.log has the traceback
         # A stop that lands inside a library's import (the model loading) may come out as
         # another error (numpy's half-imported module: a RecursionError): still a stop.
-        if _STOP_ASKED:
+        if interrupts.asked():
             atomic_write_text(path / "stopped", "")
             return 130
         if isinstance(e, EdgetuneError):
@@ -268,6 +261,8 @@ def _run(path: Path) -> int:
         atomic_write_text(path / "error.txt", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                                               f"(the traceback is in {path / 'worker.log'})")
         return 1
+    finally:
+        interrupts.ended(signal.SIGTERM)  # the job has ended: a stop from here on changes nothing
 
 
 if __name__ == "__main__":
