@@ -68,15 +68,22 @@ def nf4_model():
 def greedy(model, n=5):
     from edgetune.engine.generation.rollouts import generate
 
-    return generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=n, fast=True)
+    return generate(model, IdTokenizer(), PROMPTS, greedy=True, max_new_tokens=n, fast=True, bf16_weights=False)
 
 
-def test_base_path_choice(nf4_model):
+def test_base_path_choice(nf4_model, monkeypatch):
+    from edgetune.engine.generation import fast_decode as fd
     from edgetune.engine.generation.fast_decode import base_path
 
     cpu = torch.device("cpu")
+    # the CPU: an fp32 copy when the host's available memory holds it twice over
+    assert base_path(nf4_model, cpu, None, 0) == "dense" and base_path(nf4_model, cpu, True, 0) == "dense"
+    assert base_path(nf4_model, cpu, False, 0) == "module"
+    # the NF4 kernel asked for (tests, benches; CUDA's kernel, off on the CPU by default): no copy
+    assert base_path(nf4_model, cpu, None, 0, nf4_kernel="on", rows=4) == "kernel"
+    monkeypatch.setattr(fd, "host_available", lambda: 2 * fd.host_copy_bytes(nf4_model) - 1)
     assert base_path(nf4_model, cpu, None, 0) == "module"
-    assert base_path(nf4_model, cpu, True, 0) == "module"  # no bf16 copy of NF4 on the CPU
+    monkeypatch.undo()
     # on CUDA without the bf16 copy: bitsandbytes
     assert base_path(nf4_model, torch.device("cuda"), False, 0) == "module"
 

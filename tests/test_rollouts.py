@@ -219,6 +219,22 @@ def test_packed_step_through_lora(lora):
     assert str(d.info["packed"]).startswith("no") and d.texts == want
 
 
-def test_fast_is_not_picked_on_cpu(base):
+def test_the_cpu_decodes_an_nf4_base_over_its_fp32_copy(base, monkeypatch):
+    """On the CPU an NF4 base decodes through the static loop over an fp32 copy of its
+    weights (kept for the next call) when the host's memory holds it, with the plain
+    loop's greedy tokens; without the memory, the plain loop."""
+    from edgetune.engine.generation import fast_decode as fd
+
     model, tok = base
+    plain = generate(model, tok, PROMPTS, greedy=True, max_new_tokens=8, fast=False)
+    rb = generate(model, tok, PROMPTS, greedy=True, max_new_tokens=8)
+    assert rb.info["fast"] is True and rb.info["packed"] is True and rb.info["bf16_weights"] is True
+    assert torch.equal(rb.completion_ids, plain.completion_ids)
+    assert torch.allclose(rb.logprobs, plain.logprobs, atol=5e-2)
+    layer = fd.inner_model(model).model.layers[0]
+    w = fd._HOST_COPIES[layer.self_attn.q_proj][1]
+    assert w.dtype == torch.float32 and w.shape[0] == sum(m.out_features for m in fd._base_linears(model)[:3])
+    assert generate(model, tok, PROMPTS[:1], greedy=True, max_new_tokens=2).info["fast"] is True
+    assert fd._HOST_COPIES[layer.self_attn.q_proj][1] is w  # the copy is reused, not made again
+    monkeypatch.setattr(fd, "host_available", lambda: fd.host_copy_bytes(model))
     assert generate(model, tok, PROMPTS[:1], greedy=True, max_new_tokens=2).info == {"fast": False}

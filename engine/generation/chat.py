@@ -98,7 +98,9 @@ class _Chat:
             how = {"do_sample": True, "temperature": float(sampling["temperature"]),
                    "top_p": float(sampling.get("top_p", 1.0)), "top_k": 0}
         streamer = _Streamer(tok, on_text) if on_text is not None else None
-        with torch.no_grad():
+        from edgetune.engine.generation.fast_decode import over_host_copy
+
+        with torch.no_grad(), over_host_copy(self.model):  # the CPU: over the base's fp32 copy
             out = self.model.generate(**ids, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
                                       use_cache=True, streamer=streamer, **how)
         return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()

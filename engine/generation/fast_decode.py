@@ -2,8 +2,10 @@
 
 Selection (rollouts.generate): fast=None uses this loop whenever the model is on CUDA and
 of a known layout (below); bf16_weights=None adds a packed bf16 copy of the base when it is
-NF4 and the GPU's free memory holds it, else a copy of as many layers as it holds. How
-much faster than `model.generate` it decodes: bench/README.md.
+NF4 and the GPU's free memory holds it, else a copy of as many layers as it holds. On the
+CPU it runs eagerly over an fp32 copy of a base in NF4 or 16 bits, when the host's
+available memory holds it twice over (`host_copy_wanted`); else the plain loop. How much
+faster than `model.generate` it decodes: bench/README.md.
 
 Why it is faster than `model.generate` for rollouts:
 - Launch overhead: one decode step of a 7B model with unmerged LoRA is thousands of small
@@ -58,6 +60,7 @@ import contextlib
 import sys
 import time
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +120,47 @@ def reserve_bytes(model, rows: int, prompt_len: int, cache_len: int) -> int:
     act = inner_model(model).get_input_embeddings().weight.dtype.itemsize  # the residual stream's dtype
     ctx = decode_ctx(arch_of(model), "nf4" if linear4bit_modules(model) else "none", act)
     return kv_cache_bytes(ctx, rows, cache_len) + prefill_bytes(ctx, rows, prompt_len)
+
+
+def host_copy_bytes(model) -> int:
+    """Bytes of an fp32 copy of the base's linear layers (the CPU's decode copy)."""
+    return sum(m.in_features * m.out_features * 4 for m in _base_linears(model))
+
+
+def _base_linears(model) -> list:
+    """The decoder layers' base linears, the ones a pack copies (NF4 or dense)."""
+    out = []
+    for layer in inner_model(model).model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            out.append(getattr(m, "base_layer", m))
+    return out
+
+
+def host_available() -> int | None:
+    """Bytes of RAM the host can still give (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_copy_wanted(model, device) -> bool:
+    """On the CPU, decode over an fp32 copy of a base held in NF4 or 16 bits: the CPU's
+    kernels for those (bitsandbytes' NF4, bf16 without AMX) are several times slower than
+    its fp32 GEMMs at decode batch sizes. Taken when the host's available memory holds
+    the copy twice over (the copy, and room for everything else)."""
+    if device.type != "cpu":
+        return False
+    linears = _base_linears(model)
+    if not linears or all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in linears):
+        return False
+    free = host_available()
+    return free is not None and free >= 2 * host_copy_bytes(model)
 
 
 def free_for_copies(memory_budget: int | None = None) -> tuple[int, int]:
@@ -179,16 +223,21 @@ def base_path(model, device, bf16_weights: bool | None, reserve_bytes: int,
     the others through that kernel). None picks, with the free memory and the decode's
     `rows`, as engine/planning/effective.nf4_decode_base says for `nf4_kernel` (off: the
     bf16 copy when it fits, cuBLAS on bf16 decoding fastest; else as many layers' copies
-    as fit, e.g. 72B on a 141 GB card; else bitsandbytes). dense_layers forces the mixed
-    split (tests, benches)."""
+    as fit, e.g. 72B on a 141 GB card; else bitsandbytes). On the CPU the copy is fp32,
+    taken when host_copy_wanted says so, unless `nf4_kernel` puts the NF4 layers on the
+    kernel (tests, benches: the kernel is CUDA's, Effective.nf4_kernel is off on the CPU).
+    dense_layers forces the mixed split (tests, benches)."""
     from edgetune.engine.planning.effective import nf4_decode_base
 
     nf4 = bool(linear4bit_modules(model))
     cuda = device.type == "cuda"
+    n_layers = len(inner_model(model).model.layers)
+    if not cuda and dense_layers is None and bf16_weights is None:
+        kernel = nf4 and nf4_decode_base(nf4_kernel, rows, n_layers, 0)[1] == "nf4kernel"
+        bf16_weights = None if kernel else host_copy_wanted(model, device)  # the CPU's fp32 copy
     if not nf4:
         return "dense" if bf16_weights else "module"
-    n_layers = len(inner_model(model).model.layers)
-    if bf16_weights and cuda:  # on the CPU bitsandbytes repacks NF4 for its own kernel
+    if bf16_weights and (cuda or dense_layers is None):  # the GPU's bf16 copy, the CPU's fp32 one
         return "dense"
     if dense_layers is not None and bf16_weights is not False:  # the split asked for
         if dense_layers >= n_layers:
@@ -270,6 +319,57 @@ def bf16_base_weights(model):
             m.__dict__.pop("forward", None)
 
 
+def copy_views(core, parts: list) -> list[tuple]:
+    """(Linear4bit module, its rows of a dense pack) of every NF4 layer a dense pack copies:
+    the prefill computes over the same copy (views, no more memory)."""
+    out = []
+    for layer, packs in zip(core.model.layers, parts):
+        at, mlp = layer.self_attn, layer.mlp
+        for mods, (w, _, _, _) in zip(([at.q_proj, at.k_proj, at.v_proj], [at.o_proj], [mlp.gate_proj, mlp.up_proj],
+                                       [mlp.down_proj]), packs):
+            if not isinstance(w, Tensor):
+                continue
+            row = 0
+            for m in mods:
+                base = getattr(m, "base_layer", m)
+                if type(base).__name__ == "Linear4bit":
+                    out.append((base, w[row:row + base.out_features]))
+                row += base.out_features
+    return out
+
+
+@contextlib.contextmanager
+def over_host_copy(model):
+    """Inside, on the CPU, the model's NF4 linears compute over the fp32 copy the decode
+    loop keeps (host_copy_wanted), whatever calls the forward (model.generate for chat).
+    Yields whether they do."""
+    device = next(model.parameters()).device
+    core = inner_model(model)
+    parts = None
+    if host_copy_wanted(model, device) and supported(model, device, require_cuda=False)[0]:
+        try:
+            parts = pack_model(core, dtype=torch.float32)
+        except ValueError:
+            parts = None
+    if parts is None:
+        yield False
+        return
+    with dense_forwards(copy_views(core, parts)):
+        yield True
+
+
+@contextlib.contextmanager
+def dense_forwards(views: list[tuple]):
+    """Each (Linear4bit, dense weight) computes over that weight until exit."""
+    try:
+        for m, w in views:
+            m.forward = types.MethodType(_dense_forward(w), m)
+        yield
+    finally:
+        for m, _ in views:
+            m.__dict__.pop("forward", None)
+
+
 def _dense_forward(w: Tensor):
     def forward(self, x):
         # same dtypes in and out as Linear4bit (compute in bf16, return the input's dtype)
@@ -322,7 +422,8 @@ def _base_and_lora(mod, base_kind: str = "dense"):
                     return None, None, None, "a LoRA variant (DoRA, ...) is active"
                 a = mod.lora_A[ad].weight.detach()
                 b = mod.lora_B[ad].weight.detach() * mod.scaling[ad]
-                loras.append((a, b))
+                if b.any():  # a fresh adapter's B is zero: its product adds exactly nothing
+                    loras.append((a, b))
         base = mod.base_layer
     if type(base).__name__ == "Linear4bit" and base_kind in ("module", "nf4kernel"):
         w = base
@@ -355,31 +456,42 @@ def _dequantize_cpu_layout(weight: Tensor, qs) -> Tensor:
     return values.reshape(N, K).to(torch.bfloat16)
 
 
-def pack_linears(mods, base_kind: str = "dense") -> tuple:
+def pack_linears(mods, base_kind: str = "dense", dtype: torch.dtype | None = None) -> tuple:
     """One pack (w [N, K], bias or None, A [R, K] or None, B [N, R] or None) of linears that
-    read the same input; w is a dense tensor ("dense"), a ModulePack ("module": NF4 layers
-    through bitsandbytes) or an NF4KernelPack ("nf4kernel": NF4 layers through
-    kernels/nf4_matmul.py); raises ValueError when one cannot be packed."""
-    parts = [_base_and_lora(m, base_kind) for m in mods]
+    read the same input; w is a dense tensor ("dense", in `dtype` when given), a ModulePack
+    ("module": NF4 layers through bitsandbytes) or an NF4KernelPack ("nf4kernel": NF4 layers
+    through kernels/nf4_matmul.py); raises ValueError when one cannot be packed. A dense
+    pack in `dtype` (the CPU's fp32 copy) is kept in _HOST_COPIES and reused."""
+    kept = _HOST_COPIES.get(mods[0]) if dtype is not None and base_kind == "dense" else None
+    kept = kept if kept is not None and kept[0] == dtype else None
+    parts = [_base_and_lora(m, "module" if kept else base_kind) for m in mods]  # "module": no new copy
     for _, _, _, why in parts:
         if why:
             raise ValueError(why)
     ws = [p[0] for p in parts]
     on_codes = base_kind in ("module", "nf4kernel")  # the base stays NF4
-    if on_codes:
+    if kept is not None:
+        w, bias = kept[1], kept[2]
+        sizes = [x.out_features if isinstance(x, torch.nn.Module) else x.shape[0] for x in ws]
+    elif on_codes:
         if not all(type(x).__name__ == "Linear4bit" for x in ws):
             raise ValueError("a pack mixes NF4 and dense base layers")
         w = ModulePack(ws) if base_kind == "module" else NF4KernelPack(ws)
     elif len({w.dtype for w in ws}) != 1:
         raise ValueError("base weights of one pack differ in dtype")
     else:
+        ws = [x.to(dtype) for x in ws] if dtype is not None else ws
         w = torch.cat(ws) if len(ws) > 1 else ws[0].clone()
-    bias = None
-    if any(p[1] is not None for p in parts) and base_kind != "module":  # the modules add their own
-        # (the NF4 kernel adds it in its epilogue, in bf16 as Linear4bit does)
-        dev = next(p[1] for p in parts if p[1] is not None).device
-        bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None
-                          else torch.zeros(p[0].shape[0], dtype=w.dtype, device=dev) for p in parts])
+    if kept is None:
+        sizes = [x.out_features if on_codes else x.shape[0] for x in ws]
+        bias = None
+        if any(p[1] is not None for p in parts) and base_kind != "module":  # the modules add their own
+            # (the NF4 kernel adds it in its epilogue, in bf16 as Linear4bit does)
+            dev = next(p[1] for p in parts if p[1] is not None).device
+            bias = torch.cat([p[1].detach().to(w.dtype) if p[1] is not None
+                              else torch.zeros(n, dtype=w.dtype, device=dev) for p, n in zip(parts, sizes)])
+        if dtype is not None and base_kind == "dense":
+            _HOST_COPIES[mods[0]] = (dtype, w, bias)
     loras = [(i, a, b) for i, p in enumerate(parts) for a, b in p[2]]
     if not loras:
         return (w, bias, None, None)
@@ -389,8 +501,8 @@ def pack_linears(mods, base_kind: str = "dense") -> tuple:
     A = torch.cat([a for _, a, _ in loras], dim=-2)
     Bd = A.new_zeros(*A.shape[:-2], w.shape[0], A.shape[-2])
     offs = [0]
-    for p in parts:
-        offs.append(offs[-1] + (p[0].out_features if on_codes else p[0].shape[0]))
+    for n in sizes:
+        offs.append(offs[-1] + n)
     r0 = 0
     for i, a, b in loras:
         r = a.shape[-2]
@@ -402,6 +514,12 @@ def pack_linears(mods, base_kind: str = "dense") -> tuple:
         pad = padded_rank(A.shape[0]) - A.shape[0]
         A, Bd = F.pad(A, (0, 0, 0, pad)), F.pad(Bd, (0, pad))
     return (w, bias, A, Bd)
+
+
+# The CPU's fp32 copy of each pack's base (w, bias), by the pack's first module, kept while
+# the model lives: the base never changes, so each generate call (a chat reply, a training
+# step's rollouts) reuses it; LoRA factors are read again at each call.
+_HOST_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _same_candidates(loras: list) -> list:
@@ -417,18 +535,20 @@ def _same_candidates(loras: list) -> list:
             for i, a, b in loras]
 
 
-def pack_model(core, base_kind: str = "dense", dense_layers: int | None = None) -> list:
+def pack_model(core, base_kind: str = "dense", dense_layers: int | None = None,
+               dtype: torch.dtype | None = None) -> list:
     """Packs of every decoder layer, the base as `base_kind` ("dense", "module", "nf4kernel"); with
     dense_layers, the first that many layers dense and the rest as base_kind (the "mixed"
-    path)."""
+    path). `dtype`: the dense copies' (None: bf16 for NF4 layers, the weights' own else)."""
     if getattr(core.config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {core.config.hidden_act} (packed step knows silu)")
     out = []
     for i, layer in enumerate(core.model.layers):
         kind = "dense" if dense_layers is not None and i < dense_layers else base_kind
         at, mlp = layer.self_attn, layer.mlp
-        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj], kind), pack_linears([at.o_proj], kind),
-                    pack_linears([mlp.gate_proj, mlp.up_proj], kind), pack_linears([mlp.down_proj], kind)))
+        out.append((pack_linears([at.q_proj, at.k_proj, at.v_proj], kind, dtype),
+                    pack_linears([at.o_proj], kind, dtype),
+                    pack_linears([mlp.gate_proj, mlp.up_proj], kind, dtype), pack_linears([mlp.down_proj], kind, dtype)))
     return out
 
 
@@ -463,6 +583,22 @@ def packed_linear(x: Tensor, p: tuple) -> Tensor:
     return y
 
 
+def attend(q: Tensor, kc: Tensor, vc: Tensor, keep: Tensor, scaling: float) -> Tensor:
+    """One new token's attention [B, heads * D]: q [B, heads, 1, D] against the cache
+    kc / vc [B, kv, L, D] where `keep` [B, 1, 1, L]. On CUDA grouped-query without
+    repeating K/V ([B, kv, g, D] @ [B, kv, D, L]), softmax in fp32 as the fused kernels do
+    (what the graph captures); on the CPU its fused attention kernel."""
+    B, n_heads, _, head_dim = q.shape
+    if not kc.is_cuda:
+        return F.scaled_dot_product_attention(q.to(kc.dtype), kc, vc, attn_mask=keep, scale=scaling,
+                                              enable_gqa=True).reshape(B, n_heads * head_dim)
+    n_kv = kc.shape[1]
+    qg = q.reshape(B, n_kv, n_heads // n_kv, head_dim).to(kc.dtype)
+    s = torch.matmul(qg, kc.transpose(-1, -2)).float() * scaling
+    p = s.masked_fill(~keep, float("-inf")).softmax(-1).to(vc.dtype)
+    return torch.matmul(p, vc).reshape(B, n_heads * head_dim)
+
+
 def packed_step(core, rotary, n_heads: int, n_kv: int, head_dim: int, tok, pos, t, valid, ks, vs, parts,
                 logits_out) -> None:
     """One decode step over packed weights (a plain function of tensors: what the CUDA
@@ -473,7 +609,6 @@ def packed_step(core, rotary, n_heads: int, n_kv: int, head_dim: int, tok, pos, 
     keep = valid[:, None, None, :]
     h = body.embed_tokens(tok)
     cos, sin = body.rotary_emb(h[:, None], pos[:, None])
-    g = n_heads // n_kv
     nq, nk = n_heads * head_dim, n_kv * head_dim
     for i, layer in enumerate(body.layers):
         qkv, o_p, gu, down = parts[i]
@@ -488,10 +623,7 @@ def packed_step(core, rotary, n_heads: int, n_kv: int, head_dim: int, tok, pos, 
         kc, vc = ks[i], vs[i]
         kc.index_copy_(2, t, k.to(kc.dtype))
         vc.index_copy_(2, t, v.to(vc.dtype))
-        qg = q.reshape(B, n_kv, g, head_dim).to(kc.dtype)
-        s = torch.matmul(qg, kc.transpose(-1, -2)).float() * attn.scaling
-        p = s.masked_fill(~keep, float("-inf")).softmax(-1).to(vc.dtype)
-        o = torch.matmul(p, vc).reshape(B, n_heads * head_dim).to(h.dtype)
+        o = attend(q, kc, vc, keep, attn.scaling).to(h.dtype)
         h = h + packed_linear(o, o_p)
         y = packed_linear(layer.post_attention_layernorm(h), gu)
         half = y.shape[1] // 2
@@ -521,6 +653,7 @@ class Decoder:
         self.use_graph = self.device.type == "cuda"
         self.graphs: dict = {}
         self.parts: list | None = None  # packed weights (see pack_model), when used
+        self.views: list = []  # the NF4 layers' rows of a dense copy, for the prefill (copy_views)
         self.info = {"graph": self.use_graph, "bf16_weights": False, "packed": False, "dense_layers": None,
                      "capture_s": 0.0, "graph_error": "", "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
 
@@ -532,8 +665,9 @@ class Decoder:
         """bf16_weights: a dense copy of the base weights for the decode step (bf16 for NF4
         layers), packed when the layout allows, else swapped into the Linear4bit layers.
         None = on for NF4 models on CUDA when it fits, else a copy of as many layers as fit
-        (packed; the other layers' packs call bitsandbytes). On the CPU only when asked
-        (tests: a plain fp32 model then gets a packed fp32 copy). dense_layers: the copy
+        (packed; the other layers' packs call bitsandbytes). On the CPU an fp32 copy, kept
+        between calls, of a base in NF4 or 16 bits when host_copy_wanted says so, or when
+        asked (tests: a plain fp32 model then gets a packed fp32 copy). dense_layers: the copy
         for the first that many layers only. memory_budget: bytes the process may hold;
         the copy stays within it. nf4_kernel (Effective.nf4_kernel) and rows (of one decode):
         NF4 layers without a copy through kernels/nf4_matmul.py where
@@ -544,20 +678,24 @@ class Decoder:
                          nf4_kernel, rows)
         bf16_weights = path == "dense"
         dec.info["nf4_kernel"] = path in ("kernel", "mixed_kernel")
+        # the CPU's copy is fp32 (its fp32 GEMMs are its fastest), the GPU's bf16
+        dtype = torch.float32 if dec.device.type == "cpu" and (nf4 or host_copy_wanted(model, dec.device)) else None
         with contextlib.ExitStack() as stack:
             if path in ("mixed", "mixed_kernel", "kernel"):
                 n = 0 if path == "kernel" else (dense_layers if dense_layers is not None
                                                 else dense_layers_that_fit(model, reserve_bytes, memory_budget))
                 rest = "module" if path == "mixed" else "nf4kernel"
                 try:
-                    dec.parts = pack_model(dec.core, rest, dense_layers=n)
+                    dec.parts = pack_model(dec.core, rest, dense_layers=n, dtype=dtype)
                     dec.info.update(packed=True, bf16_weights=path != "kernel", dense_layers=n)
                 except ValueError as e:  # not packable: every layer through its own forward
                     dec.info.update(packed=f"no: {e}", nf4_kernel=False)
             if bf16_weights:
                 try:
-                    dec.parts = pack_model(dec.core)
+                    dec.parts = pack_model(dec.core, dtype=dtype)
                     dec.info["packed"] = True
+                    if dtype is not None:  # the CPU: the prefill over the copy too
+                        dec.views = copy_views(dec.core, dec.parts)
                 except ValueError as e:
                     dec.info["packed"] = f"no: {e}"
                     if nf4:
@@ -567,7 +705,7 @@ class Decoder:
                 yield dec
             finally:
                 dec.graphs.clear()
-                dec.parts = None
+                dec.parts, dec.views = None, []
 
     # -- one decode step over static buffers (captured on CUDA)
 
@@ -582,7 +720,6 @@ class Decoder:
         keep = st["valid"][:, None, None, :]
         h = self.body.embed_tokens(st["tok"][:, None])
         cos, sin = self.body.rotary_emb(h, st["pos"][:, None])
-        g = self.n_heads // self.n_kv
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -595,12 +732,7 @@ class Decoder:
             kc, vc = st["k"][i], st["v"][i]
             kc.index_copy_(2, t, k.to(kc.dtype))
             vc.index_copy_(2, t, v.to(vc.dtype))
-            # q of one token against the whole cache, grouped-query without repeating K/V:
-            # [B, kv, g, D] @ [B, kv, D, L]; softmax in fp32 as the fused kernels do.
-            qg = q.reshape(B, self.n_kv, g, self.head_dim).to(kc.dtype)
-            s = torch.matmul(qg, kc.transpose(-1, -2)).float() * attn.scaling
-            p = s.masked_fill(~keep, float("-inf")).softmax(-1).to(vc.dtype)
-            o = torch.matmul(p, vc).reshape(B, 1, self.n_heads * self.head_dim).to(h.dtype)
+            o = attend(q, kc, vc, keep, attn.scaling).reshape(B, 1, -1).to(h.dtype)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.body.norm(h)
@@ -651,8 +783,9 @@ class Decoder:
         # Prefill with the model's own forward, then move its K/V into the static buffers.
         cache = DynamicCache(config=self.core.config)
         pos0 = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
-        out = self.core(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos0, use_cache=True,
-                        logits_to_keep=1, **{cache_kw(self.core): cache})
+        with dense_forwards(self.views):
+            out = self.core(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos0, use_cache=True,
+                            logits_to_keep=1, **{cache_kw(self.core): cache})
         kv = _cache_tensors(cache)
         key = (B, L)
         if key not in self.graphs:
@@ -685,8 +818,12 @@ class Decoder:
                     graph.replay()
                 else:
                     self._step(st)
-            else:
+            elif self.device.type == "cuda":  # a graph that could not be captured: eager, as captured
                 self._step(st)
+            else:  # eager (the CPU): attention over the positions written so far only
+                n = P + step
+                self._step({**st, "valid": st["valid"][:, :n], "k": [k[:, :, :n] for k in st["k"]],
+                            "v": [v[:, :, :n] for v in st["v"]]})
             st["pos"].add_(1)
             tok, lp = sampler(st["logits"])
             tok = tok.masked_fill(done, pad_id)

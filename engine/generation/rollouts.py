@@ -196,7 +196,9 @@ def _pick_fast(model, device, fast: bool | None) -> bool:
         return False
     from edgetune.engine.generation import fast_decode
 
-    ok, why = fast_decode.supported(model, device, require_cuda=fast is None)
+    ok, why = fast_decode.supported(model, device, require_cuda=fast is None and device.type == "cuda")
+    if ok and fast is None and device.type != "cuda":  # the CPU: over its fp32 copy only
+        return fast_decode.host_copy_wanted(model, device)
     if fast and not ok:
         raise ValueError(f"fast rollouts unavailable: {why}")
     if not ok and device.type == "cuda" and why not in _SAID:  # once per process, into worker.log

@@ -33,10 +33,12 @@ def sample_prompts(examples, n: int) -> list[tuple[list[int], list[int]]]:
 
 @torch.no_grad()
 def complete_samples(model, tok, picks: list[tuple[list[int], list[int]]]) -> tuple[list[str], list[str], list[str]]:
-    """(prompts, greedy completions, references) as text. The plain decode loop: no
-    CUDA-graph capture nor bf16 copy of the base for a handful of short completions."""
+    """(prompts, greedy completions, references) as text. On a GPU the plain decode loop:
+    no CUDA-graph capture nor bf16 copy of the base for a handful of short completions; on
+    the CPU rollouts.generate's choice (its fp32 copy of the base, kept between calls)."""
     cap = min(SAMPLE_MAX_TOKENS, max(len(ref) for _, ref in picks) + SAMPLE_SLACK_TOKENS)
-    roll = generate(model, tok, [p for p, _ in picks], max_new_tokens=cap, greedy=True, fast=False)
+    cpu = next(model.parameters()).device.type == "cpu"
+    roll = generate(model, tok, [p for p, _ in picks], max_new_tokens=cap, greedy=True, fast=None if cpu else False)
 
     def text(ids):
         return tok.decode(ids, skip_special_tokens=True).strip()
