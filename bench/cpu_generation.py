@@ -3,7 +3,7 @@
 `edgetune eval` loads it (NF4, LoRA attached) against plain transformers `generate` on the
 same weights in fp32 (the NF4 codes dequantised), in one process, rounds interleaved
 (A B C A B C ...: a slow window of a shared machine hits every path alike); each path's
-best round counts.
+best round counts, its first round shown beside it (ours makes its fp32 copy there).
 
 Paths: `ours` (rollouts.generate's choice: on the CPU the static loop over an fp32 copy of
 the base, engine/generation/fast_decode.py's host_copy_wanted), `ours, NF4 layers` (the
@@ -71,19 +71,16 @@ def main() -> None:
     # transformers in fp32 on the same weights: the NF4 codes dequantised, as the copy holds them
     from transformers import AutoModelForCausalLM
 
+    from edgetune.engine.models.model import resolve_model_path
+
     base = model.get_base_model()
-    dense = AutoModelForCausalLM.from_config(base.config, dtype=torch.float32).eval()
-    weights = {k: v.float() for k, v in base.state_dict().items() if "lora_" not in k and "base_layer" not in k
-               and k in dense.state_dict() and dense.state_dict()[k].shape == v.shape}
-    for name, mod in base.named_modules():
-        if type(mod).__name__ == "Linear4bit":
-            weights[name.replace(".base_layer", "") + ".weight"] = fast_decode._base_and_lora(mod)[0].float()
-    missing = set(dense.state_dict()) - set(weights)
-    if missing - {"lm_head.weight"}:
-        raise SystemExit(f"weights missing from the fp32 copy: {sorted(missing)[:5]}")
-    dense.load_state_dict(weights, strict=False)
-    if "lm_head.weight" in missing:
-        dense.tie_weights()
+    # the model as a user loads it with transformers, its linear layers then set to the NF4 values
+    dense = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.name), dtype=torch.float32).eval()
+    weights = {name.replace(".base_layer", "") + ".weight": fast_decode._base_and_lora(mod)[0].float()
+               for name, mod in base.named_modules() if type(mod).__name__ == "Linear4bit"}
+    left = dense.load_state_dict(weights, strict=False).unexpected_keys
+    if left or not weights:
+        raise SystemExit(f"the fp32 model has no such layers: {left[:5]}")
 
     def hf():
         out = []
@@ -104,6 +101,7 @@ def main() -> None:
 
     paths = {"transformers fp32": hf, "ours": ours(None), "ours, NF4 layers": ours(False)}
     best: dict = {}
+    first: dict = {}  # the first round: ours makes its fp32 copy of the base there
     info: dict = {}
     tokens: dict = {}
     for r in range(args.rounds):
@@ -115,13 +113,14 @@ def main() -> None:
                 out, info[name] = out
             tokens[name] = out
             best[name] = min(best.get(name, cpu), cpu)
+            first.setdefault(name, cpu)
             print(f"round {r + 1} {name}: {cpu:.2f} CPU-s", flush=True)
     ref = tokens["transformers fp32"]
     result = {"prompts": args.prompts, "batch": args.batch, "new": args.new, "threads": args.threads,
               "rounds": args.rounds, "paths": {}}
     for name in paths:
         n = sum(len(x) for x in tokens[name])
-        result["paths"][name] = {"cpu_s": round(best[name], 3), "tokens": n,
+        result["paths"][name] = {"cpu_s": round(best[name], 3), "first_cpu_s": round(first[name], 3), "tokens": n,
                                  "tokens_per_cpu_s": round(n / best[name], 1),
                                  "same_greedy_as_transformers": sum(a == b for a, b in zip(tokens[name], ref)),
                                  "info": info.get(name)}
@@ -130,10 +129,10 @@ def main() -> None:
     hf_rate = result["paths"]["transformers fp32"]["tokens_per_cpu_s"]
     print(f"\n{args.prompts} prompts x {args.new} new tokens, batches of {args.batch}, {args.threads} thread(s), "
           f"best of {args.rounds}\n")
-    print("| path | CPU-s | tokens | tokens per CPU-s | vs transformers | same greedy |")
+    print("| path | CPU-s (first round) | tokens | tokens per CPU-s | vs transformers | same greedy |")
     print("|---|---|---|---|---|---|")
     for name, p in result["paths"].items():
-        print(f"| {name} | {p['cpu_s']:.2f} | {p['tokens']} | {p['tokens_per_cpu_s']} | "
+        print(f"| {name} | {p['cpu_s']:.2f} ({p['first_cpu_s']:.2f}) | {p['tokens']} | {p['tokens_per_cpu_s']} | "
               f"{p['tokens_per_cpu_s'] / hf_rate:.2f}x | {p['same_greedy_as_transformers']}/{args.prompts} |")
 
 

@@ -238,3 +238,24 @@ def test_the_cpu_decodes_an_nf4_base_over_its_fp32_copy(base, monkeypatch):
     assert fd._HOST_COPIES[layer.self_attn.q_proj][1] is w  # the copy is reused, not made again
     monkeypatch.setattr(fd, "host_available", lambda: fd.host_copy_bytes(model))
     assert generate(model, tok, PROMPTS[:1], greedy=True, max_new_tokens=2).info == {"fast": False}
+
+
+def test_model_generate_runs_over_the_host_copy_inside_and_on_the_nf4_layers_after(base, monkeypatch):
+    """Chat's model.generate inside over_host_copy: the NF4 layers compute over the fp32
+    copy (bitsandbytes' forward not called), with the same greedy tokens; after it, their
+    own forward again."""
+    import bitsandbytes as bnb
+
+    from edgetune.engine.generation.fast_decode import over_host_copy
+
+    model, tok = base
+    ref = hf_greedy(model, tok, PROMPTS, 6)
+    calls = []
+    forward = bnb.nn.Linear4bit.forward
+    monkeypatch.setattr(bnb.nn.Linear4bit, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    with over_host_copy(model) as on:
+        assert on is True
+        copied = hf_greedy(model, tok, PROMPTS, 6)
+    assert not calls and torch.equal(copied, ref)
+    hf_greedy(model, tok, PROMPTS[:1], 1)
+    assert calls  # the layers' own forward is back

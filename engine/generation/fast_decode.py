@@ -346,7 +346,7 @@ def over_host_copy(model):
     device = next(model.parameters()).device
     core = inner_model(model)
     parts = None
-    if host_copy_wanted(model, device) and supported(model, device, require_cuda=False)[0]:
+    if supported(model, device, require_cuda=False)[0] and host_copy_wanted(model, device):
         try:
             parts = pack_model(core, dtype=torch.float32)
         except ValueError:
