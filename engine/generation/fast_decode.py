@@ -654,6 +654,7 @@ class Decoder:
         self.graphs: dict = {}
         self.parts: list | None = None  # packed weights (see pack_model), when used
         self.views: list = []  # the NF4 layers' rows of a dense copy, for the prefill (copy_views)
+        self.no_lora = False  # the packs hold no LoRA product: the prefill skips the adapter's
         self.info = {"graph": self.use_graph, "bf16_weights": False, "packed": False, "dense_layers": None,
                      "capture_s": 0.0, "graph_error": "", "prefill_s": 0.0, "loop_s": 0.0, "steps": 0}
 
@@ -696,6 +697,8 @@ class Decoder:
                     dec.info["packed"] = True
                     if dtype is not None:  # the CPU: the prefill over the copy too
                         dec.views = copy_views(dec.core, dec.parts)
+                        # no adapter adds anything (a fresh one's B is zero): the prefill without it
+                        dec.no_lora = all(p[2] is None for packs in dec.parts for p in packs)
                 except ValueError as e:
                     dec.info["packed"] = f"no: {e}"
                     if nf4:
@@ -705,7 +708,7 @@ class Decoder:
                 yield dec
             finally:
                 dec.graphs.clear()
-                dec.parts, dec.views = None, []
+                dec.parts, dec.views, dec.no_lora = None, [], False
 
     # -- one decode step over static buffers (captured on CUDA)
 
@@ -783,7 +786,9 @@ class Decoder:
         # Prefill with the model's own forward, then move its K/V into the static buffers.
         cache = DynamicCache(config=self.core.config)
         pos0 = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
-        with dense_forwards(self.views):
+        skip = self.model.disable_adapter() if self.no_lora and hasattr(self.model, "disable_adapter") \
+            else contextlib.nullcontext()
+        with dense_forwards(self.views), skip:
             out = self.core(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos0, use_cache=True,
                             logits_to_keep=1, **{cache_kw(self.core): cache})
         kv = _cache_tensors(cache)
