@@ -50,7 +50,7 @@ from edgetune.engine.core.settings import resolve  # noqa: E402
 from edgetune.engine.generation import fast_decode  # noqa: E402
 from edgetune.engine.generation.rollouts import generate, left_pad, render_prompts  # noqa: E402
 
-from edgetune.engine.methods.fgrpo import evaluate as fgrpo  # noqa: E402
+from edgetune.engine.training import grading  # noqa: E402
 
 
 def until_eos(rows: torch.Tensor, eos: int) -> list[list[int]]:
@@ -62,8 +62,8 @@ def until_eos(rows: torch.Tensor, eos: int) -> list[list[int]]:
 
 def main() -> None:
     cfg = resolve(preset="fgrpo-quickstart")
-    model, tok, _ = fgrpo.eval_model(cfg, "")
-    rows = fgrpo.held_out_rows(cfg, tok, cfg.fgrpo)
+    model, tok, _ = grading.eval_model(cfg, "")
+    rows = grading.held_out_rows(cfg, tok, grading.grading_settings(cfg))
     prompts = [r["prompt"] for r in (rows * (-(-args.prompts // len(rows))))[: args.prompts]]
     rendered = render_prompts(tok, prompts, cfg.data.system_prompt)
     eos, pad = tok.eos_token_id, tok.pad_token_id
