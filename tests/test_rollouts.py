@@ -259,3 +259,24 @@ def test_model_generate_runs_over_the_host_copy_inside_and_on_the_nf4_layers_aft
     assert not calls and torch.equal(copied, ref)
     hf_greedy(model, tok, PROMPTS[:1], 1)
     assert calls  # the layers' own forward is back
+
+
+def test_a_fresh_lora_beside_a_trained_whole_module_decodes_with_that_module():
+    """An adapter whose LoRA factors add nothing yet (B = 0) but which trains a whole module
+    (modules_to_save) changes the outputs: the CPU's decode over the fp32 copy keeps that
+    module's trained copy in the prefill too, with the plain loop's greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok, _ = load_base(ModelSettings())
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            modules_to_save=["norm"]))
+    trained = next(m for n, m in peft.named_modules() if n.endswith("model.norm.modules_to_save.default"))
+    with torch.no_grad():
+        trained.weight.mul_(torch.linspace(0.2, 3.0, trained.weight.numel()))
+    plain = generate(peft, tok, PROMPTS, greedy=True, max_new_tokens=6, fast=False)
+    with peft.disable_adapter():
+        without = generate(peft, tok, PROMPTS, greedy=True, max_new_tokens=6, fast=False)
+    assert not torch.equal(plain.completion_ids, without.completion_ids)  # the trained norm matters
+    rb = generate(peft, tok, PROMPTS, greedy=True, max_new_tokens=6)
+    assert rb.info["fast"] is True and rb.info["packed"] is True
+    assert torch.equal(rb.completion_ids, plain.completion_ids)

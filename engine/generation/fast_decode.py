@@ -319,6 +319,14 @@ def bf16_base_weights(model):
             m.__dict__.pop("forward", None)
 
 
+def _trains_whole_modules(model) -> bool:
+    """Whether an adapter of the model holds more than LoRA factors (modules_to_save, trainable
+    tokens): turning the adapter off would change those too."""
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return any(isinstance(m, AuxiliaryTrainingWrapper) for m in model.modules())
+
+
 def copy_views(core, parts: list) -> list[tuple]:
     """(Linear4bit module, its rows of a dense pack) of every NF4 layer a dense pack copies:
     the prefill computes over the same copy (views, no more memory)."""
@@ -698,7 +706,8 @@ class Decoder:
                     if dtype is not None:  # the CPU: the prefill over the copy too
                         dec.views = copy_views(dec.core, dec.parts)
                         # no adapter adds anything (a fresh one's B is zero): the prefill without it
-                        dec.no_lora = all(p[2] is None for packs in dec.parts for p in packs)
+                        dec.no_lora = (all(p[2] is None for packs in dec.parts for p in packs)
+                                       and not _trains_whole_modules(model))
                 except ValueError as e:
                     dec.info["packed"] = f"no: {e}"
                     if nf4:
