@@ -125,6 +125,7 @@ def main() -> None:
                                  "same_greedy_as_transformers": sum(a == b for a, b in zip(tokens[name], ref)),
                                  "info": info.get(name)}
     out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "cpu_generation.json").write_text(json.dumps(result, indent=1, default=str))
     hf_rate = result["paths"]["transformers fp32"]["tokens_per_cpu_s"]
     print(f"\n{args.prompts} prompts x {args.new} new tokens, batches of {args.batch}, {args.threads} thread(s), "
