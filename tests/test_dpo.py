@@ -249,6 +249,28 @@ def test_a_run_evaluates_and_resumes_with_identical_losses(tiny_model_dir, tmp_p
     assert (tmp_path / "cut" / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_a_stop_in_the_final_evaluation_ends_the_run_stopped_and_its_resume_evaluates(tiny_model_dir, tmp_path):
+    """Stop pressed in the final evaluation ends the run `stopped` after the batch it came
+    in (it used to end `finished` without the evaluation's figures); the resume evaluates
+    and finishes."""
+    from inline_run import run_inline
+
+    from edgetune.engine.methods.dpo import dpo
+
+    cfg = dpo_config(tiny_model_dir, tmp_path)
+    path = tmp_path / "r"
+    events = run_inline(dpo.train, cfg, path, stop_when=lambda type, f: type == "phase"
+                        and f["phase"] == "final_eval" and f.get("done") == 1)[2]
+    assert (events[-1]["type"], events[-1]["step"]) == ("stopped", 4), events[-1]
+    final = [e for e in events if e["type"] == "phase" and e["phase"] == "final_eval"]
+    assert final[-1]["done"] == 1 < final[-1]["total"]
+    assert [e["step"] for e in events if e["type"] == "eval"] == [0, 2]
+    again = _run(cfg, path, resume=True)[len(events):]
+    assert not any(e["type"] == "step" for e in again)  # nothing left to train
+    assert [e["step"] for e in again if e["type"] == "eval"] == [4]
+    assert (again[-1]["type"], again[-1]["step"]) == ("finished", 4)
+
+
 def test_a_run_from_a_starting_adapter_compares_with_that_adapter(tiny_model_dir, tmp_path):
     """With lora.init_from the reference is the starting adapter, not the bare base: before
     the first update every reward is 0 (loss log 2, margin 0), although the starting adapter

@@ -84,6 +84,24 @@ def _resume_here(run_path):
     return run
 
 
+def test_a_stop_while_the_run_starts_ends_it_before_its_first_step(tiny_model_dir, tmp_path):
+    """Stop pressed while the run is `starting` (its worker still importing) is kept: the
+    run ends `stopped` at step 0 (the worker used to remove the request as it started, and
+    the run trained to its end). The STOP a stopped attempt leaves is removed before a
+    resume's worker starts (test_stop_during_checkpointing_keeps_that_checkpoint resumes one)."""
+    run = api.start(_cfg(tiny_model_dir, tmp_path / "runs"), name="r")
+    try:
+        assert run.status() == "starting"
+        run.stop()
+        assert run.wait(240) == "stopped", read_events(run.dir.events_path)[-3:]
+        events = read_events(run.dir.events_path)
+        assert not any(e["type"] == "step" for e in events) and events[-1]["step"] == 0
+        assert run.process.poll() == 0
+    finally:
+        if run.alive():
+            run.kill()
+
+
 def test_truncated_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, tmp_path, full_losses):
     cfg = _cfg(tiny_model_dir, tmp_path, run={"checkpoint_every": 2, "keep_checkpoints": 3})
     path = tmp_path / "r"

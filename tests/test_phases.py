@@ -128,7 +128,8 @@ def test_fgrpo_evaluates_the_base_after_training_and_stops_between_chunks(tiny_m
     assert max(done) < 8
     assert not [e for e in cut if e["type"] == "eval"]  # stopped: neither evaluation finished
     assert not [e for e in _phases(cut) if e["phase"] == "base_eval"]  # a stop skips it too
-    assert cut[-1]["type"] == "finished" and "success_rate_start" not in cut[-1]["metrics"]
+    # the stop ends the run `stopped`, as one between steps does
+    assert cut[-1]["type"] == "stopped" and "success_rate_start" not in cut[-1]["metrics"]
 
 
 def _slow_set_up(seconds: float):

@@ -73,6 +73,43 @@ def test_a_finished_run_says_whether_its_adapter_beat_the_base(tiny_model_dir, t
     assert resumed["difference"] == pytest.approx(c["difference"], abs=1e-5)
 
 
+# A stop that comes once the last step has begun, by the event it comes after: the last step's,
+# the final evaluation's first batch (of two), the adapter's write.
+LATE_STOPS = {"last step": lambda type, f: type == "step" and f["step"] == 6,
+              "final eval": lambda type, f: type == "phase" and f["phase"] == "final_eval" and f.get("done") == 1,
+              "export": lambda type, f: type == "phase" and f["phase"] == "export"}
+
+
+@pytest.mark.parametrize("when", LATE_STOPS)
+def test_a_stop_after_the_last_step_began_ends_the_run_stopped_and_its_resume_evaluates(tiny_model_dir, tmp_path,
+                                                                                      when):
+    """Stop pressed while the run trains its last step, in its final evaluation or while its
+    adapter is written ends the run `stopped` there, as between steps, with its adapter and
+    the last step's checkpoint (it used to end `finished`, the final evaluation cut short and
+    its figures the previous evaluation's); the resume does the final evaluation and the
+    comparison with the base, and finishes."""
+    from edgetune.engine.methods.sft import sft
+
+    cfg = sft_config(tiny_model_dir, tmp_path, sft={"eval_every": 3})
+    path = tmp_path / "r"
+    events = run_inline(sft.train, cfg, path, stop_when=LATE_STOPS[when])[2]
+    assert (events[-1]["type"], events[-1]["step"]) == ("stopped", 6), events[-1]
+    assert (path / "adapter" / "adapter_config.json").is_file() and RunDir(path).last_checkpoint()[0] == 6
+    final = [e for e in events if e["type"] == "phase" and e["phase"] == "final_eval"]
+    if when == "last step":
+        assert not final  # the evaluation did not begin
+    if when == "final eval":
+        assert final[-1]["done"] == 1 < final[-1]["total"]  # it ended after the batch the stop came in
+    if when != "export":
+        assert not any(e["type"] == "comparison" or e["type"] == "eval" and e["step"] == 6 for e in events)
+
+    again = _run(cfg, path, resume=True)[len(events):]
+    assert not any(e["type"] == "step" for e in again)  # from the step-6 checkpoint: nothing left to train
+    assert [e["step"] for e in again if e["type"] == "eval"] == [6]
+    assert [e["step"] for e in again if e["type"] == "comparison"] == [6]
+    assert (again[-1]["type"], again[-1]["step"]) == ("finished", 6)
+
+
 def test_exported_adapter_gives_the_in_memory_logits(tiny_model_dir, tmp_path):
     from peft import PeftModel
 

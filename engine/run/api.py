@@ -294,6 +294,10 @@ def active_run(runs_dir: str | os.PathLike = "runs") -> Run | None:
 def _spawn(run: RunDir, resume: bool, lock_fd: int, gpus: int = 1) -> subprocess.Popen:
     """gpus > 1: the worker is a launcher that runs torchrun with one rank a GPU (on a
     machine without CUDA, that many CPU processes over gloo: for tests)."""
+    # An earlier attempt's STOP (it stopped, or a Stop came after its end) must not stop this
+    # one; cleared here, before the worker exists, so that a Stop pressed while this attempt
+    # starts is kept: the worker honours it at its first check.
+    run.clear_stop()
     log = open_append(run.log_path)  # never through a symbolic link
     cmd = [sys.executable, "-m", "edgetune.engine.run.worker", str(run.path)] + (["--resume"] if resume else []) + \
         (["--nproc", str(gpus), "--lock-fd", str(lock_fd)] if gpus > 1 else [])

@@ -234,8 +234,7 @@ def run(run_dir: str, resume: bool = False, owns_pid: bool | None = None) -> int
                 raise ConfigError(mismatch)
             last = dist.broadcast_object(last)
             ckpt = dist.share_folder(last[1]) if last else None  # other machines get a copy
-        if main:
-            run.clear_stop()
+        if main:  # (a STOP of an earlier attempt was removed before this worker started: api._spawn)
             unchecked = inputs_unchecked(run) if resume else None
             if unchecked:
                 emit("warning", message=unchecked)

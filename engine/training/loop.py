@@ -335,7 +335,11 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
            stopped: bool, t0: float) -> dict:
     """Write the final adapter, then the terminal event (`stopped` or `finished`). A resumed
     run's metrics keep what its earlier attempts measured (the figures before training, the
-    latest evaluation) where this attempt did not measure them again."""
+    latest evaluation) where this attempt did not measure them again.
+    A stop asked for at any point of this attempt ends it `stopped`, also one that came
+    after the last step (in the final evaluation, which it cut short, the comparison or the
+    adapter's write): whoever pressed Stop is told the run stopped, and its resume does
+    what was left."""
     from edgetune.engine.models import fsdp
     from edgetune.engine.models.export import write_adapter
 
@@ -344,6 +348,8 @@ def finish(ctx: RunContext, model, tokenizer, base_path: str, step: int, metrics
     weights = fsdp.adapter_state(model)  # a sharded base's adapter, gathered whole (every rank)
     if dist.is_main():
         write_adapter(ctx.run.adapter, model, tokenizer, ctx.cfg, base_path, metrics, state_dict=weights)
+    # (the STOP file of an earlier attempt is removed before this one's worker starts: api._spawn)
+    stopped = ctx.should_stop() or stopped  # a collective: every rank calls finish
     fields = dict(step=step, adapter=str(ctx.run.adapter), metrics=metrics, elapsed=round(time.time() - t0, 2))
     ctx.emit("stopped" if stopped else "finished", **fields)
     return metrics

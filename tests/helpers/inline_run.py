@@ -1,7 +1,8 @@
 """Run a method's `train(ctx)` in the test process on a run folder, the way the worker
-does, with an optional stop request once step `stop_after` has been reported; and the
-small SFT config the method tests train the tiny model with; the tiny model with a
-warm-start adapter and an addition task that the ESSA tests start from."""
+does, with an optional stop request once step `stop_after` (or an event `stop_when` picks)
+has been reported; and the small SFT config the method tests train the tiny model with;
+the tiny model with a warm-start adapter and an addition task that the ESSA tests start
+from."""
 
 from edgetune.engine.core import settings
 from edgetune.engine.core.events import EventWriter, read_events
@@ -10,9 +11,10 @@ from edgetune.engine.core.runfolder import RunDir
 from edgetune.engine.training.loop import RunContext
 
 
-def run_inline(train, cfg, path, stop_after=0, resume=False, schedule_steps=None):
+def run_inline(train, cfg, path, stop_after=0, resume=False, schedule_steps=None, stop_when=None):
     """(RunDir, metrics, events). `resume=True` continues from the last checkpoint;
-    `schedule_steps`: the learning-rate schedule's length (RunContext)."""
+    `schedule_steps`: the learning-rate schedule's length (RunContext); `stop_when(type,
+    fields)`: a stop request once it says True of an event just written."""
     run = RunDir(path)
     run.path.mkdir(parents=True, exist_ok=True)
     writer = EventWriter(run.events_path)
@@ -21,7 +23,7 @@ def run_inline(train, cfg, path, stop_after=0, resume=False, schedule_steps=None
 
     def emit(type, **fields):
         ev = writer(type, **fields)
-        if stop_after and type == "step" and fields["step"] == stop_after:
+        if stop_after and type == "step" and fields["step"] == stop_after or stop_when and stop_when(type, fields):
             ctx.stop_flag[0] = True
         return ev
 

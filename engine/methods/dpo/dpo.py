@@ -102,13 +102,15 @@ def train(ctx: RunContext) -> dict:
     picks = sample_prompts([p.chosen for p in data.eval], s.samples) if s.samples else []
     n_eval = -(-len(data.eval) // s.batch_size)
 
-    def held_out(step: int, phase: str | None, sebp) -> None:
+    def held_out(step: int, phase: str | None, sebp) -> bool:
+        """Evaluate on the held-out pairs; False when a stop cut it short (a `phase`'s
+        evaluation checks for one after each batch)."""
         nonlocal ref_logps
         tick = phases.counter(ctx.emit, phase, n_eval, "batches", ctx.should_stop) if phase else None
         with sebp.lifted():  # the model's own forwards
             out = evaluate(model, data.eval, pad_id, device, s, tick, reference, ref_logps, at_reference=step == 0)
             if out is None:  # stopped during the evaluation
-                return
+                return False
             m, ref_logps = out
             # at the start the policy is the reference: every reward is 0, so the reward
             # accuracy and margin are 0 by definition and no figure of the base
@@ -117,6 +119,7 @@ def train(ctx: RunContext) -> dict:
             ctx.emit("eval", step=step, **m)
             if picks and dist.is_main():
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
+        return True
 
     def kept() -> dict:  # what a checkpoint carries beyond the training state
         return {"reference_logps": ref_logps} if ref_logps is not None else {}
@@ -148,11 +151,15 @@ def train(ctx: RunContext) -> dict:
             if every(cfg.run.log_every, step) or step == s.steps:
                 ctx.emit("step", **progress.fields(step), **m, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
                          pairs_per_s=round(sum(len(x) for x in micro) / (time.time() - t_step), 2))
-            final = bool(data.eval and s.eval_every and step == s.steps)
-            if data.eval and every(s.eval_every, step) or final:
-                held_out(step, "final_eval" if final else None, sebp)
+            if data.eval and every(s.eval_every, step) and step < s.steps:
+                held_out(step, None, sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler, **kept())
+        # The final evaluation, once every step is trained. A stop asked for during the last
+        # step or this evaluation ends the run here as `stopped`, as one between steps does:
+        # its resume, with nothing left to train, evaluates then.
+        if not stopped and data.eval and s.eval_every:
+            stopped = ctx.should_stop() or not held_out(step, "final_eval", sebp)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, **kept())
     model.eval()
     phases.emit(ctx.emit, "export")

@@ -147,6 +147,11 @@ def train(ctx: RunContext) -> dict:
             with sebp.lifted(), fused.lifted():  # generation: the model's own forwards (SEBP's patch on top first)
                 emit_samples(ctx, step, *complete_samples(model, tok, picks))
 
+    def eval_loss(step: int, loss: float, sebp) -> None:  # an evaluation during or after training
+        metrics["eval_loss"] = loss
+        ctx.emit("eval", step=step, eval_loss=loss)
+        show_samples(step, sebp)
+
     # the patches come off however the loop ends; SEBP's wraps the fused forwards
     with lora_fused.enabled(model, eff.fused_lora) as fused, sebp_lib.enabled(model, eff.sebp, s.sebp_kernel) as sebp:
         if start_step == 0 and data.eval and s.eval_every:
@@ -186,20 +191,20 @@ def train(ctx: RunContext) -> dict:
             if every(cfg.run.log_every, step) or step == s.steps:
                 ctx.emit("step", **progress.fields(step), loss=metrics["loss"], lr=scheduler.get_last_lr()[0],
                          grad_norm=grad_norm, tokens_per_s=round(tokens / (time.time() - t_step), 1))
-            final = bool(data.eval and s.eval_every and step == s.steps)
-            if data.eval and every(s.eval_every, step) or final:
-                if final:
-                    scored = held_out("final_eval")
-                    loss = None if scored is None else mean_loss(*scored)
-                    end_losses = None if scored is None else scored[0]
-                else:
-                    loss = evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches)
-                if loss is not None:
-                    metrics["eval_loss"] = loss
-                    ctx.emit("eval", step=step, eval_loss=loss)
-                    show_samples(step, sebp)
+            if data.eval and every(s.eval_every, step) and step < s.steps:
+                eval_loss(step, evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches), sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler, **kept())
+        # The final evaluation, once every step is trained. A stop asked for during the last
+        # step or this evaluation ends the run here as `stopped`, as one between steps does:
+        # its resume, with nothing left to train, evaluates then.
+        if not stopped and data.eval and s.eval_every:
+            scored = None if ctx.should_stop() else held_out("final_eval")
+            if scored is None:
+                stopped = True
+            else:
+                end_losses = scored[0]
+                eval_loss(step, mean_loss(*scored), sebp)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, **kept())
     if end_losses is not None and not stopped:  # did it help: the adapter against the base, demonstration by demonstration
         before_after(ctx, model, compared, pad_id, s.batch_size, device, step, end_losses, base_losses)
