@@ -827,7 +827,8 @@ def test_a_runs_figures_stay_across_stop_resume_stop_in_the_runs_table(app_serve
             if attempt == "first":
                 _wait(lambda: _enabled(page)["resume"], 30, "Resume")
                 page.click("#resume-btn")
-                _wait(lambda: _progress(page)["status"] == "running", 120, "the resumed run")
+                _wait(lambda: _progress(page)["status"] == "running", 120, "the resumed run",
+                      seen=lambda: f"status {_progress(page)['status']}; {page.locator('#train-message').inner_text()}")
         _tab(page, "5 · Runs")
         page.click("#refresh-runs-btn")
         _wait(lambda: "stopped" in page.locator("#runs-table").inner_text(), 30, "the stopped run in the table")

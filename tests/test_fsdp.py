@@ -12,7 +12,9 @@ Llama's decoder layers sharded with FSDP2.
 - ESSA with fsdp is refused in one line; the planner divides the base by N.
 """
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,12 +155,18 @@ def test_gradients_and_fgrpo_update_sharded_equal_one_process(tiny_model_dir, tm
             assert torch.equal(back["optimizer"][i][key], v), (i, key)
 
 
-def test_fgrpo_sharded_on_two_ranks_equals_data_parallel(tiny_model_dir, tmp_path):
+def test_fgrpo_sharded_on_two_ranks_equals_data_parallel(tiny_model_dir, tmp_path, monkeypatch):
     """F-GRPO end to end, generation included: the sharded ranks decode in step (the plain
     loop, every rank until all are done) and sample what the data-parallel ranks sample
     (3 prompts: 2 + 1 groups, so different row and micro-batch counts per rank); steps,
-    held-out evaluations and the final adapter equal the data-parallel run's."""
+    held-out evaluations and the final adapter equal the data-parallel run's. (The
+    data-parallel ranks decode on the plain loop too: on the CPU they would take an fp32
+    copy of the base, whose logits differ from the NF4 layers' in the last bits.)"""
     import json
+
+    hooks = Path(__file__).parent / "helpers" / "decode_hooks"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("EDGETUNE_PLAIN_DECODE", "1")
 
     rows = [{"prompt": f"What is {a} plus {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

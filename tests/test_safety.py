@@ -539,3 +539,32 @@ def test_a_long_library_reason_is_cut_after_a_whole_sentence_never_mid_name():
     cut = reason_line("x " * 30 + "Re-running `torch.cuda.graphs.make_graphed_callables` now", 80)
     assert "`" not in cut and cut.endswith(" …") and len(cut) <= 82
     assert reason_line("short\nsecond line") == "short"
+
+
+def test_a_start_waits_for_the_last_workers_exit_instead_of_refusing(tmp_path, tiny_model_dir):
+    """Resume or Start pressed as soon as the page says "stopped": the last run's worker,
+    its final event written, holds the runs folder's lock until its process has exited
+    (the interpreter's exit, a GPU's memory given back). The start waits for that instead of
+    refusing, since no run is active."""
+    import time
+
+    from edgetune.engine.core.runfolder import LOCK_FILE
+    from edgetune.engine.core.settings import resolve
+
+    from edgetune.engine.run import api
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    winding_down = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\ntime.sleep(2)", str(runs / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    assert winding_down.stdout.readline() == "held\n"
+    t0 = time.time()
+    run = api.start(resolve(preset="sft-quickstart", overrides=[f"run.runs_dir={runs}", f"model.name={tiny_model_dir}",
+                                                                "sft.steps=100000", "data.max_rows=16"]))
+    try:
+        assert winding_down.wait(5) == 0 and time.time() - t0 >= 1
+        assert run.status() in api.ACTIVE
+    finally:
+        run.kill()

@@ -374,15 +374,26 @@ class RunsFolderBusy(RunError):
     """Another run holds the runs folder (one run at a time per runs folder)."""
 
 
+# How long a start or resume waits for the runs folder's lock while no run is active: the
+# last run's worker holds it until its process has exited, seconds after its final event
+# (the interpreter's exit, a GPU's memory given back), and Resume is pressed as soon as the
+# page says "stopped".
+WAIT_FOR_ENDED_WORKER_S = 60.0
+
+
 def _locked(runs_dir: Path) -> int:
     """The runs folder's lock (one active run per runs folder), or a one-line refusal."""
+    deadline = time.time() + WAIT_FOR_ENDED_WORKER_S
     fd = lock_runs_folder(runs_dir)
-    if fd is None:
+    while fd is None:
         busy = active_run(runs_dir)
         grading = None if busy else active_eval(runs_dir)
-        who = (f"run '{busy.name}' is still training" if busy else f"the evaluation {grading.name} is running"
-               if grading else "another run is starting")
-        raise RunsFolderBusy(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
+        if busy or grading or time.time() > deadline:
+            who = (f"run '{busy.name}' is still training" if busy else f"the evaluation {grading.name} is running"
+                   if grading else "another run is starting")
+            raise RunsFolderBusy(f"{who} in {runs_dir} (one run at a time per runs folder): stop it first")
+        time.sleep(0.2)
+        fd = lock_runs_folder(runs_dir)
     return fd
 
 

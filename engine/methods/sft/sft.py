@@ -132,7 +132,6 @@ def train(ctx: RunContext) -> dict:
     n_eval = eval_batches(len(data.eval), s.batch_size, s.eval_batches)
     compared = data.eval[: n_eval * s.batch_size]  # the held-out demonstrations each evaluation scores
     fresh = not cfg.lora.init_from  # the adapter starts at zero: the model at step 0 is the base
-
     picks = sample_prompts(data.eval, s.samples) if s.samples else []
 
     def held_out(phase: str) -> tuple[list[float], list[int]] | None:
@@ -195,14 +194,12 @@ def train(ctx: RunContext) -> dict:
                 eval_loss(step, evaluate(model, data.eval, pad_id, s.batch_size, device, s.eval_batches), sebp)
             if every(cfg.run.checkpoint_every, step) and step < s.steps:
                 save_checkpoint(ctx, step, model, optimizer, scheduler, **kept())
-        # The final evaluation, once every step is trained. A stop asked for during the last
-        # step or this evaluation ends the run here as `stopped`, as one between steps does:
-        # its resume, with nothing left to train, evaluates then.
+        # the final evaluation, once every step is trained: a stop in the last step or in it ends
+        # the run `stopped`, as one between steps does (its resume evaluates then)
         if not stopped and data.eval and s.eval_every:
             scored = None if ctx.should_stop() else held_out("final_eval")
-            if scored is None:
-                stopped = True
-            else:
+            stopped = scored is None
+            if not stopped:
                 end_losses = scored[0]
                 eval_loss(step, mean_loss(*scored), sebp)
         save_last_checkpoint(ctx, stopped, start_step, step, model, optimizer, scheduler, **kept())
