@@ -242,9 +242,13 @@ def generate_trajectory(model, tok, rows: list[dict], reward: Reward, s: FGRPOSe
     scores (a few numbers per completion): the advantages are computed over all of them,
     then each rank takes its rows."""
     G, t = s.num_generations, time.time()
+    # On the CPU the sampling log-probs come from the layers the update computes with: the
+    # fp32 copy's differ from bitsandbytes' bf16-rounded NF4 outputs, and the policy ratio
+    # would carry that difference.
+    cuda = next(model.parameters()).device.type == "cuda"
     roll = generate(model, tok, [r["prompt"] for r in rows], num_generations=G, max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature, top_p=s.top_p, seed=seed, system_prompt=system_prompt,
-                    memory_budget=memory_budget, nf4_kernel=nf4_kernel)
+                    memory_budget=memory_budget, nf4_kernel=nf4_kernel, fast=None if cuda else False)
     gen_s = time.time() - t
     sc = reward.score(roll.texts, [rows[i] for i in roll.prompt_index], roll.truncated, threshold=s.success_threshold)
     parts = dist.all_gather_object((sc.rewards, sc.success, roll.truncated, sc.errors))
